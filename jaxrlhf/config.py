@@ -1,0 +1,493 @@
+"""Frozen, typed configuration for every part of a run, and dotted-name overrides.
+
+An experiment (``experiments/NAME.py``) builds one :class:`ExperimentConfig`; the command line
+changes fields with ``--set=section.field=value``.  Types drive parsing, and ``Literal`` types
+list the valid choices, so a typo fails with a one-line message naming what would work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from typing import Literal, Optional
+
+
+class ConfigError(ValueError):
+  """A user-facing configuration error: the message names the field and the fix."""
+
+
+# ----------------------------------------------------------------------------------- model
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU)."""
+
+  vocab_size: int = 512
+  d_model: int = 128
+  n_layers: int = 2
+  n_heads: int = 4
+  n_kv_heads: int = 4
+  head_dim: int = 32
+  mlp_dim: int = 512
+  max_seq_len: int = 256
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  # Qwen2-style biases on the q/k/v projections.
+  qkv_bias: bool = False
+  param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+  compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+  # What the backward pass keeps: "none" keeps everything, "full" recomputes each layer,
+  # "dots" keeps matmul outputs only, "dots_no_batch" keeps weight-only matmuls.
+  remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+  scan_layers: bool = True
+  init_std: float = 0.02
+  # Load weights from a local Hugging Face model directory (issue: HF interop).
+  hf_path: str = ""
+
+  @property
+  def group_size(self) -> int:
+    return self.n_heads // self.n_kv_heads
+
+  def num_params(self, head: str = "lm") -> int:
+    d, f, v, l = self.d_model, self.mlp_dim, self.vocab_size, self.n_layers
+    attn = d * self.head_dim * (self.n_heads * 2 + self.n_kv_heads * 2)
+    if self.qkv_bias:
+      attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
+    per_layer = attn + 3 * d * f + 2 * d
+    total = v * d + l * per_layer + d
+    if head == "lm" and not self.tie_embeddings:
+      total += d * v
+    if head == "scalar":
+      total += d + 1
+    return total
+
+
+# ------------------------------------------------------------------------------------ mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh ``dp x fsdp x tp``; -1 on one axis means "all remaining devices"."""
+
+  dp: int = -1
+  fsdp: int = 1
+  tp: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """Multi-process (multi-host) start-up; used only when asked for (see BUILD.md)."""
+
+  enabled: bool = False
+  coordinator_address: str = ""
+  num_processes: int = 0
+  process_id: int = -1
+  # CPU collectives for multi-process CPU runs (tests, laptops): "gloo" or "none".
+  cpu_collectives: Literal["gloo", "none"] = "gloo"
+
+
+# --------------------------------------------------------------------------------- rollout
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """Generation: sampling settings and lengths."""
+
+  max_new_tokens: int = 16
+  temperature: float = 1.0
+  top_k: int = 0  # 0: off
+  top_p: float = 1.0  # 1.0: off
+  # Extra token ids that end a sequence besides the tokenizer's EOS.
+  stop_token_ids: tuple[int, ...] = ()
+
+
+# ------------------------------------------------------------------------------ optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """optax AdamW with warm-up + decay, global-norm clipping, gradient accumulation."""
+
+  lr: float = 1e-3
+  schedule: Literal["constant", "cosine", "linear"] = "cosine"
+  warmup_steps: int = 10
+  # Final learning rate as a fraction of ``lr`` for decaying schedules.
+  end_lr_ratio: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0  # 0: off
+  grad_accum: int = 1
+  # A step whose loss or gradients are not finite is skipped; this many in a row stop the run.
+  max_consecutive_skips: int = 5
+
+
+# ------------------------------------------------------------------------------ algorithms
+
+
+@dataclasses.dataclass(frozen=True)
+class KLConfig:
+  """KL to the frozen reference.  ``logr = logp_ref - logp`` per token."""
+
+  coef: float = 0.05
+  estimator: Literal["k1", "k2", "k3"] = "k1"
+  # "reward": -coef * kl per token in the reward (PPO).  "loss": coef * mean kl in the loss (GRPO).
+  placement: Literal["reward", "loss"] = "reward"
+  adaptive: bool = False
+  target: float = 6.0
+  horizon: int = 10000
+  # logr is clamped to [-clamp_logr, clamp_logr] before the estimator; the estimate to
+  # [-clamp_kl, clamp_kl] after it.
+  clamp_logr: float = 20.0
+  clamp_kl: float = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+  """Where rewards come from and how they are normalised."""
+
+  # Weighted sources: "model" (the learned reward model), "rule:NAME" (a jittable rule from
+  # jaxrlhf.rewards), "host:NAME" (a host Python function).  Weights align with sources.
+  sources: tuple[str, ...] = ("model",)
+  weights: tuple[float, ...] = (1.0,)
+  normalize: Literal["none", "batch", "running"] = "none"
+  clip: float = 0.0  # 0: off; else rewards are clipped to [-clip, clip] after normalisation
+  # Sequences without EOS within max_new_tokens: "none", "penalty" (add missing_eos_penalty),
+  # or "mask" (drop from the update).
+  missing_eos: Literal["none", "penalty", "mask"] = "none"
+  missing_eos_penalty: float = -1.0
+  # Reward-hacking guard: a smaller scalar-head classifier.
+  guard: bool = False
+  guard_threshold: float = 0.5
+  guard_action: Literal["penalty", "mask"] = "penalty"
+  guard_penalty: float = -1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  steps: int = 300
+  batch_size: int = 64
+  response_only: bool = True
+  optim: OptimizerConfig = OptimizerConfig(lr=3e-3)
+  eval_every: int = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class RMConfig:
+  steps: int = 200
+  batch_size: int = 64
+  optim: OptimizerConfig = OptimizerConfig(lr=1e-3)
+  eval_every: int = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig:
+  steps: int = 100
+  batch_size: int = 32  # prompts per step
+  num_samples: int = 1  # responses per prompt
+  ppo_epochs: int = 1
+  num_minibatches: int = 1
+  clip_low: float = 0.2
+  clip_high: float = 0.2
+  dual_clip: float = 0.0  # 0: off; else c > 1 bounds the loss for negative advantages
+  value_clip: float = 0.2
+  vf_coef: float = 0.5
+  entropy_coef: float = 0.0
+  gamma: float = 1.0
+  lam: float = 0.95
+  whiten_advantages: bool = True
+  loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+  shared_backbone: bool = False
+  kl: KLConfig = KLConfig()
+  reward: RewardConfig = RewardConfig()
+  optim: OptimizerConfig = OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant")
+  value_optim: OptimizerConfig = OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant")
+  eval_every: int = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+  steps: int = 100
+  batch_size: int = 16  # prompts per step
+  num_samples: int = 8  # group size
+  ppo_epochs: int = 1
+  num_minibatches: int = 1
+  clip_low: float = 0.2
+  clip_high: float = 0.2
+  dual_clip: float = 0.0
+  entropy_coef: float = 0.0
+  advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp"] = "grpo"
+  std_eps: float = 1e-6
+  loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+  kl: KLConfig = KLConfig(coef=0.04, estimator="k3", placement="loss")
+  reward: RewardConfig = RewardConfig(sources=("rule:exact_match",))
+  optim: OptimizerConfig = OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant")
+  eval_every: int = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig:
+  steps: int = 100
+  batch_size: int = 32  # pairs per step
+  beta: float = 0.1
+  loss: Literal["sigmoid", "ipo", "cdpo"] = "sigmoid"
+  label_smoothing: float = 0.0  # cDPO
+  # Reference log-probs: "step" computes them inside every step; "cache" precomputes once.
+  reference: Literal["step", "cache"] = "step"
+  optim: OptimizerConfig = OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant")
+  eval_every: int = 20
+
+
+# ------------------------------------------------------------------------------------ data
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  # A built-in synthetic task ("addition") or "jsonl" for the user's files below.
+  task: str = "addition"
+  digits: int = 2
+  seed: int = 0
+  eval_size: int = 256
+  # "char" (built-in tokenizer for synthetic tasks) or a local transformers tokenizer directory.
+  tokenizer: str = "char"
+  prompts_path: str = ""  # JSONL {"prompt", optional "answer"}
+  sft_path: str = ""  # JSONL {"prompt", "response"}
+  pairs_path: str = ""  # JSONL {"prompt", "chosen", "rejected"}
+  eval_path: str = ""
+  max_prompt_len: int = 16
+  max_response_len: int = 16
+  # Over-long prompts: "error" stops with file:line, "truncate" keeps the last tokens,
+  # "skip" drops the example; truncations and skips are counted in metrics.
+  overlong: Literal["error", "truncate", "skip"] = "error"
+
+
+# ---------------------------------------------------------------------- outputs and kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  enabled: bool = True
+  every_steps: int = 50
+  every_seconds: float = 0.0  # 0: off
+  keep: int = 2
+  best_metric: str = ""  # e.g. "eval/accuracy"; empty: no best-checkpoint tracking
+  best_mode: Literal["max", "min"] = "max"
+  async_save: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+  every_steps: int = 1
+  console: bool = True
+  tensorboard: bool = True
+  # Run the step as separately-timed phases (generation, scoring, update) to see where the
+  # time goes; the default one-program step reports total time only.
+  phase_timing: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelsConfig:
+  """Which implementation each hot op uses: "auto" picks by backend."""
+
+  logprob: Literal["auto", "xla", "pallas", "naive"] = "auto"
+  attention: Literal["auto", "xla", "pallas", "cudnn"] = "auto"
+  logprob_block_v: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+  """Settings for ``--plan``: the cluster a run is sized for."""
+
+  accelerator: str = "h100"
+  devices: int = 8
+  runs_per_month: float = 1.0
+
+
+# ------------------------------------------------------------------------------ experiment
+
+
+Stage = Literal["sft", "rm", "ppo", "grpo", "dpo"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  name: str = "unnamed"
+  description: str = ""
+  seed: int = 0
+  # The stages run in order; each later stage starts from the earlier stages' results.
+  stages: tuple[str, ...] = ("sft",)
+  model: ModelConfig = ModelConfig()
+  # Reward / value / guard models; None means "same shape as model".
+  reward_model: Optional[ModelConfig] = None
+  value_model: Optional[ModelConfig] = None
+  guard_model: Optional[ModelConfig] = None
+  mesh: MeshConfig = MeshConfig()
+  distributed: DistributedConfig = DistributedConfig()
+  rollout: RolloutConfig = RolloutConfig()
+  sft: SFTConfig = SFTConfig()
+  rm: RMConfig = RMConfig()
+  ppo: PPOConfig = PPOConfig()
+  grpo: GRPOConfig = GRPOConfig()
+  dpo: DPOConfig = DPOConfig()
+  data: DataConfig = DataConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  logging: LoggingConfig = LoggingConfig()
+  kernels: KernelsConfig = KernelsConfig()
+  plan: PlanConfig = PlanConfig()
+
+  def role_model(self, role: str) -> ModelConfig:
+    """The model config of a role: policy, reference, reward, value or guard."""
+    if role in ("policy", "reference"):
+      return self.model
+    other = {"reward": self.reward_model, "value": self.value_model,
+             "guard": self.guard_model}.get(role, "missing")
+    if other == "missing":
+      raise ConfigError(f"unknown role {role!r}; valid: policy, reference, reward, value, guard")
+    return other if other is not None else self.model
+
+
+# ------------------------------------------------------------------------------- overrides
+
+
+def _type_name(tp) -> str:
+  origin = typing.get_origin(tp)
+  if origin is Literal:
+    return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+  if origin is tuple:
+    return "comma-separated " + _type_name(typing.get_args(tp)[0]) + "s"
+  return getattr(tp, "__name__", str(tp))
+
+
+def _parse_value(text: str, tp, where: str):
+  """Parses ``text`` as type ``tp``; raises ConfigError naming ``where`` on failure."""
+  origin = typing.get_origin(tp)
+  args = typing.get_args(tp)
+  if origin is typing.Union:  # Optional[X]
+    if text.strip().lower() in ("none", "null", ""):
+      return None
+    inner = [a for a in args if a is not type(None)][0]
+    return _parse_value(text, inner, where)
+  if origin is Literal:
+    for choice in args:
+      if str(choice) == text:
+        return choice
+    raise ConfigError(f"{where}: {text!r} is not valid; choose {_type_name(tp)}")
+  if origin is tuple:
+    item = args[0]
+    parts = [p for p in text.split(",") if p.strip() != ""]
+    return tuple(_parse_value(p.strip(), item, where) for p in parts)
+  if tp is bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+      return True
+    if low in ("0", "false", "no", "off"):
+      return False
+    raise ConfigError(f"{where}: {text!r} is not a bool; use true or false")
+  if tp is int:
+    try:
+      return int(text)
+    except ValueError:
+      try:
+        as_float = float(text)
+      except ValueError:
+        as_float = None
+      if as_float is not None and as_float.is_integer():
+        return int(as_float)
+      raise ConfigError(f"{where}: {text!r} is not an int") from None
+  if tp is float:
+    try:
+      return float(text)
+    except ValueError:
+      raise ConfigError(f"{where}: {text!r} is not a float") from None
+  if tp is str:
+    return text
+  raise ConfigError(f"{where}: fields of type {tp} cannot be set from the command line")
+
+
+def _hints(cls):
+  return typing.get_type_hints(cls)
+
+
+def _dataclass_of(tp):
+  """The dataclass inside ``tp`` (unwrapping Optional), or None."""
+  if typing.get_origin(tp) is typing.Union:
+    inner = [a for a in typing.get_args(tp) if a is not type(None)]
+    tp = inner[0] if len(inner) == 1 else None
+  return tp if dataclasses.is_dataclass(tp) else None
+
+
+def set_field(cfg, dotted: str, text: str, _prefix: str = ""):
+  """Returns a copy of ``cfg`` with the field at ``dotted`` parsed from ``text``."""
+  head, _, rest = dotted.partition(".")
+  hints = _hints(type(cfg))
+  where = _prefix + head
+  if head not in hints:
+    valid = ", ".join(f.name for f in dataclasses.fields(cfg))
+    raise ConfigError(f"unknown config field {where!r}; valid fields here: {valid}")
+  tp = hints[head]
+  if rest:
+    sub_cls = _dataclass_of(tp)
+    if sub_cls is None:
+      raise ConfigError(f"{where!r} is a {_type_name(tp)}, not a section; "
+                        f"use --set={where}=VALUE")
+    current = getattr(cfg, head)
+    if current is None:
+      # An unset optional model section starts from the main model's shape.
+      current = cfg.model if sub_cls is ModelConfig and hasattr(cfg, "model") else sub_cls()
+    new_sub = set_field(current, rest, text, where + ".")
+    return dataclasses.replace(cfg, **{head: new_sub})
+  if _dataclass_of(tp) is not None:
+    raise ConfigError(f"{where!r} is a section; set one of its fields, e.g. "
+                      f"--set={where}.{dataclasses.fields(_dataclass_of(tp))[0].name}=VALUE")
+  return dataclasses.replace(cfg, **{head: _parse_value(text, tp, where)})
+
+
+def apply_overrides(cfg, overrides) -> ExperimentConfig:
+  """Applies ``["a.b=1", ...]`` overrides in order."""
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"--set={item!r} needs the form FIELD=VALUE, e.g. --set=ppo.kl.coef=0.05")
+    key, _, value = item.partition("=")
+    cfg = set_field(cfg, key.strip(), value.strip())
+  return cfg
+
+
+def to_dict(cfg) -> dict:
+  return dataclasses.asdict(cfg)
+
+
+def to_json(cfg) -> str:
+  return json.dumps(to_dict(cfg), indent=2, sort_keys=True)
+
+
+def from_dict(cls, data: dict):
+  """Inverse of :func:`to_dict` (used to read a saved config back)."""
+  hints = _hints(cls)
+  kwargs = {}
+  for f in dataclasses.fields(cls):
+    if f.name not in data:
+      continue
+    value = data[f.name]
+    sub = _dataclass_of(hints[f.name])
+    if sub is not None and value is not None:
+      value = from_dict(sub, value)
+    elif typing.get_origin(hints[f.name]) is tuple and value is not None:
+      value = tuple(value)
+    kwargs[f.name] = value
+  return cls(**kwargs)
+
+
+def diff(a, b, prefix: str = "") -> list[tuple[str, object, object]]:
+  """Fields that differ between two configs of the same class, as (dotted, a, b)."""
+  out = []
+  for f in dataclasses.fields(a):
+    va, vb = getattr(a, f.name), getattr(b, f.name)
+    if dataclasses.is_dataclass(va) and dataclasses.is_dataclass(vb):
+      out.extend(diff(va, vb, prefix + f.name + "."))
+    elif va != vb:
+      out.append((prefix + f.name, va, vb))
+  return out

@@ -1,0 +1,122 @@
+"""Entry point: ``python -m jaxrlhf.main --experiment=NAME [--set=a.b=v ...]``.
+
+Flags -> experiment config -> train (default), or ``--plan`` (size the run for a cluster).
+Configuration mistakes print one line naming the valid choices and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+from absl import app, flags
+
+from jaxrlhf import registry
+from jaxrlhf.config import ConfigError, ExperimentConfig, apply_overrides, to_json
+
+DEFAULT_EXPERIMENT = "tiny_ppo"
+
+_EXPERIMENT = flags.DEFINE_string(
+    "experiment", DEFAULT_EXPERIMENT,
+    "Experiment to run (experiments/NAME.py). One of: " + ", ".join(registry.names()))
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: runs/EXPERIMENT).")
+_STEPS = flags.DEFINE_integer("steps", None, "Cap the steps of every stage (smoke runs).")
+_SET = flags.DEFINE_multi_string(
+    "set", [], "Override a config field by dotted name, e.g. --set=ppo.kl.coef=0.05 "
+    "(repeatable). See --print_config for every field.")
+_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print the resolved config and exit.")
+_LIST = flags.DEFINE_bool("list", False, "List the experiments and exit.")
+_RESUME = flags.DEFINE_string("resume", "latest", "none | latest | STEP: where to resume from.")
+_PLAN = flags.DEFINE_bool("plan", False, "Compile the experiment's programs for a cluster and "
+                          "report memory, FLOPs, time and cost; allocates nothing.")
+_PLAN_SEARCH = flags.DEFINE_bool("plan_search", False,
+                                 "Find the smallest device count and mesh on which it fits.")
+_DEVICES = flags.DEFINE_integer("devices", None, "Device count to plan for (--plan).")
+_ACCELERATOR = flags.DEFINE_string("accelerator", None,
+                                   "Accelerator to plan for: h100, h200, b200, tpu-v5p.")
+_MESH = flags.DEFINE_string("mesh", None, "Mesh override, e.g. dp=2,fsdp=4,tp=8.")
+_PROFILE = flags.DEFINE_string("profile_steps", None,
+                               "A:B captures a jax.profiler trace of steps A..B into WORKDIR.")
+_COORD = flags.DEFINE_string("coordinator_address", None,
+                             "Multi-process: host:port of process 0 (enables jax.distributed).")
+_NPROC = flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes.")
+_PID = flags.DEFINE_integer("process_id", None, "Multi-process: this process's id.")
+
+
+def resolve_config(experiment: str, overrides, steps=None, mesh=None, devices=None,
+                   accelerator=None, coordinator=None, num_processes=None,
+                   process_id=None) -> ExperimentConfig:
+  """The experiment's config with the command line applied; raises ConfigError."""
+  cfg = registry.get(experiment or DEFAULT_EXPERIMENT)
+  extra = []
+  if mesh:
+    for part in mesh.split(","):
+      if "=" not in part:
+        raise ConfigError(f"--mesh={mesh!r}: use AXIS=SIZE pairs, e.g. --mesh=dp=2,fsdp=4,tp=8")
+      extra.append("mesh." + part.strip())
+  if devices is not None:
+    extra.append(f"plan.devices={devices}")
+  if accelerator:
+    extra.append(f"plan.accelerator={accelerator}")
+  if coordinator:
+    extra += ["distributed.enabled=true", f"distributed.coordinator_address={coordinator}"]
+  if num_processes is not None:
+    extra.append(f"distributed.num_processes={num_processes}")
+  if process_id is not None:
+    extra.append(f"distributed.process_id={process_id}")
+  cfg = apply_overrides(cfg, list(overrides) + extra)
+  if steps is not None:
+    if steps <= 0:
+      raise ConfigError(f"--steps={steps}: must be positive")
+    for stage in ("sft", "rm", "ppo", "grpo", "dpo"):
+      sub = getattr(cfg, stage)
+      cfg = dataclasses.replace(cfg, **{stage: dataclasses.replace(sub, steps=min(sub.steps, steps))})
+  return cfg
+
+
+def _run(argv) -> int:
+  if len(argv) > 1:
+    raise ConfigError(f"unexpected arguments {argv[1:]}; flags look like --experiment=NAME")
+  if _LIST.value:
+    for name in registry.names():
+      print(f"{name:12s} {registry.get(name).description}")
+    return 0
+  cfg = resolve_config(_EXPERIMENT.value, _SET.value, _STEPS.value, _MESH.value, _DEVICES.value,
+                       _ACCELERATOR.value, _COORD.value, _NPROC.value, _PID.value)
+  if _PRINT_CONFIG.value:
+    print(to_json(cfg))
+    return 0
+  workdir = _WORKDIR.value or os.path.join("runs", cfg.name)
+
+  if _PLAN.value or _PLAN_SEARCH.value:
+    from jaxrlhf import plan  # lazy: planning sets up simulated devices before jax starts
+    return plan.main(cfg, workdir, search=_PLAN_SEARCH.value)
+
+  from jaxrlhf import distributed
+  if distributed.wanted(cfg.distributed):
+    distributed.initialize(cfg.distributed)
+  from jaxrlhf.train import pipeline
+  return pipeline.run(cfg, workdir, resume=_RESUME.value, profile_steps=_PROFILE.value)
+
+
+def main(argv) -> None:
+  try:
+    code = _run(argv)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  sys.exit(code or 0)
+
+
+def entry():
+  if any(a in ("--help", "-h", "--helpshort") for a in sys.argv[1:]):
+    # absl's own --help exits with status 1; asking for help is not an error.
+    print(__doc__)
+    print(flags.FLAGS.main_module_help())
+    sys.exit(0)
+  app.run(main)
+
+
+if __name__ == "__main__":
+  entry()

@@ -1,0 +1,12 @@
+"""Models: the Llama-family transformer (pure functions) and sharded initialisation."""
+
+from jaxrlhf.model.transformer import (KVCache, forward, init_cache, init_params, last_valid_index,
+                                       lm_logits, param_axes, param_shapes,
+                                       positions_from_mask, scalar_head, unembedding)
+from jaxrlhf.model.sharded import abstract_params, init_sharded, param_shardings
+
+__all__ = [
+    "KVCache", "forward", "init_cache", "init_params", "last_valid_index", "lm_logits",
+    "param_axes", "param_shapes", "positions_from_mask", "scalar_head", "unembedding",
+    "abstract_params", "init_sharded", "param_shardings",
+]

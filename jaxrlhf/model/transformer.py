@@ -1,0 +1,262 @@
+"""A Llama-family decoder as pure functions over a parameter pytree.
+
+Parameters are a dict of arrays; :func:`param_axes` gives the parallel tree of logical axes
+(see :mod:`jaxrlhf.mesh`).  Layers are stacked on a leading ``layers`` axis and scanned.
+Two heads share the backbone: ``"lm"`` (unembedding to the vocabulary: policy, reference) and
+``"scalar"`` (one score per token: reward, value, guard).
+
+Attention is causal by *slot* (position in the padded array or KV cache) and masked by
+validity, so left-padded prompts work; rotary positions are passed explicitly.  With a
+:class:`KVCache`, :func:`forward` writes the new keys/values at ``cache.index`` and attends
+over the whole cache.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf.config import ModelConfig
+from jaxrlhf.mesh import constrain
+from kernels.attention import attention
+
+HEADS = ("lm", "scalar")
+
+
+def _dtype(name: str):
+  return jnp.dtype(name)
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+def param_axes(cfg: ModelConfig, head: str = "lm") -> dict:
+  """The logical axes of every parameter, as a tree parallel to :func:`init_params`."""
+  _check_head(head)
+  layers = {
+      "attn_norm": ("layers", "embed"),
+      "wq": ("layers", "embed", "heads", "head_dim"),
+      "wk": ("layers", "embed", "kv_heads", "head_dim"),
+      "wv": ("layers", "embed", "kv_heads", "head_dim"),
+      "wo": ("layers", "heads", "head_dim", "embed"),
+      "mlp_norm": ("layers", "embed"),
+      "w_gate": ("layers", "embed", "mlp"),
+      "w_up": ("layers", "embed", "mlp"),
+      "w_down": ("layers", "mlp", "embed"),
+  }
+  if cfg.qkv_bias:
+    layers.update(bq=("layers", "heads", "head_dim"), bk=("layers", "kv_heads", "head_dim"),
+                  bv=("layers", "kv_heads", "head_dim"))
+  axes = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("embed",)}
+  if head == "lm" and not cfg.tie_embeddings:
+    axes["unembed"] = ("embed", "vocab")
+  if head == "scalar":
+    axes["score"] = {"w": ("embed",), "b": ()}
+  return axes
+
+
+def _check_head(head: str):
+  if head not in HEADS:
+    raise ValueError(f"unknown head {head!r}; valid: {HEADS}")
+
+
+def param_shapes(cfg: ModelConfig, head: str = "lm") -> dict:
+  """Shapes of every parameter, parallel to :func:`param_axes`."""
+  sizes = {"layers": cfg.n_layers, "embed": cfg.d_model, "heads": cfg.n_heads,
+           "kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "mlp": cfg.mlp_dim,
+           "vocab": cfg.vocab_size}
+  return jax.tree.map(lambda axes: tuple(sizes[a] for a in axes), param_axes(cfg, head),
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, head: str = "lm") -> dict:
+  """Random init: N(0, init_std) matrices, unit norms, zero biases."""
+  _check_head(head)
+  if cfg.n_heads % cfg.n_kv_heads:
+    raise ValueError(f"n_heads={cfg.n_heads} must be a multiple of n_kv_heads={cfg.n_kv_heads}")
+  shapes = param_shapes(cfg, head)
+  dtype = _dtype(cfg.param_dtype)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(
+      shapes, is_leaf=lambda x: isinstance(x, tuple))
+  leaves = []
+  for i, (path, shape) in enumerate(flat):
+    leaf_name = path[-1].key
+    if "norm" in leaf_name:
+      leaves.append(jnp.ones(shape, dtype))
+    elif leaf_name in ("b", "bq", "bk", "bv"):
+      leaves.append(jnp.zeros(shape, dtype))
+    else:
+      k = jax.random.fold_in(key, i)
+      leaves.append((cfg.init_std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+# ------------------------------------------------------------------------------ KV cache
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Per-layer keys/values ``[L, B, S, K, Dh]``, which slots hold real tokens ``[B, S]``,
+  and the next slot to write (a scalar shared by the batch)."""
+
+  k: jax.Array
+  v: jax.Array
+  mask: jax.Array
+  index: jax.Array
+
+  @staticmethod
+  def axes() -> "KVCache":
+    kv = ("layers", "batch", "seq", "kv_heads", "head_dim")
+    return KVCache(k=kv, v=kv, mask=("batch", "seq"), index=())
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
+  shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+  dtype = _dtype(cfg.compute_dtype)
+  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                 mask=jnp.zeros((batch, max_len), bool), index=jnp.zeros((), jnp.int32))
+
+
+# ------------------------------------------------------------------------------- forward
+
+
+def rms_norm(x, w, eps):
+  xf = x.astype(jnp.float32)
+  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x_BTHD, positions_BT, theta: float):
+  """Rotary embedding, half-split convention (as Hugging Face Llama)."""
+  d = x_BTHD.shape[-1]
+  inv_freq = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+  ang = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B,T,D/2]
+  cos = jnp.cos(ang)[:, :, None, :]
+  sin = jnp.sin(ang)[:, :, None, :]
+  x = x_BTHD.astype(jnp.float32)
+  x1, x2 = x[..., : d // 2], x[..., d // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BTHD.dtype)
+
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, positions_BT, kv_mask, q_offset,
+           cache_kv):
+  """One decoder layer.  ``cache_kv`` is (k, v) of this layer's cache or None."""
+  cdt = _dtype(cfg.compute_dtype)
+  lp = jax.tree.map(lambda p: p.astype(cdt), lp)
+  x = rms_norm(h_BTD, lp["attn_norm"], cfg.norm_eps)
+  q = jnp.einsum("btd,dhk->bthk", x, lp["wq"])
+  k = jnp.einsum("btd,dhk->bthk", x, lp["wk"])
+  v = jnp.einsum("btd,dhk->bthk", x, lp["wv"])
+  if cfg.qkv_bias:
+    q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+  q = constrain(rope(q, positions_BT, cfg.rope_theta), ("batch", "seq", "heads", "head_dim"))
+  k = constrain(rope(k, positions_BT, cfg.rope_theta), ("batch", "seq", "kv_heads", "head_dim"))
+  v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+  if cache_kv is not None:
+    ck, cv = cache_kv
+    ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), q_offset, axis=1)
+    cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), q_offset, axis=1)
+    k_all, v_all, new_kv = ck, cv, (ck, cv)
+  else:
+    k_all, v_all, new_kv = k, v, None
+  o = attention(q, k_all, v_all, kv_mask, q_offset, impl=attn_impl)
+  h_BTD = h_BTD + constrain(jnp.einsum("bthk,hkd->btd", o, lp["wo"]), ("batch", "seq", "embed"))
+  x = rms_norm(h_BTD, lp["mlp_norm"], cfg.norm_eps)
+  gate = jnp.einsum("btd,df->btf", x, lp["w_gate"])
+  up = jnp.einsum("btd,df->btf", x, lp["w_up"])
+  act = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+  h_BTD = h_BTD + jnp.einsum("btf,fd->btd", act, lp["w_down"])
+  return constrain(h_BTD, ("batch", "seq", "embed")), new_kv
+
+
+def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT: jax.Array, *,
+            cfg: ModelConfig, cache: Optional[KVCache] = None, attn_impl: str = "auto"):
+  """Final hidden states ``[B, T, D]`` (after the final norm) and the updated cache.
+
+  tokens_BT, positions_BT: token ids and rotary positions; mask_BT: which tokens are real.
+  Without a cache the T tokens attend causally among themselves; with one, they are written at
+  slots ``cache.index .. +T`` and attend to every valid earlier slot.
+  """
+  cdt = _dtype(cfg.compute_dtype)
+  h = jnp.take(params["embed"], tokens_BT, axis=0).astype(cdt)
+  h = constrain(h, ("batch", "seq", "embed"))
+  if cache is None:
+    q_offset, kv_mask = 0, mask_BT.astype(bool)
+  else:
+    q_offset = cache.index
+    kv_mask = jax.lax.dynamic_update_slice_in_dim(cache.mask, mask_BT.astype(bool), q_offset, 1)
+
+  layer = functools.partial(_layer, cfg, attn_impl)
+  if cfg.remat != "none":
+    layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], static_argnums=())
+
+  def step(h, xs):
+    lp, ckv = xs
+    h, new_kv = layer(h, lp, positions_BT, kv_mask, q_offset, ckv)
+    return h, new_kv
+
+  cache_xs = None if cache is None else (cache.k, cache.v)
+  if cfg.scan_layers:
+    h, new_kv = jax.lax.scan(step, h, (params["layers"], cache_xs))
+  else:
+    outs = []
+    for i in range(cfg.n_layers):
+      lp = jax.tree.map(lambda p: p[i], params["layers"])
+      ckv = None if cache is None else (cache.k[i], cache.v[i])
+      h, kv = step(h, (lp, ckv))
+      outs.append(kv)
+    new_kv = None if cache is None else (jnp.stack([o[0] for o in outs]),
+                                         jnp.stack([o[1] for o in outs]))
+  h = rms_norm(h, params["final_norm"].astype(cdt), cfg.norm_eps)
+  new_cache = None
+  if cache is not None:
+    new_cache = KVCache(k=new_kv[0], v=new_kv[1], mask=kv_mask,
+                        index=cache.index + tokens_BT.shape[1])
+  return h, new_cache
+
+
+# --------------------------------------------------------------------------------- heads
+
+
+def unembedding(params: dict, cfg: ModelConfig) -> jax.Array:
+  """The ``[D, V]`` output matrix of the LM head (the embedding, transposed, when tied)."""
+  w = params["embed"].T if cfg.tie_embeddings else params["unembed"]
+  return w.astype(_dtype(cfg.compute_dtype))
+
+
+def lm_logits(params: dict, h_BTD: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Full logits in float32.  Only for a few positions (sampling); training code uses the
+  blockwise log-prob op instead."""
+  return jnp.einsum("btd,dv->btv", h_BTD, unembedding(params, cfg),
+                    preferred_element_type=jnp.float32)
+
+
+def scalar_head(params: dict, h_BTD: jax.Array) -> jax.Array:
+  """One float32 score per token ``[B, T]``."""
+  w = params["score"]["w"].astype(jnp.float32)
+  return jnp.einsum("btd,d->bt", h_BTD.astype(jnp.float32), w) + params["score"]["b"].astype(
+      jnp.float32)
+
+
+def positions_from_mask(mask_BT: jax.Array) -> jax.Array:
+  """Rotary positions for left- (or right-) padded rows: 0 at the first real token."""
+  return jnp.maximum(jnp.cumsum(mask_BT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def last_valid_index(mask_BT: jax.Array) -> jax.Array:
+  """Index of the last real token of each row ``[B]`` (0 for an empty row)."""
+  t = mask_BT.shape[-1]
+  idx = jnp.where(mask_BT.astype(bool), jnp.arange(t), -1)
+  return jnp.maximum(jnp.max(idx, axis=-1), 0)

@@ -1,0 +1,1 @@
+"""Training: one jitted program per algorithm step, and the loop around it."""

@@ -1,0 +1,38 @@
+"""Plain-jnp attention: the definition every other implementation is tested against."""
+
+import jax
+import jax.numpy as jnp
+
+# Large negative instead of -inf: a row with no allowed key (a left-pad query) gets a uniform
+# softmax rather than NaN; its output is never used.
+_MASKED = -1e30
+
+
+def allowed_mask(q_len: int, kv_mask_BS: jax.Array, q_offset) -> jax.Array:
+  """[B, T, S] bool: key slot s is visible from query t iff s <= q_offset + t and it is valid."""
+  s_len = kv_mask_BS.shape[1]
+  q_slot = q_offset + jnp.arange(q_len)[:, None]
+  causal_TS = jnp.arange(s_len)[None, :] <= q_slot
+  return causal_TS[None] & kv_mask_BS[:, None, :].astype(bool)
+
+
+def attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, scale=None):
+  """Grouped-query causal attention.
+
+  q_BTHD: queries at slots ``q_offset .. q_offset+T-1``; k/v_BSKD: keys/values at slots
+  ``0 .. S-1`` with ``H`` a multiple of ``K``; kv_mask_BS: which key slots hold real tokens.
+  Softmax in float32; output in the dtype of ``q``.
+  """
+  b, t, h, d = q_BTHD.shape
+  k_heads = k_BSKD.shape[2]
+  g = h // k_heads
+  scale = d ** -0.5 if scale is None else scale
+  q = q_BTHD.reshape(b, t, k_heads, g, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKD,
+                      preferred_element_type=jnp.float32) * scale
+  allowed = allowed_mask(t, kv_mask_BS, q_offset)[:, None, None]
+  scores = jnp.where(allowed, scores, _MASKED)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_BSKD.dtype), v_BSKD,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(b, t, h, d).astype(q_BTHD.dtype)

@@ -1,0 +1,8 @@
+"""Per-token log-prob of a target and entropy, from hidden states and the unembedding, without
+materialising ``[batch, seq, vocab]`` logits.  One entry point: :func:`logprob_entropy`."""
+
+from kernels.logprob.dispatch import logprob_entropy
+from kernels.logprob.reference import logprob_entropy_reference
+from kernels.logprob.xla import logprob_entropy_blockwise
+
+__all__ = ["logprob_entropy", "logprob_entropy_reference", "logprob_entropy_blockwise"]
