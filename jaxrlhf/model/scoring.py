@@ -1,0 +1,43 @@
+"""Teacher-forced scoring shared by rollout, training and tests: per-token log-probs (and
+entropies) of given tokens, and scalar-head scores at the last valid token."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf.config import KernelsConfig, ModelConfig
+from jaxrlhf.model.transformer import (forward, last_valid_index, positions_from_mask,
+                                       scalar_head, unembedding)
+from kernels.logprob import logprob_entropy
+
+
+def token_logprobs(params: dict, tokens_BL: jax.Array, mask_BL: jax.Array, *, cfg: ModelConfig,
+                   start: int = 1, kernels: KernelsConfig = KernelsConfig()):
+  """log p(tokens[:, t] | tokens[:, :t]) and the entropy of that distribution, for
+  ``t = start .. L-1``: two float32 ``[B, L - start]`` arrays (temperature 1).
+
+  Computed blockwise over the vocabulary (never ``[B, L, V]`` logits).  Positions where
+  ``mask`` is false hold meaningless values; callers mask them.
+  """
+  if start < 1:
+    raise ValueError(f"start={start}: the first token has no prediction; use start >= 1")
+  h, _ = forward(params, tokens_BL, positions_from_mask(mask_BL), mask_BL, cfg=cfg,
+                 attn_impl=kernels.attention)
+  return logprob_entropy(h[:, start - 1:-1], unembedding(params, cfg), tokens_BL[:, start:],
+                         impl=kernels.logprob, block_v=kernels.logprob_block_v)
+
+
+def sequence_scores(params: dict, tokens_BL: jax.Array, mask_BL: jax.Array, *, cfg: ModelConfig,
+                    kernels: KernelsConfig = KernelsConfig()) -> jax.Array:
+  """Scalar-head score at each row's last valid token, float32 ``[B]`` (reward models)."""
+  scores_BL = token_scores(params, tokens_BL, mask_BL, cfg=cfg, kernels=kernels)
+  return jnp.take_along_axis(scores_BL, last_valid_index(mask_BL)[:, None], axis=1)[:, 0]
+
+
+def token_scores(params: dict, tokens_BL: jax.Array, mask_BL: jax.Array, *, cfg: ModelConfig,
+                 kernels: KernelsConfig = KernelsConfig()) -> jax.Array:
+  """Scalar-head score at every position, float32 ``[B, L]`` (value models)."""
+  h, _ = forward(params, tokens_BL, positions_from_mask(mask_BL), mask_BL, cfg=cfg,
+                 attn_impl=kernels.attention)
+  return scalar_head(params, h)
