@@ -283,6 +283,12 @@ class CheckpointConfig:
 class LoggingConfig:
   every_steps: int = 1
   console: bool = True
+  # Where the console is not a terminal (CI logs), one plain line per stage at most this often
+  # (plus each stage's first and last step); on a terminal the bar updates in place.
+  console_every_s: float = 10.0
+  # Metrics shown on the console line, when present.
+  console_keys: tuple[str, ...] = ("loss", "reward/mean", "kl/mean", "eval/accuracy",
+                                   "time/step_s")
   tensorboard: bool = True
   # Run the step as separately-timed phases (generation, scoring, update) to see where the
   # time goes; the default one-program step reports total time only.
