@@ -46,6 +46,9 @@ class ModelConfig:
   init_std: float = 0.02
   # Load weights from a local Hugging Face model directory (issue: HF interop).
   hf_path: str = ""
+  # The checkpoint's real vocabulary when ``vocab_size`` was padded up to a multiple of ``tp``
+  # (jaxrlhf.model.hf); ids at or above it are padding that must never be sampled.  0: no padding.
+  unpadded_vocab_size: int = 0
 
   @property
   def group_size(self) -> int:
