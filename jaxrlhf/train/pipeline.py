@@ -1,24 +1,85 @@
-"""Runs an experiment's stages in order (placeholder until the training programs land:
-builds the mesh and the sharded policy and runs one forward pass)."""
+"""Runs an experiment's stages in order (e.g. SFT -> RM -> PPO): each stage starts from the
+roles earlier stages produced, and the run ends with a summary table."""
 
 from __future__ import annotations
 
+import json
+import os
+import time
+
 import jax
-import jax.numpy as jnp
 
-from jaxrlhf import model as M
-from jaxrlhf.mesh import batch_sharding, make_mesh
+from jaxrlhf.config import ExperimentConfig, to_json
+from jaxrlhf.data import DataSource
+from jaxrlhf.mesh import make_mesh
+from jaxrlhf.metrics import MetricsWriter
+from jaxrlhf.train.loop import TrainingError, run_stage
 
 
-def run(cfg, workdir: str, resume: str = "latest", profile_steps=None) -> int:
-  del workdir, resume, profile_steps
+def stage_class(name: str):
+  from jaxrlhf.train import dpo, grpo, ppo, rm, sft
+  return {"sft": sft.SFTStage, "rm": rm.RMStage, "ppo": ppo.PPOStage, "grpo": grpo.GRPOStage,
+          "dpo": dpo.DPOStage}[name]
+
+
+def run(cfg: ExperimentConfig, workdir: str, resume: str = "latest", profile_steps=None) -> int:
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(to_json(cfg))
   mesh = make_mesh(cfg.mesh)
-  with jax.set_mesh(mesh):
-    params = M.init_sharded(cfg.model, jax.random.key(cfg.seed), mesh)
-    tokens = jnp.zeros((mesh.size, 8), jnp.int32)
-    tokens = jax.device_put(tokens, batch_sharding(mesh, 2, tokens.shape))
-    mask = jnp.ones_like(tokens, bool)
-    h, _ = jax.jit(lambda p, t, m: M.forward(p, t, M.positions_from_mask(m), m, cfg=cfg.model))(
-        params, tokens, mask)
-  print(f"{cfg.name}: forward pass ok, hidden {h.shape}, mesh {dict(mesh.shape)}")
+  data = DataSource(cfg.data, cfg.seed)
+  print(f"{cfg.name}: stages {' -> '.join(cfg.stages)} on mesh {dict(mesh.shape)} "
+        f"({jax.device_count()} {jax.default_backend()} devices); outputs in {workdir}")
+  writer = MetricsWriter(workdir, cfg.logging,
+                         {s: getattr(cfg, s).steps for s in cfg.stages})
+  roles: dict = {}
+  summary: dict = {}
+  key = jax.random.key(cfg.seed)
+  try:
+    for i, name in enumerate(cfg.stages):
+      stage = stage_class(name)(cfg, mesh, data)
+      t0 = time.perf_counter()
+      state, frozen = stage.init(jax.random.fold_in(key, i), roles)
+      if name in ("sft", "dpo", "ppo", "grpo"):
+        before = stage.evaluate(state, frozen)
+        summary[f"{name}/start"] = before
+      state, last, stopped = run_stage(stage, state, frozen, writer=writer)
+      final = {k: v for k, v in last.items() if k.startswith("eval/")} or stage.evaluate(
+          state, frozen)
+      summary[name] = {**final, "time_s": time.perf_counter() - t0,
+                       **({"kl/mean": last["kl/mean"]} if "kl/mean" in last else {})}
+      roles.update(stage.outputs(state, frozen))
+      if stopped:
+        break
+  except TrainingError as e:
+    print(f"error: {e}")
+    return 1
+  finally:
+    writer.close()
+  print_summary(cfg, summary)
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
   return 0
+
+
+def print_summary(cfg: ExperimentConfig, summary: dict) -> None:
+  rows = []
+  for name in cfg.stages:
+    if name not in summary:
+      continue
+    s = summary[name]
+    start = summary.get(f"{name}/start", {})
+    if "eval/accuracy" in s:
+      rows.append((f"{name}: held-out exact match", start.get("eval/accuracy"),
+                   s["eval/accuracy"]))
+    if "eval/pair_accuracy" in s:
+      rows.append((f"{name}: held-out pair accuracy", start.get("eval/pair_accuracy"),
+                   s["eval/pair_accuracy"]))
+    if "kl/mean" in s:
+      rows.append((f"{name}: KL to reference (last step)", None, s["kl/mean"]))
+    rows.append((f"{name}: wall time (s)", None, s["time_s"]))
+  fmt = lambda v: "" if v is None else f"{v:.3f}"
+  width = max(len(r[0]) for r in rows)
+  print(f"\n{'summary':<{width}}  {'start':>8}  {'end':>8}")
+  for label, a, b in rows:
+    print(f"{label:<{width}}  {fmt(a):>8}  {fmt(b):>8}")

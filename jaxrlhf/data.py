@@ -1,0 +1,310 @@
+"""Data: tokenizers, the built-in verifiable tasks, users' JSONL files, and fixed-shape batches.
+
+Every batch uses one layout, shared with the rollout engine: a prompt left-padded to
+``P = data.max_prompt_len`` followed by a response right-padded to ``R = data.max_response_len``
+(the response ends with EOS).  So the response always starts at column ``P``.
+
+Batches are a pure function of ``(seed, step)``: the data position saved in a checkpoint is the
+step, and a resumed run sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+
+from jaxrlhf.config import ConfigError, DataConfig
+
+PAD, BOS, EOS = 0, 1, 2
+
+
+# ---------------------------------------------------------------------------- tokenizers
+
+
+class CharTokenizer:
+  """A character tokenizer for the synthetic tasks: ids 0-2 are pad/bos/eos."""
+
+  chars = "0123456789+-*=() abcdefghijklmnopqrstuvwxyz?:"
+
+  def __init__(self):
+    self.pad_id, self.bos_id, self.eos_id = PAD, BOS, EOS
+    self._to_id = {c: i + 3 for i, c in enumerate(self.chars)}
+    self.vocab_size = 3 + len(self.chars)
+
+  def encode(self, text: str) -> list[int]:
+    try:
+      return [self._to_id[c] for c in text]
+    except KeyError as e:
+      raise ConfigError(f"character {e.args[0]!r} is not in the built-in char tokenizer "
+                        f"({self.chars!r}); set data.tokenizer to a tokenizer directory") from None
+
+  def decode(self, ids: Sequence[int]) -> str:
+    out = []
+    for i in ids:
+      i = int(i)
+      if i == self.eos_id:
+        break
+      if i >= 3:
+        out.append(self.chars[i - 3])
+    return "".join(out)
+
+
+class HFTokenizer:
+  """A transformers tokenizer from a local directory (no hub access)."""
+
+  def __init__(self, path: str):
+    if not os.path.isdir(path):
+      raise ConfigError(f"data.tokenizer={path!r} is not a directory; give a local tokenizer "
+                        f"folder (tokenizer.json / tokenizer_config.json) or 'char'")
+    from transformers import AutoTokenizer
+    self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    self.eos_id = self._tok.eos_token_id
+    if self.eos_id is None:
+      raise ConfigError(f"tokenizer in {path} has no eos_token; set one in tokenizer_config.json")
+    self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
+    self.bos_id = self._tok.bos_token_id
+    self.vocab_size = len(self._tok)
+
+  def encode(self, text: str) -> list[int]:
+    return list(self._tok.encode(text, add_special_tokens=False))
+
+  def decode(self, ids: Sequence[int]) -> str:
+    ids = [int(i) for i in ids]
+    if self.eos_id in ids:
+      ids = ids[:ids.index(self.eos_id)]
+    return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def make_tokenizer(cfg: DataConfig):
+  return CharTokenizer() if cfg.tokenizer == "char" else HFTokenizer(cfg.tokenizer)
+
+
+# ----------------------------------------------------------------------------- examples
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  prompt: str
+  answer: str = ""  # reference answer (rule rewards, exact-match eval)
+  response: str = ""  # SFT target
+  chosen: str = ""  # preference pair
+  rejected: str = ""
+
+
+class AdditionTask:
+  """``a+b=`` -> ``a+b`` for numbers of up to ``digits`` digits; exact-match checkable.
+
+  The held-out split is fixed by a hash of ``(a, b)``: about 1 in 8 pairs are evaluation-only
+  and never appear in training batches.
+  """
+
+  def __init__(self, digits: int):
+    if not 1 <= digits <= 6:
+      raise ConfigError(f"data.digits={digits}: use 1..6")
+    self.digits = digits
+    self.limit = 10 ** digits
+
+  def _is_eval(self, a, b):
+    return ((a * 7919 + b * 104729) % 8) == 0
+
+  def sample(self, rng: np.random.Generator, n: int, split: str) -> list[Example]:
+    out = []
+    want_eval = split == "eval"
+    while len(out) < n:
+      a, b = (int(x) for x in rng.integers(0, self.limit, size=2))
+      if self._is_eval(a, b) != want_eval:
+        continue
+      answer = str(a + b)
+      out.append(Example(prompt=f"{a}+{b}=", answer=answer, response=answer, chosen=answer,
+                         rejected=self.wrong_answer(rng, a + b)))
+    return out
+
+  def wrong_answer(self, rng: np.random.Generator, correct: int) -> str:
+    """A plausible wrong answer: one digit changed, or off by a small amount."""
+    s = str(correct)
+    while True:
+      if rng.random() < 0.5:
+        i = int(rng.integers(0, len(s)))
+        d = str(int(rng.integers(0, 10)))
+        cand = s[:i] + d + s[i + 1:]
+        if len(cand) > 1 and cand[0] == "0":
+          continue
+      else:
+        cand = str(max(0, correct + int(rng.choice([-10, -2, -1, 1, 2, 10]))))
+      if cand != s:
+        return cand
+
+
+# --------------------------------------------------------------------------------- JSONL
+
+_REQUIRED = {"prompts": ("prompt",), "sft": ("prompt", "response"),
+             "pairs": ("prompt", "chosen", "rejected")}
+
+
+def read_jsonl(path: str, kind: str) -> list[Example]:
+  """Reads a user's JSONL file of ``kind`` (prompts, sft, pairs).  Errors name file:line."""
+  if not path:
+    raise ConfigError(f"no {kind} file given; set data.{_PATH_FIELD[kind]}=FILE.jsonl")
+  if not os.path.exists(path):
+    raise ConfigError(f"{path}: file not found (data.{_PATH_FIELD[kind]})")
+  required = _REQUIRED[kind]
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        obj = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one "
+                          f"JSON object like {_example(kind)}") from None
+      if not isinstance(obj, dict):
+        raise ConfigError(f"{path}:{lineno}: expected a JSON object like {_example(kind)}")
+      missing = [k for k in required if not isinstance(obj.get(k), str)]
+      if missing:
+        raise ConfigError(f"{path}:{lineno}: missing string field(s) {', '.join(missing)}; "
+                          f"each line needs {_example(kind)}")
+      answer = obj.get("answer", "")
+      out.append(Example(prompt=obj["prompt"], answer=answer if isinstance(answer, str) else "",
+                         response=obj.get("response", ""), chosen=obj.get("chosen", ""),
+                         rejected=obj.get("rejected", "")))
+  if not out:
+    raise ConfigError(f"{path}: the file is empty; it needs one JSON object per line like "
+                      f"{_example(kind)}")
+  return out
+
+
+_PATH_FIELD = {"prompts": "prompts_path", "sft": "sft_path", "pairs": "pairs_path"}
+
+
+def _example(kind):
+  return json.dumps({k: "..." for k in _REQUIRED[kind]})
+
+
+# ------------------------------------------------------------------------------ encoding
+
+
+class Encoder:
+  """Turns examples into fixed-shape numpy arrays in the shared prompt|response layout."""
+
+  def __init__(self, cfg: DataConfig, tokenizer):
+    self.cfg = cfg
+    self.tok = tokenizer
+    self.P = cfg.max_prompt_len
+    self.R = cfg.max_response_len
+    self.counts = {"data/truncated": 0, "data/skipped": 0}
+
+  def prompt_ids(self, ex: Example, where: str = "") -> Optional[list[int]]:
+    ids = ([self.tok.bos_id] if self.tok.bos_id is not None else []) + self.tok.encode(ex.prompt)
+    if len(ids) > self.P:
+      policy = self.cfg.overlong
+      if policy == "error":
+        raise ConfigError(f"{where or 'prompt'}: prompt is {len(ids)} tokens, longer than "
+                          f"data.max_prompt_len={self.P}; raise the limit or set "
+                          f"data.overlong=truncate|skip")
+      if policy == "skip":
+        self.counts["data/skipped"] += 1
+        return None
+      self.counts["data/truncated"] += 1
+      ids = ids[-self.P:]
+    return ids
+
+  def response_ids(self, text: str) -> list[int]:
+    ids = self.tok.encode(text)[: self.R - 1]
+    return ids + [self.tok.eos_id]
+
+  def _left(self, ids):
+    row = np.full(self.P, self.tok.pad_id, np.int32)
+    mask = np.zeros(self.P, bool)
+    if ids:
+      row[-len(ids):] = ids
+      mask[-len(ids):] = True
+    return row, mask
+
+  def _right(self, ids, length):
+    row = np.full(length, self.tok.pad_id, np.int32)
+    mask = np.zeros(length, bool)
+    row[:len(ids)] = ids
+    mask[:len(ids)] = True
+    return row, mask
+
+  def prompts(self, examples: Sequence[Example]) -> dict:
+    """``prompt [B,P]``, ``prompt_mask``, ``answer [B,R]`` (answer + EOS), ``answer_mask``."""
+    rows = [self._left(self.prompt_ids(ex)) for ex in examples]
+    ans = [self._right(self.response_ids(ex.answer), self.R) for ex in examples]
+    return {"prompt": np.stack([r[0] for r in rows]), "prompt_mask": np.stack([r[1] for r in rows]),
+            "answer": np.stack([a[0] for a in ans]), "answer_mask": np.stack([a[1] for a in ans])}
+
+  def sequences(self, examples: Sequence[Example], field: str) -> dict:
+    """Prompt + ``field`` (response/chosen/rejected): ``tokens [B,P+R]``, ``mask``,
+    ``loss_mask`` (response tokens incl. EOS)."""
+    toks, masks, lmask = [], [], []
+    for ex in examples:
+      p, pm = self._left(self.prompt_ids(ex))
+      r, rm = self._right(self.response_ids(getattr(ex, field)), self.R)
+      toks.append(np.concatenate([p, r]))
+      masks.append(np.concatenate([pm, rm]))
+      lmask.append(np.concatenate([np.zeros(self.P, bool), rm]))
+    return {"tokens": np.stack(toks), "mask": np.stack(masks), "loss_mask": np.stack(lmask)}
+
+  def pairs(self, examples: Sequence[Example]) -> dict:
+    c = self.sequences(examples, "chosen")
+    r = self.sequences(examples, "rejected")
+    return {"chosen": c["tokens"], "chosen_mask": c["mask"], "chosen_loss_mask": c["loss_mask"],
+            "rejected": r["tokens"], "rejected_mask": r["mask"],
+            "rejected_loss_mask": r["loss_mask"]}
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+class DataSource:
+  """Examples for training (by step) and a fixed evaluation set, for one experiment."""
+
+  def __init__(self, cfg: DataConfig, seed: int = 0):
+    self.cfg = cfg
+    self.seed = seed + cfg.seed
+    self.tokenizer = make_tokenizer(cfg)
+    self.encoder = Encoder(cfg, self.tokenizer)
+    self._files: dict[str, list[Example]] = {}
+    if cfg.task == "addition":
+      self.task = AdditionTask(cfg.digits)
+    elif cfg.task == "jsonl":
+      self.task = None
+    else:
+      raise ConfigError(f"data.task={cfg.task!r}: choose 'addition' or 'jsonl'")
+
+  def _file(self, kind: str) -> list[Example]:
+    if kind not in self._files:
+      path = getattr(self.cfg, _PATH_FIELD[kind])
+      examples = read_jsonl(path, kind)
+      # Validate every prompt's length up front so errors name the line, not a batch.
+      kept = []
+      for i, ex in enumerate(examples, 1):
+        if self.encoder.prompt_ids(ex, where=f"{path}:{i}") is not None:
+          kept.append(ex)
+      if not kept:
+        raise ConfigError(f"{path}: every prompt was skipped as over-long "
+                          f"(data.max_prompt_len={self.cfg.max_prompt_len})")
+      self._files[kind] = kept
+    return self._files[kind]
+
+  def examples(self, kind: str, step: int, n: int, stream: int = 0) -> list[Example]:
+    """The ``n`` training examples of batch ``step`` (deterministic in seed, stream, step)."""
+    rng = np.random.default_rng([self.seed, stream, step])
+    if self.task is not None:
+      return self.task.sample(rng, n, "train")
+    pool = self._file(kind)
+    return [pool[int(i)] for i in rng.integers(0, len(pool), size=n)]
+
+  def eval_examples(self, kind: str = "prompts") -> list[Example]:
+    if self.task is not None:
+      return self.task.sample(np.random.default_rng([self.seed, 999_999]), self.cfg.eval_size,
+                              "eval")
+    if self.cfg.eval_path:
+      return read_jsonl(self.cfg.eval_path, kind)[: self.cfg.eval_size]
+    return self._file(kind)[: self.cfg.eval_size]

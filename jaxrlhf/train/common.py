@@ -1,0 +1,159 @@
+"""What every training program shares: the train state, the optimizer, gradient accumulation,
+skipping non-finite steps, and placing state and batches on the mesh."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxrlhf.config import OptimizerConfig
+from jaxrlhf.mesh import batch_sharding
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything that determines the future of a stage (and is checkpointed).
+
+  ``params``/``opt_state`` map each *trainable* role to its parameters / optax state; frozen
+  roles (reference, reward model during RL) live outside the state and are never donated.
+  ``extras`` holds algorithm state: KL controller, running reward statistics, skip counters.
+  """
+
+  step: jax.Array
+  rng: jax.Array
+  params: dict
+  opt_state: dict
+  extras: dict
+
+
+# ------------------------------------------------------------------------------ optimizer
+
+
+def learning_rate(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+  """Linear warm-up to ``lr`` then constant, cosine or linear decay to ``lr * end_lr_ratio``."""
+  warm = max(0, min(cfg.warmup_steps, total_steps - 1))
+  decay_steps = max(1, total_steps - warm)
+  end = cfg.lr * cfg.end_lr_ratio
+  if cfg.schedule == "constant":
+    after = optax.constant_schedule(cfg.lr)
+  elif cfg.schedule == "cosine":
+    after = optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.end_lr_ratio)
+  else:
+    after = optax.linear_schedule(cfg.lr, end, decay_steps)
+  if warm == 0:
+    return after
+  return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warm), after], [warm])
+
+
+def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+  """AdamW with the schedule above, after global-norm clipping (when ``grad_clip > 0``)."""
+  parts = []
+  if cfg.grad_clip > 0:
+    parts.append(optax.clip_by_global_norm(cfg.grad_clip))
+  parts.append(optax.adamw(learning_rate(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                           weight_decay=cfg.weight_decay))
+  return optax.chain(*parts)
+
+
+# ------------------------------------------------------------------- gradients and updates
+
+
+def split_micro(batch: dict, n: int) -> dict:
+  """``[B, ...]`` arrays -> ``[n, B/n, ...]`` for a scan over micro-batches."""
+  def split(x):
+    if x.shape[0] % n:
+      raise ValueError(f"batch of {x.shape[0]} does not split into {n} micro-batches; make the "
+                       f"batch size a multiple of optim.grad_accum")
+    return x.reshape((n, x.shape[0] // n) + x.shape[1:])
+  return jax.tree.map(split, batch)
+
+
+def accumulate_grads(loss_fn: Callable[[Any, dict], tuple[jax.Array, dict]], params, batch: dict,
+                     n_micro: int):
+  """Sum of ``loss_fn`` values and gradients over ``n_micro`` micro-batches (one ``lax.scan``).
+
+  ``loss_fn`` must normalise by *global* counts (the whole batch), so that the sum over
+  micro-batches equals the full-batch loss; metrics returned by it are averaged.
+  """
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  if n_micro == 1:
+    (loss, aux), grads = grad_fn(params, batch)
+    return loss, grads, aux
+  micro = split_micro(batch, n_micro)
+
+  def body(carry, mb):
+    loss_sum, grad_sum = carry
+    (loss, aux), grads = grad_fn(params, mb)
+    return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), aux
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  (loss, grads), aux = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro)
+  return loss, grads, jax.tree.map(lambda x: jnp.mean(x, axis=0), aux)
+
+
+def apply_update(params, opt_state, grads, loss, optimizer: optax.GradientTransformation):
+  """One optimizer update, skipped (params and state unchanged) if the loss or any gradient is
+  not finite.  Returns ``(params, opt_state, finite, grad_norm)``."""
+  grad_norm = optax.global_norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  # Zero the gradients on a bad step so the update itself stays finite, then keep the old state.
+  safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+  updates, new_opt = optimizer.update(safe, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+  return keep(new_params, params), keep(new_opt, opt_state), finite, grad_norm
+
+
+def count_skip(extras: dict, finite: jax.Array) -> dict:
+  """Updates the consecutive / total skipped-step counters in ``extras``."""
+  consecutive = jnp.where(finite, 0, extras["skips/consecutive"] + 1)
+  return {**extras, "skips/consecutive": consecutive,
+          "skips/total": extras["skips/total"] + (~finite).astype(jnp.int32)}
+
+
+def skip_counters() -> dict:
+  return {"skips/consecutive": jnp.zeros((), jnp.int32), "skips/total": jnp.zeros((), jnp.int32)}
+
+
+# -------------------------------------------------------------------------------- placing
+
+
+def put_batch(mesh, batch: dict) -> dict:
+  """Host numpy batch -> device arrays, batch dimension over the data axes."""
+  def put(x):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, batch_sharding(mesh, x.ndim, x.shape),
+                                        lambda idx: x[idx])
+  return {k: put(v) for k, v in batch.items()}
+
+
+def shardings_of(tree):
+  return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def jit_step(fn, mesh, state, frozen, batch, *, donate: bool = True):
+  """``fn(state, frozen, batch) -> (state, metrics)`` jitted with explicit shardings taken from
+  the placed arguments; the state is donated (updated in place)."""
+  state_sh = shardings_of(state)
+  return jax.jit(fn, in_shardings=(state_sh, shardings_of(frozen), shardings_of(batch)),
+                 out_shardings=(state_sh, None), donate_argnums=(0,) if donate else ())
+
+
+def init_state(mesh, params: dict, optimizers: dict, key: jax.Array, extras: dict) -> TrainState:
+  """A TrainState whose optimizer states are created on the mesh next to their parameters."""
+  def make(params, key):
+    opt_state = {role: optimizers[role].init(p) for role, p in params.items()}
+    return TrainState(step=jnp.zeros((), jnp.int32), rng=key, params=params,
+                      opt_state=opt_state, extras=extras)
+  with jax.set_mesh(mesh):
+    return jax.jit(make)(params, key)
+
+
+def metrics_to_host(metrics: dict) -> dict[str, float]:
+  return {k: float(v) for k, v in jax.device_get(metrics).items()}
+

@@ -1,0 +1,106 @@
+"""DPO on preference pairs: policy vs frozen reference; reference log-probs computed inside
+the step (``dpo.reference=step``) or once per distinct pair and cached (``=cache``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrlhf import model as M
+from jaxrlhf.algorithms import dpo_loss
+from jaxrlhf.train.common import (accumulate_grads, apply_update, count_skip, init_state,
+                                  put_batch, skip_counters)
+from jaxrlhf.train.evaluate import ExactMatchEval, pair_batches
+from jaxrlhf.train.stage import Stage
+
+
+class DPOStage(Stage):
+  name = "dpo"
+  trainable = ("policy",)
+  frozen_roles = ("reference",)
+
+  def init(self, key, roles):
+    k_init, k_state = jax.random.split(key)
+    params = {"policy": self.role_params(roles, "policy", k_init, head="lm")}
+    frozen = {"reference": self.role_params(roles, "reference", k_init, head="lm", frozen=True)}
+    self.opt = {"policy": self.optimizer()}
+    cfg = self.model_cfg("policy")
+    kernels = self.cfg.kernels
+
+    def seq_logps(params, b):
+      """Summed response log-probs of chosen and rejected: two ``[B]`` arrays."""
+      tokens = jnp.concatenate([b["chosen"], b["rejected"]])
+      mask = jnp.concatenate([b["chosen_mask"], b["rejected_mask"]])
+      target = jnp.concatenate([b["chosen_loss_mask"], b["rejected_loss_mask"]])[:, 1:]
+      logp, _ = M.token_logprobs(params, tokens, mask, cfg=cfg, start=1, kernels=kernels)
+      s = jnp.sum(jnp.where(target, logp, 0.0), axis=-1)
+      n = b["chosen"].shape[0]
+      return s[:n], s[n:]
+
+    self.seq_logps = seq_logps
+    self._ref = jax.jit(seq_logps)
+    self.frozen_ref = frozen["reference"]
+    self._cache: dict = {}
+    self.eval_pairs = pair_batches(self)
+    self.evaluator = ExactMatchEval(self)
+
+    def eval_fn(policy, reference, b):
+      rc, rr = seq_logps(reference, b)
+      pc, pr = seq_logps(policy, b)
+      return dpo_loss(pc, pr, rc, rr, beta=self.scfg.beta, loss_type=self.scfg.loss,
+                      label_smoothing=self.scfg.label_smoothing)[1]
+
+    self._eval = jax.jit(eval_fn)
+    return init_state(self.mesh, params, self.opt, k_state, skip_counters()), frozen
+
+  def batch(self, step):
+    examples = self.data.examples("pairs", step, self.scfg.batch_size)
+    batch = self.data.encoder.pairs(examples)
+    if self.scfg.reference == "cache":
+      batch.update(self._cached_reference(examples, batch))
+    return batch
+
+  def _cached_reference(self, examples, batch) -> dict:
+    keys = [(e.prompt, e.chosen, e.rejected) for e in examples]
+    missing = [i for i, k in enumerate(keys) if k not in self._cache]
+    if missing:
+      with jax.set_mesh(self.mesh):
+        rc, rr = jax.device_get(self._ref(self.frozen_ref, put_batch(self.mesh, batch)))
+      for i in missing:
+        self._cache[keys[i]] = (rc[i], rr[i])
+    return {"ref_chosen": np.array([self._cache[k][0] for k in keys], np.float32),
+            "ref_rejected": np.array([self._cache[k][1] for k in keys], np.float32)}
+
+  def step(self, state, frozen, batch):
+    if "ref_chosen" in batch:
+      ref_c, ref_r = batch["ref_chosen"], batch["ref_rejected"]
+    else:
+      ref_c, ref_r = self.seq_logps(frozen["reference"], batch)
+    n_micro = self.scfg.optim.grad_accum
+    mb = {**batch, "ref_chosen": ref_c, "ref_rejected": ref_r}
+
+    def loss_fn(params, b):
+      pc, pr = self.seq_logps(params, b)
+      loss, metrics = dpo_loss(pc, pr, b["ref_chosen"], b["ref_rejected"], beta=self.scfg.beta,
+                               loss_type=self.scfg.loss,
+                               label_smoothing=self.scfg.label_smoothing)
+      return loss / n_micro, metrics
+
+    loss, grads, aux = accumulate_grads(loss_fn, state.params["policy"], mb, n_micro)
+    params, opt_state, finite, gnorm = apply_update(state.params["policy"],
+                                                    state.opt_state["policy"], grads, loss,
+                                                    self.opt["policy"])
+    state = state.replace(step=state.step + 1, params={"policy": params},
+                          opt_state={"policy": opt_state},
+                          extras=count_skip(state.extras, finite))
+    return state, {"loss": loss, "grad_norm": gnorm, **aux,
+                   "skips/total": state.extras["skips/total"]}
+
+  def evaluate(self, state, frozen):
+    with jax.set_mesh(self.mesh):
+      m = jax.device_get(self._eval(state.params["policy"], frozen["reference"], self.eval_pairs))
+    out = {"eval/pair_accuracy": float(m["pref_accuracy"]),
+           "eval/reward_margin": float(m["reward_margin"])}
+    out.update(self.evaluator(state.params["policy"]))
+    return out

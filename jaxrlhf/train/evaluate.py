@@ -1,0 +1,54 @@
+"""Held-out evaluation: exact-match accuracy of greedy answers, and preference-pair accuracy."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrlhf.rewards import RULES
+from jaxrlhf.rollout import generate
+from jaxrlhf.train.common import put_batch
+
+
+class ExactMatchEval:
+  """Greedy-decodes the evaluation prompts and scores them with the exact-match rule."""
+
+  def __init__(self, stage, role: str = "policy"):
+    self.stage = stage
+    data = stage.data
+    self.batch = put_batch(stage.mesh, data.encoder.prompts(data.eval_examples("prompts")))
+    cfg = stage.cfg
+    rollout = dataclasses.replace(cfg.rollout, temperature=0.0)
+    model_cfg = cfg.role_model(role)
+    eos, pad = data.tokenizer.eos_id, data.tokenizer.pad_id
+
+    def accuracy(params, batch):
+      out = generate(params, batch["prompt"], batch["prompt_mask"], jax.random.key(0),
+                     cfg=model_cfg, rollout=rollout, eos_id=eos, pad_id=pad,
+                     kernels=cfg.kernels)
+      score = RULES["exact_match"](out.tokens[:, -rollout.max_new_tokens:], out.response_mask,
+                                   batch["answer"], batch["answer_mask"], eos_id=eos)
+      return {"eval/accuracy": jnp.mean(score),
+              "eval/response_length": jnp.mean(out.lengths.astype(jnp.float32))}
+
+    self._fn = jax.jit(accuracy)
+
+  def __call__(self, params) -> dict:
+    with jax.set_mesh(self.stage.mesh):
+      out = self._fn(params, self.batch)
+    return {k: float(v) for k, v in jax.device_get(out).items()}
+
+
+def pair_batches(stage, n: int | None = None) -> dict:
+  """The held-out preference pairs, placed on the mesh."""
+  examples = stage.data.eval_examples("pairs")
+  if n is not None:
+    examples = examples[:n]
+  return put_batch(stage.mesh, stage.data.encoder.pairs(examples))
+
+
+def mean_of(values) -> float:
+  return float(np.mean(values))

@@ -1,0 +1,62 @@
+"""Reward-model training on preference pairs (Bradley-Terry), scalar head at the last token."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf import model as M
+from jaxrlhf.algorithms import bradley_terry_loss
+from jaxrlhf.train.common import (accumulate_grads, apply_update, count_skip, init_state,
+                                  skip_counters)
+from jaxrlhf.train.evaluate import pair_batches
+from jaxrlhf.train.stage import Stage
+
+
+class RMStage(Stage):
+  name = "rm"
+  trainable = ("reward",)
+
+  def init(self, key, roles):
+    k_init, k_state = jax.random.split(key)
+    params = {"reward": self.role_params(roles, "reward", k_init, head="scalar")}
+    self.opt = {"reward": self.optimizer()}
+    self.eval_pairs = pair_batches(self)
+    cfg = self.model_cfg("reward")
+    kernels = self.cfg.kernels
+
+    def pair_scores(params, b):
+      tokens = jnp.concatenate([b["chosen"], b["rejected"]])
+      mask = jnp.concatenate([b["chosen_mask"], b["rejected_mask"]])
+      s = M.sequence_scores(params, tokens, mask, cfg=cfg, kernels=kernels)
+      n = b["chosen"].shape[0]
+      return s[:n], s[n:]
+
+    self.pair_scores = pair_scores
+    self._eval = jax.jit(lambda p, b: bradley_terry_loss(*pair_scores(p, b))[1])
+    return init_state(self.mesh, params, self.opt, k_state, skip_counters()), {}
+
+  def batch(self, step):
+    return self.data.encoder.pairs(self.data.examples("pairs", step, self.scfg.batch_size))
+
+  def step(self, state, frozen, batch):
+    n_micro = self.scfg.optim.grad_accum
+
+    def loss_fn(params, mb):
+      loss, metrics = bradley_terry_loss(*self.pair_scores(params, mb))
+      return loss / n_micro, metrics
+
+    loss, grads, aux = accumulate_grads(loss_fn, state.params["reward"], batch, n_micro)
+    params, opt_state, finite, gnorm = apply_update(state.params["reward"],
+                                                    state.opt_state["reward"], grads, loss,
+                                                    self.opt["reward"])
+    state = state.replace(step=state.step + 1, params={"reward": params},
+                          opt_state={"reward": opt_state},
+                          extras=count_skip(state.extras, finite))
+    return state, {"loss": loss, "grad_norm": gnorm, **aux,
+                   "skips/total": state.extras["skips/total"]}
+
+  def evaluate(self, state, frozen):
+    with jax.set_mesh(self.mesh):
+      m = jax.device_get(self._eval(state.params["reward"], self.eval_pairs))
+    return {"eval/pair_accuracy": float(m["accuracy"])}
