@@ -7,7 +7,7 @@ import time
 
 import jax
 
-from jaxrlhf.train.common import jit_step, metrics_to_host, put_batch
+from jaxrlhf.train.common import metrics_to_host, put_batch
 
 
 class TrainingError(RuntimeError):
@@ -31,7 +31,7 @@ def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer
     batch = put_batch(stage.mesh, stage.batch(step))
     with jax.set_mesh(stage.mesh):
       if step_fn is None:
-        step_fn = jit_step(stage.step, stage.mesh, state, frozen, batch)
+        step_fn = stage.make_step_fn(state, frozen, batch)
       t0 = time.perf_counter()
       new_state, metrics = step_fn(state, frozen, batch)
       metrics = metrics_to_host(metrics)

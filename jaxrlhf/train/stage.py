@@ -14,7 +14,7 @@ from jaxrlhf import model as M
 from jaxrlhf.config import ConfigError, ExperimentConfig, ModelConfig
 from jaxrlhf.data import DataSource
 from jaxrlhf.mesh import FROZEN_PARAM_RULES, PARAM_RULES
-from jaxrlhf.train.common import TrainState, make_optimizer
+from jaxrlhf.train.common import TrainState, jit_step, make_optimizer
 
 
 class Stage:
@@ -53,6 +53,11 @@ class Stage:
 
   def evaluate(self, state: TrainState, frozen: dict) -> dict:
     return {}
+
+  def make_step_fn(self, state: TrainState, frozen: dict, batch: dict):
+    """The callable the loop runs each step: by default the whole step as one jitted program
+    with explicit shardings and the state donated."""
+    return jit_step(self.step, self.mesh, state, frozen, batch)
 
   def outputs(self, state: TrainState, frozen: dict) -> dict:
     """Role parameters this stage hands to later stages."""

@@ -1,0 +1,49 @@
+"""PPO: policy, frozen reference, frozen reward model and a trained value model; KL-shaped
+per-token rewards, GAE, clipped policy and value losses — one program per step."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxrlhf.algorithms import aggregate, gae, kl_estimate, kl_shaped_rewards, value_loss, whiten
+from jaxrlhf.config import ConfigError
+from jaxrlhf import model as M
+from jaxrlhf.train.rl import RLStage
+
+
+class PPOStage(RLStage):
+  name = "ppo"
+  trainable = ("policy", "value")
+  frozen_roles = ("reference", "reward")
+  uses_value = True
+
+  def __init__(self, cfg, mesh, data):
+    super().__init__(cfg, mesh, data)
+    if self.scfg.shared_backbone:
+      raise ConfigError("ppo.shared_backbone=true is not supported yet; use separate policy "
+                        "and value models (the default)")
+
+  def advantages(self, ro, score, kl_tok, kl_coef, update_mask):
+    scfg = self.scfg
+    coef = kl_coef if scfg.kl.placement == "reward" else 0.0
+    rewards = kl_shaped_rewards(score, kl_tok, ro["response_mask"], coef=coef)
+    adv, returns = gae(rewards, ro["values"], update_mask, gamma=scfg.gamma, lam=scfg.lam)
+    if scfg.whiten_advantages:
+      adv = whiten(adv, update_mask)
+    return adv, {"values": ro["values"], "returns": returns}
+
+  def losses(self, params, mb, *, denom, n_seq, kl_coef):
+    scfg = self.scfg
+    logp, pol_loss, metrics = self.policy_terms(params, mb, denom=denom, n_seq=n_seq)
+    mask = mb["resp_mask"]
+    v = M.token_scores(params["value"], mb["tokens"], mb["mask"], cfg=self.model_cfg("value"),
+                       kernels=self.cfg.kernels)[:, self.P - 1:self.P - 1 + self.N]
+    vl, vm = value_loss(v, mb["values"], mb["returns"], mask, clip=scfg.value_clip,
+                        agg="token_mean", denom=denom)
+    loss = pol_loss + scfg.vf_coef * vl
+    if scfg.kl.placement == "loss":
+      kl = kl_estimate(logp, mb["ref_logp"], estimator=scfg.kl.estimator,
+                       clamp_logr=scfg.kl.clamp_logr, clamp_kl=scfg.kl.clamp_kl)
+      loss = loss + kl_coef * aggregate(kl, mask, mode="token_mean", denom=denom)
+    metrics.update({"value/loss": vl, "value/explained_variance": vm["explained_variance"]})
+    return loss, metrics
