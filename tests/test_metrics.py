@@ -1,0 +1,370 @@
+"""Metric sinks (console, metrics.jsonl, TensorBoard files), the accelerator table, and the
+performance tools (cost analysis, MFU, phase timer, profiler window, memory)."""
+
+import io
+import json
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrlhf import hardware, metrics, perf
+from jaxrlhf.config import ConfigError, LoggingConfig, ModelConfig
+
+# ------------------------------------------------------------------------------ sinks
+
+
+def _writer(tmp_path, cfg=LoggingConfig(), totals=None, stream=None, tty=False):
+  return metrics.MetricsWriter(str(tmp_path), cfg, totals or {"sft": 4, "ppo": 2}, primary=True,
+                               stream=stream if stream is not None else io.StringIO(), tty=tty)
+
+
+def test_jsonl_records_round_trip_and_resume_appends(tmp_path):
+  w = _writer(tmp_path)
+  w.write("sft", 1, {"loss": jnp.float32(2.5), "eval/accuracy": np.float64(0.25)})
+  w.write("sft", 2, {"loss": float("nan"), "kl/mean": float("inf"), "x": -math.inf, "n": 3})
+  w.close()
+  # A resumed run opens a new writer on the same workdir: the file continues.
+  w = _writer(tmp_path)
+  w.write("ppo", 1, {"reward/mean": jnp.array([0.75])})
+  w.close()
+
+  path = tmp_path / "metrics.jsonl"
+  lines = path.read_text().splitlines()
+  assert len(lines) == 3
+  # Strict JSON: no bare NaN / Infinity tokens that other tools reject.
+  raw = [json.loads(l, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+         for l in lines]
+  assert raw[1]["loss"] == "nan" and raw[1]["kl/mean"] == "inf" and raw[1]["x"] == "-inf"
+  assert all(isinstance(r["wall_time"], float) for r in raw)
+
+  recs = metrics.read_jsonl(str(path))
+  assert [(r["stage"], r["step"]) for r in recs] == [("sft", 1), ("sft", 2), ("ppo", 1)]
+  assert recs[0]["loss"] == 2.5 and recs[0]["eval/accuracy"] == 0.25
+  assert math.isnan(recs[1]["loss"]) and recs[1]["kl/mean"] == math.inf
+  assert recs[1]["x"] == -math.inf and recs[1]["n"] == 3.0
+  assert recs[2]["reward/mean"] == 0.75
+
+
+def test_jsonl_reader_skips_a_torn_last_line_but_not_a_bad_middle_one(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  good = json.dumps({"stage": "sft", "step": 1, "loss": 1.0})
+  path.write_text(good + "\n" + '{"stage": "sft", "st')
+  assert [r["step"] for r in metrics.read_jsonl(str(path))] == [1]
+  path.write_text(good + "\n" + "{oops\n" + good + "\n")
+  with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
+    metrics.read_jsonl(str(path))
+
+
+def test_writer_rejects_non_scalars_and_reserved_names(tmp_path):
+  w = _writer(tmp_path)
+  with pytest.raises(ValueError, match=r"'reward/mean' must be a scalar.*shape \(3,\)"):
+    w.write("ppo", 1, {"reward/mean": np.zeros(3)})
+  with pytest.raises(ValueError, match="'step' is reserved"):
+    w.write("ppo", 1, {"step": 1.0})
+  w.close()
+
+
+def test_crc32c_matches_the_standard_check_value():
+  # CRC-32C (Castagnoli) of "123456789" is 0xE3069283 (RFC 3720, appendix B.4).
+  assert metrics.crc32c(b"123456789") == 0xE3069283
+
+
+def test_tensorboard_event_files_parse_back(tmp_path):
+  w = _writer(tmp_path)
+  w.write("sft", 1, {"loss": 2.0, "eval/accuracy": 0.125})
+  w.write("sft", 2, {"loss": 1.5})
+  w.write("ppo", 7, {"reward/mean": -0.3, "kl/mean": float("nan")})
+  w.close()
+
+  sft_files = os.listdir(tmp_path / "tensorboard" / "sft")
+  assert len(sft_files) == 1 and sft_files[0].startswith("events.out.tfevents.")
+  events = metrics.read_events(str(tmp_path / "tensorboard" / "sft" / sft_files[0]))
+  assert events[0].file_version == "brain.Event:2"
+  assert [(e.step, e.scalars) for e in events[1:]] == [
+      (1, {"loss": 2.0, "eval/accuracy": 0.125}), (2, {"loss": 1.5})]
+  assert all(abs(e.wall_time - time.time()) < 600 for e in events)
+
+  ppo = metrics.read_scalars(str(tmp_path / "tensorboard" / "ppo"))
+  assert ppo["reward/mean"] == [(7, pytest.approx(-0.3, abs=1e-7))]  # stored as float32
+  assert math.isnan(ppo["kl/mean"][0][1])
+
+
+def test_event_reader_detects_corruption(tmp_path):
+  w = metrics.EventFileWriter(str(tmp_path))
+  w.add_scalars(3, {"loss": 1.0})
+  w.close()
+  data = bytearray(open(w.path, "rb").read())
+  data[-6] ^= 0xFF  # a byte of the last record's payload
+  open(w.path, "wb").write(bytes(data))
+  with pytest.raises(ValueError, match="bad data CRC"):
+    metrics.read_events(w.path)
+
+
+def test_event_encoding_handles_large_and_negative_steps():
+  for step in (0, 1, 300, 2**40, -5):
+    ev = metrics.decode_event(metrics.encode_event(12.5, step, {"a": 1.0}))
+    assert (ev.wall_time, ev.step, ev.scalars) == (12.5, step, {"a": 1.0})
+
+
+def test_tensorboard_itself_reads_our_files(tmp_path):
+  """Optional cross-check with TensorBoard's own reader; skipped where it is not installed."""
+  ea_mod = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+  w = _writer(tmp_path)
+  for step in range(1, 4):
+    w.write("ppo", step, {"reward/mean": step / 4})
+  w.close()
+  acc = ea_mod.EventAccumulator(str(tmp_path / "tensorboard" / "ppo"))
+  acc.Reload()
+  assert "reward/mean" in acc.Tags()["scalars"]
+  assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [
+      (1, 0.25), (2, 0.5), (3, 0.75)]
+
+
+def test_sinks_can_be_turned_off_and_non_primary_writes_nothing(tmp_path):
+  out = io.StringIO()
+  w = _writer(tmp_path / "a", LoggingConfig(console=False, tensorboard=False), stream=out)
+  w.write("sft", 1, {"loss": 1.0})
+  w.close()
+  assert (tmp_path / "a" / "metrics.jsonl").exists()
+  assert not (tmp_path / "a" / "tensorboard").exists() and out.getvalue() == ""
+
+  w = metrics.MetricsWriter(str(tmp_path / "b"), LoggingConfig(), {"sft": 2}, primary=False)
+  w.write("sft", 1, {"loss": 1.0})
+  w.message("hello")
+  w.close()
+  assert not (tmp_path / "b").exists()
+
+
+class _Clock:
+  def __init__(self):
+    self.t = 100.0
+
+  def __call__(self):
+    return self.t
+
+
+def test_console_plain_lines_are_periodic_with_eta_and_key_metrics():
+  clock, out = _Clock(), io.StringIO()
+  c = metrics.ConsoleSink({"ppo": 10}, keys=("reward/mean", "loss"), every_s=5.0, stream=out,
+                          tty=False, clock=clock)
+  for step in range(1, 11):
+    clock.t += 1.0  # one second per step
+    c.write("ppo", step, {"reward/mean": step / 10})
+  c.close()
+  lines = out.getvalue().splitlines()
+  # First step, then at most every 5 s, then the last step.
+  assert [l.split()[1] for l in lines] == ["1/10", "6/10", "10/10"]
+  assert "ETA 4s" in lines[1]  # 5 s for 5 steps, 4 to go
+  assert "reward/mean 0.6" in lines[1] and "loss" not in lines[1]
+  assert "[" + "#" * 20 + "]" in lines[2] and "done in 9s" in lines[2]
+  assert "\r" not in out.getvalue()
+
+
+def _screen(text):
+  """The lines a terminal shows after ``text``, for output whose every "\\r" redraw ends
+  with ESC[K (clear to end of line), as the console sink's do."""
+  return [line.split("\r")[-1].replace("\x1b[K", "") for line in text.split("\n")]
+
+
+def test_console_on_a_terminal_redraws_in_place():
+  clock, out = _Clock(), io.StringIO()
+  c = metrics.ConsoleSink({"sft": 3, "rm": 2}, keys=("loss",), stream=out, tty=True,
+                          clock=clock)
+  for step in (1, 2, 3):
+    clock.t += 1.0
+    c.write("sft", step, {"loss": 1.0 / step})
+  c.message("saved checkpoint 3")
+  c.write("rm", 1, {"loss": 0.5})
+  c.close()
+  screen = _screen(out.getvalue())
+  assert screen[-1] == ""  # closed with a newline
+  assert screen[0] == "saved checkpoint 3"
+  assert screen[1].startswith("sft  3/3 [" + "#" * 20 + "] 100%  done in 2s  loss 0.3333")
+  assert screen[2].startswith("rm  1/2 [") and "ETA ?" in screen[2]
+  assert len(screen) == 4
+
+
+def test_writer_without_totals_shows_the_step():
+  out = io.StringIO()
+  c = metrics.ConsoleSink({}, keys=(), stream=out, tty=False)
+  c.write("dpo", 5, {})
+  assert out.getvalue().startswith("dpo  step 5")
+
+
+# --------------------------------------------------------------------------- hardware
+
+
+def test_accelerator_table_and_lookup():
+  h100 = hardware.get_accelerator("H100")
+  assert h100.peak_flops == 989e12 and h100.memory_bytes == 80e9 and not h100.measured
+  assert set(hardware.ACCELERATORS) == {"h100", "h200", "b200", "tpu-v5p"}
+  for acc in hardware.ACCELERATORS.values():
+    assert acc.peak_flops > 1e14 and acc.hbm_bandwidth > 1e12 and acc.usd_per_hour > 0
+  # Same compute as the H100, more and faster memory.
+  h200 = hardware.get_accelerator("h200")
+  assert h200.peak_flops == h100.peak_flops and h200.hbm_bandwidth > h100.hbm_bandwidth
+  with pytest.raises(ConfigError, match=r"unknown accelerator 'a100'; choose one of 'h100', "
+                     r"'h200', 'b200', 'tpu-v5p', 'cpu'"):
+    hardware.get_accelerator("a100")
+
+
+def test_cpu_ceilings_are_measured():
+  flops = hardware.measure_cpu_peak_flops(n=512, repeats=2)
+  bw = hardware.measure_copy_bandwidth(nbytes=16 * 2**20, repeats=2)
+  # Any machine that runs the tests does 1 GFLOP/s and 1 GB/s; none does a PFLOP/s on CPU.
+  assert 1e9 < flops < 1e15 and 1e9 < bw < 1e13
+  acc = hardware.detect_accelerator(jax.devices()[0])
+  assert acc.name == "cpu" and acc.measured and acc.peak_flops > 1e9
+  assert "measured here" in acc.describe()
+
+
+# ------------------------------------------------------------------------------- perf
+
+
+def test_compiled_cost_counts_matmul_flops_per_device():
+  x, w = jnp.ones((64, 32)), jnp.ones((32, 16))
+  cost = perf.compiled_cost(jax.jit(lambda a, b: a @ b), x, w)
+  assert cost["flops"] == 2 * 64 * 32 * 16 and cost["exact"] and cost["while_loops"] == []
+  assert cost["bytes_accessed"] >= 4 * (64 * 32 + 32 * 16 + 64 * 16)
+
+  # Sharded over 8 devices, XLA reports one device's share.
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  xs = jax.device_put(x, NamedSharding(mesh, P("d")))
+  cost = perf.compiled_cost(jax.jit(lambda a, b: a @ b), xs, w)
+  assert cost["flops"] == 2 * 64 * 32 * 16 / 8
+
+
+def test_compiled_cost_flags_loops_whose_body_xla_counts_once():
+  def f(x, ws):
+    return jax.lax.scan(lambda c, w: (c @ w, None), x, ws)[0]
+
+  x, ws = jnp.ones((16, 16)), jnp.ones((4, 16, 16))
+  cost = perf.compiled_cost(jax.jit(f), x, ws)
+  assert cost["while_loops"] == [4] and not cost["exact"]
+  assert cost["flops"] < 2 * 2 * 16 ** 3  # about one iteration's, not four
+
+
+def test_decoder_flops_agree_with_xla_on_an_unscanned_model():
+  from jaxrlhf.model import transformer as T
+  cfg = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2,
+                    head_dim=64, mlp_dim=1024, max_seq_len=64, scan_layers=False)
+  params = T.init_params(cfg, jax.random.key(0))
+  tokens = jnp.ones((2, 64), jnp.int32)
+  mask = jnp.ones((2, 64), bool)
+
+  def logits(p, t):
+    h, _ = T.forward(p, t, T.positions_from_mask(mask), mask, cfg=cfg)
+    return T.lm_logits(p, h, cfg)
+
+  xla = perf.compiled_cost(jax.jit(logits), params, tokens)
+  assert xla["exact"]
+  assert perf.decoder_flops(cfg, 2, 64) == pytest.approx(xla["flops"], rel=0.03)
+  # Training: forward + twice for backward; remat="full" recomputes the layers once more.
+  fwd = perf.decoder_flops(cfg, 2, 64)
+  assert perf.decoder_flops(cfg, 2, 64, train=True) == 3 * fwd
+  remat = ModelConfig(**{**cfg.__dict__, "remat": "full"})
+  assert fwd * 3 < perf.decoder_flops(remat, 2, 64, train=True) < fwd * 4
+  # A decode step: one new token per row over a 64-slot cache, LM head on it.
+  step = perf.decoder_flops(cfg, 2, 1, 64)
+  assert step < fwd / 32
+
+
+def test_mfu_and_utilisation():
+  assert perf.mfu(1e12, 2.0, 1e12) == 0.5
+  assert math.isnan(perf.mfu(1e12, 0.0, 1e12))
+  acc = hardware.get_accelerator("h100")
+  m = perf.utilisation(0.5, acc, flops=989e12 * 0.25, bytes_accessed=3.35e12 * 0.1)
+  assert m["perf/mfu"] == pytest.approx(0.5) and m["perf/bandwidth_util"] == pytest.approx(0.2)
+  assert perf.utilisation(1.0, acc) == {}
+
+
+def _busy(n):
+  """A jitted chain of matmuls that takes a noticeable time on the CPU."""
+  x = jnp.full((n, n), 1.0 / n, jnp.float32)
+  f = jax.jit(lambda a: jax.lax.fori_loop(0, 6, lambda i, c: jnp.tanh(c @ a), a))
+  jax.block_until_ready(f(x))
+  return f, x
+
+
+def test_phase_times_add_up_to_the_measured_step():
+  f, x = _busy(384)
+  timer = perf.PhaseTimer()
+  for _ in range(2):
+    t0 = time.perf_counter()
+    timer.start_step()
+    with timer.phase("generate") as ready:
+      y = ready(f(x))
+    y = timer.run("score", f, y)
+    for _ in range(2):  # a repeated phase accumulates
+      y = timer.run("update", f, y)
+    m = timer.end_step()
+    jax.block_until_ready(y)
+    wall = time.perf_counter() - t0
+
+  phases = [m[f"time/phase/{n}_s"] for n in ("generate", "score", "update")]
+  assert all(p > 0 for p in phases)
+  # The phases waited for their work: together they are the step, to within a few percent.
+  assert sum(phases) == pytest.approx(wall, rel=0.05)
+  assert m["time/step_s"] == pytest.approx(wall, rel=0.05)
+  shares = [m[f"time/share/{n}"] for n in ("generate", "score", "update")]
+  assert sum(shares) == pytest.approx(1.0, abs=0.05)
+  assert sum(shares) + m["time/share/other"] == pytest.approx(1.0)
+  assert m["time/phase/update_s"] > m["time/phase/score_s"] * 1.3  # two runs vs one
+
+
+def test_phase_timer_misuse_is_explained():
+  timer = perf.PhaseTimer()
+  with pytest.raises(RuntimeError, match="start_step"):
+    with timer.phase("x"):
+      pass
+  timer.start_step()
+  with pytest.raises(ValueError, match="'other'"):
+    with timer.phase("other"):
+      pass
+
+
+def test_parse_profile_steps():
+  assert perf.parse_profile_steps(None) is None and perf.parse_profile_steps("") is None
+  assert perf.parse_profile_steps("3:5") == (None, 3, 5)
+  assert perf.parse_profile_steps("ppo:10:10") == ("ppo", 10, 10)
+  for bad in ("5", "5:3", "a:b", "-1:2", ":1:2", "1:2:3:4"):
+    with pytest.raises(ConfigError, match=r"--profile_steps=.*use A:B"):
+      perf.parse_profile_steps(bad)
+
+
+def test_profile_window_writes_a_trace_of_the_chosen_steps(tmp_path):
+  f = jax.jit(lambda a: jnp.sin(a @ a).sum())
+  x = jnp.ones((32, 32))
+  window = perf.ProfileWindow("ppo:2:3", str(tmp_path))
+  for stage in ("sft", "ppo"):
+    for step in range(1, 5):
+      window.before_step(stage, step)
+      assert window.active == (stage == "ppo" and step in (2, 3))
+      with window.annotate(step):
+        out = f(x)
+      window.after_step(stage, step, out)
+  window.close()
+  assert window.done and not window.active
+  files = [os.path.join(r, n) for r, _, ns in os.walk(tmp_path / "profile") for n in ns]
+  assert any(p.endswith(".xplane.pb") and os.path.getsize(p) > 0 for p in files), files
+
+
+def test_profile_window_off_does_nothing(tmp_path):
+  window = perf.ProfileWindow(None, str(tmp_path))
+  window.before_step("sft", 1)
+  window.after_step("sft", 1)
+  window.close()
+  assert not window.enabled and not (tmp_path / "profile").exists()
+
+
+def test_memory_in_use_falls_back_to_process_memory_on_cpu():
+  m = perf.memory_in_use()
+  assert m["memory/on_device"] == 0.0
+  # A process that imported jax holds tens of MB at least.
+  assert 10e6 < m["memory/bytes_in_use"] <= m["memory/peak_bytes_in_use"] * 1.01
