@@ -300,10 +300,11 @@ class LoggingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class KernelsConfig:
-  """Which implementation each hot op uses: "auto" picks by backend."""
+  """Which implementation each hot op uses: "auto" picks by backend (Pallas on GPU, XLA
+  elsewhere); "pallas_interpret" runs the Pallas kernels in the slow interpreter (debugging)."""
 
-  logprob: Literal["auto", "xla", "pallas", "naive"] = "auto"
-  attention: Literal["auto", "xla", "pallas", "cudnn"] = "auto"
+  logprob: Literal["auto", "xla", "pallas", "pallas_interpret", "naive"] = "auto"
+  attention: Literal["auto", "xla", "pallas", "pallas_interpret", "cudnn"] = "auto"
   logprob_block_v: int = 8192
 
 
