@@ -108,7 +108,7 @@ def _best_time(fn, arg, repeats: int) -> float:
   return best
 
 
-def measure_cpu_peak_flops(n: int = 2048, repeats: int = 3) -> float:
+def measure_cpu_peak_flops(n: int = 1024, repeats: int = 5) -> float:
   """FLOP/s of XLA's fp32 ``[n, n] @ [n, n]`` on the first CPU device, best of ``repeats``.
 
   Anything else running on the cores lowers the figure; it is an achieved ceiling, not a

@@ -151,6 +151,21 @@ def _fmt(x: float) -> str:
   return f"{x:.4g}"
 
 
+def phase_shares(by_step) -> dict[str, float]:
+  """Each phase's share of the total step time, over the steps that timed phases."""
+  names = phase_names(by_step)
+  rows = [m for m in by_step.values()
+          if "time/step_s" in m and any(PHASE_PREFIX + n + PHASE_SUFFIX in m for n in names)]
+  total = sum(m["time/step_s"] for m in rows if math.isfinite(m["time/step_s"]))
+  if not rows or not total > 0:
+    return {}
+  out = {}
+  for n in names:
+    vals = [m.get(PHASE_PREFIX + n + PHASE_SUFFIX, 0.0) for m in rows]
+    out[n] = sum(v for v in vals if math.isfinite(v)) / total
+  return out
+
+
 def summarize(stages) -> str:
   lines = []
   for stage, by_step in stages.items():
@@ -174,10 +189,9 @@ def summarize(stages) -> str:
       if len(step_time.values) > 1:
         text += f" (after the first, {_fmt(step_time.values[0])})"
       lines.append(text)
-    shares = {n: series(by_step, f"time/share/{n}") for n in phase_names(by_step)}
-    shares = {n: s for n, s in shares.items() if s is not None}
+    shares = phase_shares(by_step)
     if shares:
-      parts = [f"{n} {100 * sum(s.values) / len(s.values):.0f}%" for n, s in shares.items()]
+      parts = [f"{n} {100 * share:.0f}%" for n, share in shares.items()]
       lines.append(f"  {'time shares':24s} " + ", ".join(parts))
   return "\n".join(lines) + "\n"
 
