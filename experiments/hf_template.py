@@ -1,0 +1,56 @@
+"""PPO, GRPO and DPO on a user's Hugging Face model (Llama, Qwen2 or Mistral family).
+
+Templates: the architecture comes from the checkpoint at run time
+(``jaxrlhf.model.hf.resolve_hf_config``), so the model fields here are placeholders; point
+them at local directories and data on the command line, e.g.::
+
+  python -m jaxrlhf.main --experiment=hf_grpo \\
+      --set=model.hf_path=/ckpt/qwen2-0.5b-sft --set=data.tokenizer=/ckpt/qwen2-0.5b-sft \\
+      --set=data.prompts_path=prompts.jsonl --mesh=dp=-1,tp=4
+
+The policy and the frozen reference both start from ``model.hf_path``.  PPO's reward and value
+models start from ``reward_model.hf_path`` / ``value_model.hf_path`` (a reward model with a
+``score.weight``, or a causal LM, which gets a new zero scalar head); unset, they start from
+the policy's checkpoint.  See docs/hf.md.
+"""
+
+import dataclasses
+
+from jaxrlhf.config import (DataConfig, DPOConfig, ExperimentConfig, GRPOConfig, ModelConfig,
+                            PPOConfig, RewardConfig, RolloutConfig)
+from jaxrlhf.registry import register
+
+# Training fields for a ~1-8B model; the architecture fields are replaced from model.hf_path.
+HF_MODEL = ModelConfig(param_dtype="float32", compute_dtype="bfloat16", remat="full",
+                       scan_layers=True)
+HF_DATA = DataConfig(task="jsonl", max_prompt_len=256, max_response_len=256, overlong="truncate")
+
+
+def _base(name: str, stages: tuple[str, ...], description: str) -> ExperimentConfig:
+  return ExperimentConfig(
+      name=name, description=description, stages=stages, model=HF_MODEL, data=HF_DATA,
+      rollout=RolloutConfig(max_new_tokens=256, temperature=1.0))
+
+
+@register("hf_ppo")
+def build_ppo():
+  cfg = _base("hf_ppo", ("ppo",), "PPO on your HF model: --set=model.hf_path=DIR "
+              "--set=reward_model.hf_path=RM_DIR --set=data.tokenizer=DIR "
+              "--set=data.prompts_path=FILE")
+  return dataclasses.replace(cfg, ppo=PPOConfig(steps=500, batch_size=32, num_minibatches=4))
+
+
+@register("hf_grpo")
+def build_grpo():
+  cfg = _base("hf_grpo", ("grpo",), "GRPO on your HF model: --set=model.hf_path=DIR "
+              "--set=data.tokenizer=DIR --set=data.prompts_path=FILE (answers: exact match)")
+  return dataclasses.replace(cfg, grpo=GRPOConfig(
+      steps=500, batch_size=16, num_samples=8, num_minibatches=4,
+      reward=RewardConfig(sources=("rule:exact_match",))))
+
+
+@register("hf_dpo")
+def build_dpo():
+  cfg = _base("hf_dpo", ("dpo",), "DPO on your HF model: --set=model.hf_path=DIR "
+              "--set=data.tokenizer=DIR --set=data.pairs_path=FILE")
+  return dataclasses.replace(cfg, dpo=DPOConfig(steps=500, batch_size=32))
