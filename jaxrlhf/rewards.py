@@ -1,0 +1,313 @@
+"""Reward sources and reward post-processing.
+
+Sources come in two kinds (DESIGN.md): jittable rule functions over token arrays (:data:`RULES`,
+run inside the step program, like the learned reward model's scalar head) and host functions
+over decoded strings (:data:`HOST_RULES`, arbitrary Python, run between two programs).  Several
+sources combine with weights (:func:`combine_rewards`).  Then, in this order: missing-EOS
+handling, the reward-hacking guard, and normalisation with non-finite rewards masked out and
+counted.  Every jittable function here is a pure array function; configs stay outside.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxrlhf.algorithms.stats import masked_moments
+
+NORMALIZE_MODES = ("none", "batch", "running")
+GUARD_ACTIONS = ("penalty", "mask")
+MISSING_EOS_MODES = ("none", "penalty", "mask")
+
+
+def _check(name, value, choices):
+  if value not in choices:
+    raise ValueError(f"{name}={value!r} is not valid; choose one of {choices}")
+
+
+# -------------------------------------------------------------------------- normalisation
+
+
+@struct.dataclass
+class RunningStats:
+  """Running reward mean/variance (Welford / Chan et al. merge), kept in the train state."""
+  count: jax.Array  # int32 scalar: rewards seen
+  mean: jax.Array  # float32 scalar
+  m2: jax.Array  # float32 scalar: sum of squared deviations from the mean
+
+  @property
+  def std(self):
+    """Unbiased (ddof=1) standard deviation; 0 before two rewards were seen."""
+    n = self.count.astype(jnp.float32)
+    return jnp.where(n > 1, jnp.sqrt(jnp.maximum(self.m2, 0.0) / jnp.maximum(n - 1.0, 1.0)), 0.0)
+
+
+def init_running_stats() -> RunningStats:
+  return RunningStats(count=jnp.zeros((), jnp.int32), mean=jnp.zeros((), jnp.float32),
+                      m2=jnp.zeros((), jnp.float32))
+
+
+def update_running_stats(stats: RunningStats, r_B, valid_B) -> RunningStats:
+  """Merges the valid rewards of a batch (under jit on a sharded array: the global batch)."""
+  valid_B = jnp.asarray(valid_B).astype(bool)
+  r_B = jnp.where(valid_B, jnp.asarray(r_B, jnp.float32), 0.0)
+  mean_b, _, n_b = (v.reshape(()) for v in masked_moments(r_B, valid_B))
+  m2_b = jnp.sum(jnp.square(jnp.where(valid_B, r_B - mean_b, 0.0)))
+  n_a = stats.count.astype(jnp.float32)
+  n = n_a + n_b
+  delta = mean_b - stats.mean
+  frac = n_b / jnp.maximum(n, 1.0)
+  return RunningStats(count=stats.count + n_b.astype(jnp.int32),
+                      mean=stats.mean + delta * frac,
+                      m2=stats.m2 + m2_b + jnp.square(delta) * n_a * frac)
+
+
+def finite_rewards(r_B, valid_B=None):
+  """``(r_B, valid_B)`` with non-finite rewards set to 0 and marked invalid.  Rows to keep in
+  the update after :func:`normalize_rewards` are exactly these ``valid_B``."""
+  r_B = jnp.asarray(r_B, jnp.float32)
+  valid_B = jnp.ones(r_B.shape, bool) if valid_B is None else jnp.asarray(valid_B).astype(bool)
+  finite_B = jnp.isfinite(r_B)
+  return jnp.where(finite_B & valid_B, r_B, 0.0), valid_B & finite_B
+
+
+def normalize_rewards(r_B, valid_B, *, mode: str = "none", stats: Optional[RunningStats] = None,
+                      clip: float = 0.0, eps: float = 1e-8):
+  """Normalises sequence rewards; returns ``(r_B, stats, metrics)``.
+
+  Non-finite rewards are masked out first (reward 0, excluded from every statistic, counted in
+  ``metrics["reward/nonfinite"]``); the caller drops them from the update with
+  ``finite_rewards(r_in, valid_B)[1]``.  Then:
+    none:     unchanged.
+    batch:    ``(r - mean) / (std + eps)`` over the valid rows of the whole (global) batch.
+    running:  ``stats`` is first updated with this batch, then ``(r - mean) / (std + eps)`` with
+              the running mean and unbiased std.
+  ``clip > 0`` clips the result to ``[-clip, clip]``.  Invalid rows come back as 0.  Metrics
+  (float32): ``reward/nonfinite``, ``reward/raw_mean``, ``reward/raw_std``, ``reward/mean``,
+  ``reward/clip_frac``.
+  """
+  _check("reward normalize", mode, NORMALIZE_MODES)
+  r_in = jnp.asarray(r_B, jnp.float32)
+  given_B = jnp.ones(r_in.shape, bool) if valid_B is None else jnp.asarray(valid_B).astype(bool)
+  r_B, valid_B = finite_rewards(r_in, given_B)
+  raw_mean, raw_std, _ = (v.reshape(()) for v in masked_moments(r_B, valid_B))
+  if mode == "batch":
+    out_B = (r_B - raw_mean) / (raw_std + eps)
+  elif mode == "running":
+    if stats is None:
+      raise ValueError("reward normalize='running' needs stats=init_running_stats() (kept in "
+                       "the train state)")
+    stats = update_running_stats(stats, r_B, valid_B)
+    out_B = (r_B - stats.mean) / (stats.std + eps)
+  else:
+    out_B = r_B
+  if clip and clip > 0:
+    clipped_B = jnp.abs(out_B) > clip
+    out_B = jnp.clip(out_B, -clip, clip)
+  else:
+    clipped_B = jnp.zeros(out_B.shape, bool)
+  out_B = jnp.where(valid_B, out_B, 0.0)
+  n_valid = jnp.maximum(jnp.sum(valid_B), 1).astype(jnp.float32)
+  metrics = {
+      "reward/nonfinite": jnp.sum(given_B & ~jnp.isfinite(r_in)).astype(jnp.float32),
+      "reward/raw_mean": raw_mean,
+      "reward/raw_std": raw_std,
+      "reward/mean": jnp.sum(out_B) / n_valid,
+      "reward/clip_frac": jnp.sum(clipped_B & valid_B).astype(jnp.float32) / n_valid,
+  }
+  return out_B, stats, metrics
+
+
+# ---------------------------------------------------------------- guard and missing EOS
+
+
+def apply_guard(r_B, guard_score_B, *, threshold: float, action: str = "penalty",
+                penalty: float = -1.0, valid_B=None):
+  """Reward-hacking guard: a generation whose guard score exceeds ``threshold`` (or is NaN: an
+  unscorable generation is not trusted) is flagged.  ``penalty`` adds ``penalty`` to its reward;
+  ``mask`` drops it from the update.  Returns ``(r_B, keep_B, metrics)`` with
+  ``guard/flag_rate`` (over ``valid_B`` rows, default all) and ``guard/score_mean``."""
+  _check("guard action", action, GUARD_ACTIONS)
+  r_B = jnp.asarray(r_B, jnp.float32)
+  score_B = jnp.asarray(guard_score_B, jnp.float32)
+  valid_B = jnp.ones(r_B.shape, bool) if valid_B is None else jnp.asarray(valid_B).astype(bool)
+  flagged_B = (score_B > threshold) | jnp.isnan(score_B)
+  if action == "penalty":
+    r_B = r_B + jnp.where(flagged_B, jnp.float32(penalty), 0.0)
+    keep_B = jnp.ones(r_B.shape, bool)
+  else:
+    keep_B = ~flagged_B
+  n_valid = jnp.maximum(jnp.sum(valid_B), 1).astype(jnp.float32)
+  metrics = {
+      "guard/flag_rate": jnp.sum(flagged_B & valid_B).astype(jnp.float32) / n_valid,
+      "guard/score_mean": jnp.sum(jnp.where(valid_B & ~jnp.isnan(score_B), score_B, 0.0))
+                          / n_valid,
+  }
+  return r_B, keep_B, metrics
+
+
+def apply_missing_eos(r_B, has_eos_B, *, mode: str = "none", penalty: float = -1.0):
+  """Sequences that ended without EOS (over-long): ``penalty`` adds ``penalty`` to the reward,
+  ``mask`` drops them from the update, ``none`` leaves them.  Returns ``(r_B, keep_B)``."""
+  _check("missing_eos", mode, MISSING_EOS_MODES)
+  r_B = jnp.asarray(r_B, jnp.float32)
+  has_eos_B = jnp.asarray(has_eos_B).astype(bool)
+  keep_B = jnp.ones(r_B.shape, bool)
+  if mode == "penalty":
+    r_B = r_B + jnp.where(has_eos_B, 0.0, jnp.float32(penalty))
+  elif mode == "mask":
+    keep_B = has_eos_B
+  return r_B, keep_B
+
+
+def is_eos(tokens, eos_id: Union[int, Sequence[int]]):
+  """True where ``tokens`` is an end token; ``eos_id`` is one id or several (stop tokens)."""
+  ids = (eos_id,) if isinstance(eos_id, (int, np.integer)) else tuple(eos_id)
+  if not ids:
+    raise ValueError("eos_id: give at least one end-of-sequence token id")
+  out = jnp.zeros(jnp.shape(tokens), bool)
+  for i in ids:
+    out = out | (tokens == i)
+  return out
+
+
+def has_eos(response_BN, response_mask_BN, *, eos_id):
+  """Whether each response contains an end token among its valid positions, ``[B]`` bool."""
+  return jnp.any(is_eos(response_BN, eos_id) & jnp.asarray(response_mask_BN).astype(bool), -1)
+
+
+def combine_rewards(rewards: Sequence, weights: Sequence[float]):
+  """``sum_i weights[i] * rewards[i]`` over ``[B]`` arrays.  Zero-weight sources are skipped,
+  so a NaN from a source switched off cannot poison the sum (0 * NaN = NaN)."""
+  if len(rewards) == 0 or len(rewards) != len(weights):
+    raise ValueError(f"reward sources and weights must align: {len(rewards)} sources, "
+                     f"{len(weights)} weights (set reward.weights to one weight per source)")
+  total = jnp.zeros(jnp.shape(rewards[0]), jnp.float32)
+  for r, w in zip(rewards, weights):
+    if w != 0:
+      total = total + jnp.float32(w) * jnp.asarray(r, jnp.float32)
+  return total
+
+
+# --------------------------------------------------------------------- jittable rule rewards
+
+# fn(response_BN, response_mask_BN, answer_BA, answer_mask_BA, *, eos_id) -> float32 [B]
+RuleFn = Callable[..., jax.Array]
+RULES: dict[str, RuleFn] = {}
+
+
+def _adder(table: dict, kind: str, name: str):
+  def add(fn):
+    if name in table:
+      raise ValueError(f"{kind} {name!r} is already registered; pick another name")
+    table[name] = fn
+    return fn
+  return add
+
+
+def _lookup(table: dict, prefix: str, kind: str, register: str, name: str):
+  if name not in table:
+    raise ValueError(f"reward source '{prefix}:{name}' is not registered; registered {kind}s: "
+                     f"{sorted(table)} (add one with jaxrlhf.rewards.{register})")
+  return table[name]
+
+
+def register_rule(name: str):
+  """Decorator adding a jittable rule reward to :data:`RULES` (source ``rule:NAME``)."""
+  return _adder(RULES, "rule reward", name)
+
+
+def get_rule(name: str) -> RuleFn:
+  return _lookup(RULES, "rule", "rule", "register_rule", name)
+
+
+def _compact(tokens_BN, keep_BN, fill: int):
+  """Kept tokens moved to the front in order, ``fill`` after them; and how many were kept."""
+  order_BN = jnp.argsort(~keep_BN, axis=-1, stable=True)
+  out_BN = jnp.take_along_axis(tokens_BN, order_BN, axis=-1)
+  n_B = jnp.sum(keep_BN, axis=-1)
+  return jnp.where(jnp.arange(tokens_BN.shape[-1]) < n_B[:, None], out_BN, fill), n_B
+
+
+def _response_vs_answer(response_BN, response_mask_BN, answer_BA, answer_mask_BA, eos_id):
+  """(matching positions, response length, answer length): the response is its valid tokens
+  before the first end token (the end token excluded; all valid tokens if there is none),
+  compared position by position with the answer's valid tokens."""
+  mask_BN = jnp.asarray(response_mask_BN).astype(bool)
+  ended_BN = jnp.cumsum(is_eos(response_BN, eos_id) & mask_BN, axis=-1) > 0
+  resp_BN, n_r = _compact(response_BN, mask_BN & ~ended_BN, -1)
+  ans_BA, n_a = _compact(answer_BA, jnp.asarray(answer_mask_BA).astype(bool), -2)
+  w = max(resp_BN.shape[-1], ans_BA.shape[-1])
+  resp_BW = jnp.pad(resp_BN, ((0, 0), (0, w - resp_BN.shape[-1])), constant_values=-1)
+  ans_BW = jnp.pad(ans_BA, ((0, 0), (0, w - ans_BA.shape[-1])), constant_values=-2)
+  matches_B = jnp.sum(resp_BW == ans_BW, axis=-1)  # the fills never match each other
+  return matches_B, n_r, n_a
+
+
+@register_rule("exact_match")
+def exact_match(response_BN, response_mask_BN, answer_BA, answer_mask_BA, *, eos_id):
+  """1.0 when the response's tokens before (excluding) the first end token equal the answer's
+  valid tokens exactly, else 0.0.  ``response_mask`` covers the generated tokens including the
+  end token; ``answer_mask`` covers the answer only.  A response without an end token is
+  compared whole (missing-EOS handling is :func:`apply_missing_eos`'s job)."""
+  matches_B, n_r, n_a = _response_vs_answer(response_BN, response_mask_BN, answer_BA,
+                                            answer_mask_BA, eos_id)
+  return ((n_r == n_a) & (matches_B == n_a)).astype(jnp.float32)
+
+
+@register_rule("token_accuracy")
+def token_accuracy(response_BN, response_mask_BN, answer_BA, answer_mask_BA, *, eos_id):
+  """Partial credit: positions where the response (as in :func:`exact_match`) equals the answer,
+  divided by the longer of the two lengths; 1.0 exactly when :func:`exact_match` is."""
+  matches_B, n_r, n_a = _response_vs_answer(response_BN, response_mask_BN, answer_BA,
+                                            answer_mask_BA, eos_id)
+  return matches_B.astype(jnp.float32) / jnp.maximum(jnp.maximum(n_r, n_a), 1).astype(jnp.float32)
+
+
+# ------------------------------------------------------------------------ host rule rewards
+
+# fn(responses: list[str], answers: list[str]) -> list[float | None]; None or NaN: unscorable.
+HostFn = Callable[[list, list], list]
+HOST_RULES: dict[str, HostFn] = {}
+
+
+def register_host_reward(name: str):
+  """Decorator adding a host reward function to :data:`HOST_RULES` (source ``host:NAME``)."""
+  return _adder(HOST_RULES, "host reward", name)
+
+
+def get_host_reward(name: str) -> HostFn:
+  return _lookup(HOST_RULES, "host", "host reward", "register_host_reward", name)
+
+
+def run_host_reward(name: str, responses: Sequence[str], answers: Sequence[str]) -> np.ndarray:
+  """Calls a host reward and checks what it returns: float32 ``[B]``, with None (unscorable)
+  as NaN so that :func:`normalize_rewards` masks and counts it."""
+  out = get_host_reward(name)(list(responses), list(answers))
+  if len(out) != len(responses):
+    raise ValueError(f"host reward {name!r} returned {len(out)} scores for {len(responses)} "
+                     f"responses; it must return one float per response")
+  vals = []
+  for i, v in enumerate(out):
+    if v is None:
+      vals.append(math.nan)
+      continue
+    try:
+      vals.append(float(v))
+    except (TypeError, ValueError):
+      raise ValueError(f"host reward {name!r} returned {v!r} for response {i}; return a float "
+                       f"(or None when it cannot score)") from None
+  return np.asarray(vals, np.float32)
+
+
+@register_host_reward("exact_match")
+def host_exact_match(responses: list, answers: list) -> list:
+  """1.0 when the decoded response equals the answer after stripping surrounding whitespace."""
+  if len(responses) != len(answers):
+    raise ValueError(f"exact_match: {len(responses)} responses but {len(answers)} answers")
+  return [1.0 if r.strip() == a.strip() else 0.0 for r, a in zip(responses, answers)]
