@@ -1,12 +1,35 @@
-"""Picks the attention implementation by backend, with an explicit override."""
+"""Picks the attention implementation by backend, with an explicit override
+(``--set=kernels.attention=auto|xla|pallas|pallas_interpret|cudnn``)."""
 
+from __future__ import annotations
+
+from kernels._backend import resolve_impl
+from kernels.attention.cudnn import attention_cudnn
+from kernels.attention.decode import decode_attention
+from kernels.attention.flash import flash_attention
 from kernels.attention.reference import attention_reference
 
-IMPLS = ("auto", "xla")
+IMPLS = ("auto", "xla", "pallas", "pallas_interpret", "cudnn")
+# What "auto" runs on each backend (anything unlisted: "xla").  One line to change once the
+# GPU benchmark (kernels/bench_gpu.py) says cuDNN or XLA is faster.
+AUTO = {"gpu": "pallas"}
+# Up to this many new tokens per step the Pallas path uses the decode kernel (one program per
+# KV head, reading the cache once); longer query blocks use flash attention.
+DECODE_MAX_T = 16
 
 
 def attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, impl: str = "auto"):
-  """Causal GQA attention; see :func:`attention_reference` for the contract."""
-  if impl not in IMPLS:
-    raise ValueError(f"kernels.attention={impl!r} is not available; choose one of {IMPLS}")
-  return attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset)
+  """Causal GQA attention; see :func:`attention_reference` for the contract.
+
+  Rows with no visible key (left-pad queries) are unspecified: the reference and cuDNN give the
+  mean of V, the Pallas kernels 0.  ``impl`` is one of :data:`IMPLS`.
+  """
+  impl = resolve_impl("attention", impl, IMPLS, AUTO)
+  if impl == "xla":
+    return attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset)
+  if impl == "cudnn":
+    return attention_cudnn(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset)
+  interpret = impl == "pallas_interpret"
+  if q_BTHD.shape[1] <= DECODE_MAX_T:
+    return decode_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset, interpret=interpret)
+  return flash_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset, interpret=interpret)

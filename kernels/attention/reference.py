@@ -21,7 +21,8 @@ def attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, scale
 
   q_BTHD: queries at slots ``q_offset .. q_offset+T-1``; k/v_BSKD: keys/values at slots
   ``0 .. S-1`` with ``H`` a multiple of ``K``; kv_mask_BS: which key slots hold real tokens.
-  Softmax in float32; output in the dtype of ``q``.
+  Softmax in float32; output in the dtype of ``q``.  A query row with no visible key gets
+  the mean of V here; other implementations may differ on such rows (they are never used).
   """
   b, t, h, d = q_BTHD.shape
   k_heads = k_BSKD.shape[2]

@@ -1,16 +1,28 @@
-"""Picks the log-prob implementation by backend, with an explicit override."""
+"""Picks the log-prob implementation by backend, with an explicit override
+(``--set=kernels.logprob=auto|xla|pallas|pallas_interpret|naive``)."""
 
+from __future__ import annotations
+
+from kernels._backend import resolve_impl
+from kernels.logprob.pallas import logprob_entropy_pallas
 from kernels.logprob.reference import logprob_entropy_reference
 from kernels.logprob.xla import logprob_entropy_blockwise
 
-IMPLS = ("auto", "xla", "naive")
+IMPLS = ("auto", "xla", "pallas", "pallas_interpret", "naive")
+# What "auto" runs on each backend (anything unlisted: "xla"); see kernels/NOTES.md.
+AUTO = {"gpu": "pallas"}
 
 
 def logprob_entropy(h_BTD, w_DV, targets_BT, *, impl: str = "auto", block_v: int = 8192):
-  """Per-token (log p(target), entropy) in float32; never ``[B,T,V]`` logits unless
-  ``impl="naive"`` (the reference, for tests and tiny vocabularies)."""
-  if impl not in IMPLS:
-    raise ValueError(f"kernels.logprob={impl!r} is not available; choose one of {IMPLS}")
+  """Per-token (log p(target), entropy), float32 ``[B, T]`` each, never materialising
+  ``[B, T, V]`` logits unless ``impl="naive"`` (the reference, for tests and tiny vocabularies).
+
+  ``impl`` is one of :data:`IMPLS`; ``block_v`` is the XLA path's vocabulary tile (the Pallas
+  kernel uses its own on-chip tiles, :class:`kernels.logprob.pallas.BlockSizes`).
+  """
+  impl = resolve_impl("logprob", impl, IMPLS, AUTO)
   if impl == "naive":
     return logprob_entropy_reference(h_BTD, w_DV, targets_BT)
+  if impl in ("pallas", "pallas_interpret"):
+    return logprob_entropy_pallas(h_BTD, w_DV, targets_BT, interpret=impl == "pallas_interpret")
   return logprob_entropy_blockwise(h_BTD, w_DV, targets_BT, block_v=block_v)

@@ -1,13 +1,20 @@
 """Blockwise log-prob + entropy in plain XLA, with a recomputing backward pass.
 
 Forward: a scan over vocabulary tiles keeps, per token, the running max ``m``, the sum
-``s = sum exp(z - m)`` and ``u = sum exp(z - m) * z``; then ``lse = m + log s`` and
-``entropy = lse - u / s``.  The target logit is a dot with the gathered unembedding column.
+``s = sum exp(z - m)``, ``u = sum exp(z - m) * z`` and the target logit; then
+``lse = m + log s`` and ``entropy = lse - u / s``.
 Backward (``custom_vjp``): the tiles are recomputed, so no residual of size ``B*T*V`` is kept:
-with ``p = softmax(z)`` and ``mu = lse - entropy``,
-``dlogp/dz = onehot - p`` and ``dentropy/dz = -p * (z - mu)``.
-Peak temporary memory is O(B*T*block_v).
+with ``p = softmax(z)`` and ``mu = lse - entropy = E_p[z]``,
+``dlogp/dz = onehot(target) - p`` and ``dentropy/dz = -p * (z - mu)``.
+
+Memory: peak temporaries are O(N * block_v) plus an O(N * D) float32 accumulator for dh.  The
+unembedding is never copied or padded: tiles are ``dynamic_slice``s of it, and the last tile,
+when the vocabulary is not a multiple of ``block_v``, is shifted back to end at ``V`` with the
+columns it shares with the previous tile masked.  Each column of dW is produced whole by one
+tile (the sum over tokens is inside the matmul), so dW is written in place in W's own dtype.
 """
+
+from __future__ import annotations
 
 import functools
 
@@ -15,44 +22,42 @@ import jax
 import jax.numpy as jnp
 
 
-def _tiles(w_DV, block_v):
-  d, v = w_DV.shape
-  n = -(-v // block_v)
-  pad = n * block_v - v
-  w = jnp.pad(w_DV, ((0, 0), (0, pad)))
-  return w.reshape(d, n, block_v).transpose(1, 0, 2), n, pad  # [n, D, block_v]
+def _tile(w_DV, j, block_v):
+  """Tile ``j`` of the vocabulary: (w_DC, ids_C, fresh_C, start)."""
+  v = w_DV.shape[1]
+  start = jnp.minimum(j * block_v, v - block_v)
+  ids = start + jnp.arange(block_v)
+  # Only the last tile can be shifted back; the columns it re-reads belong to tile j-1.
+  fresh = ids >= j * block_v
+  return jax.lax.dynamic_slice_in_dim(w_DV, start, block_v, axis=1), ids, fresh, start
 
 
-def _tile_logits(h_ND, w_tile_DC, tile_idx, block_v, vocab):
-  z = jnp.dot(h_ND, w_tile_DC, preferred_element_type=jnp.float32)
-  ids = tile_idx * block_v + jnp.arange(block_v)
-  return jnp.where(ids[None, :] < vocab, z, -jnp.inf), ids
+def _logits(h_ND, w_DC, fresh_C):
+  z = jnp.dot(h_ND, w_DC, preferred_element_type=jnp.float32)
+  return jnp.where(fresh_C[None, :], z, -jnp.inf)
 
 
 def _forward(h_ND, w_DV, t_N, block_v):
-  vocab = w_DV.shape[1]
-  tiles, n, _ = _tiles(w_DV, block_v)
+  n_tiles = -(-w_DV.shape[1] // block_v)
   n_tok = h_ND.shape[0]
 
-  def body(carry, xs):
-    m, s, u = carry
-    w_tile, idx = xs
-    z, _ = _tile_logits(h_ND, w_tile, idx, block_v, vocab)
+  def body(carry, j):
+    m, s, u, zt = carry
+    w_DC, ids, fresh, _ = _tile(w_DV, j, block_v)
+    z = _logits(h_ND, w_DC, fresh)
     m_new = jnp.maximum(m, jnp.max(z, axis=-1))
-    scale = jnp.exp(m - m_new)
+    rescale = jnp.exp(m - m_new)
     e = jnp.exp(z - m_new[:, None])
-    s = s * scale + jnp.sum(e, axis=-1)
-    u = u * scale + jnp.sum(e * jnp.where(jnp.isfinite(z), z, 0.0), axis=-1)
-    return (m_new, s, u), None
+    s = s * rescale + jnp.sum(e, axis=-1)
+    u = u * rescale + jnp.sum(e * jnp.where(fresh[None, :], z, 0.0), axis=-1)
+    zt = zt + jnp.sum(jnp.where((ids[None, :] == t_N[:, None]) & fresh[None, :], z, 0.0), -1)
+    return (m_new, s, u, zt), None
 
-  init = (jnp.full((n_tok,), -jnp.inf, jnp.float32), jnp.zeros((n_tok,), jnp.float32),
-          jnp.zeros((n_tok,), jnp.float32))
-  (m, s, u), _ = jax.lax.scan(body, init, (tiles, jnp.arange(n)))
+  zeros = jnp.zeros((n_tok,), jnp.float32)
+  init = (jnp.full((n_tok,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
+  (m, s, u, zt), _ = jax.lax.scan(body, init, jnp.arange(n_tiles))
   lse = m + jnp.log(s)
-  ent = lse - u / s
-  w_t = jnp.take(w_DV, t_N, axis=1).T  # [N, D]
-  z_t = jnp.sum(h_ND.astype(jnp.float32) * w_t.astype(jnp.float32), axis=-1)
-  return z_t - lse, ent, lse
+  return zt - lse, lse - u / s, lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -68,27 +73,27 @@ def _fwd(h_ND, w_DV, t_N, block_v):
 
 def _bwd(block_v, res, grads):
   h_ND, w_DV, t_N, lse, ent = res
-  g_logp, g_ent = grads
-  vocab = w_DV.shape[1]
-  tiles, n, pad = _tiles(w_DV, block_v)
-  mu = lse - ent  # E_p[z]
-  g_logp = g_logp.astype(jnp.float32)
-  g_ent = g_ent.astype(jnp.float32)
+  g_logp, g_ent = (g.astype(jnp.float32) for g in grads)
+  n_tiles = -(-w_DV.shape[1] // block_v)
+  mu = lse - ent
 
-  def body(dh, xs):
-    w_tile, idx = xs
-    z, ids = _tile_logits(h_ND, w_tile, idx, block_v, vocab)
-    p = jnp.exp(z - lse[:, None])  # zero on padded ids
-    zf = jnp.where(jnp.isfinite(z), z, 0.0)
-    onehot = (t_N[:, None] == ids[None, :]).astype(jnp.float32)
+  def body(carry, j):
+    dh, dw = carry
+    w_DC, ids, fresh, start = _tile(w_DV, j, block_v)
+    z = _logits(h_ND, w_DC, fresh)
+    p = jnp.exp(z - lse[:, None])  # zero on masked columns
+    zf = jnp.where(fresh[None, :], z, 0.0)
+    onehot = ((t_N[:, None] == ids[None, :]) & fresh[None, :]).astype(jnp.float32)
     gz = g_logp[:, None] * (onehot - p) - g_ent[:, None] * p * (zf - mu[:, None])
-    dh = dh + jnp.dot(gz, w_tile.T.astype(jnp.float32))
-    dw_tile = jnp.dot(h_ND.T.astype(jnp.float32), gz)
-    return dh, dw_tile
+    dh = dh + jnp.dot(gz.astype(w_DC.dtype), w_DC.T, preferred_element_type=jnp.float32)
+    dw_DC = jnp.dot(h_ND.T, gz.astype(h_ND.dtype), preferred_element_type=jnp.float32)
+    old = jax.lax.dynamic_slice_in_dim(dw, start, block_v, axis=1)
+    dw_DC = jnp.where(fresh[None, :], dw_DC.astype(dw.dtype), old)
+    return (dh, jax.lax.dynamic_update_slice_in_dim(dw, dw_DC, start, axis=1)), None
 
-  dh, dw_tiles = jax.lax.scan(body, jnp.zeros(h_ND.shape, jnp.float32), (tiles, jnp.arange(n)))
-  dw = dw_tiles.transpose(1, 0, 2).reshape(w_DV.shape[0], n * block_v)[:, :vocab]
-  return dh.astype(h_ND.dtype), dw.astype(w_DV.dtype), None
+  init = (jnp.zeros(h_ND.shape, jnp.float32), jnp.zeros(w_DV.shape, w_DV.dtype))
+  (dh, dw), _ = jax.lax.scan(body, init, jnp.arange(n_tiles))
+  return dh.astype(h_ND.dtype), dw, None
 
 
 _logprob_entropy_flat.defvjp(_fwd, _bwd)

@@ -1,0 +1,55 @@
+"""Shared by the kernel folders: choosing an implementation by backend, and small helpers the
+Pallas kernels use (a transposing dot with float32 accumulation, padded sizes).
+
+Choice policy, one place for every op:
+  * ``"auto"`` picks the op's entry in its ``auto`` table for ``jax.default_backend()``
+    (Pallas on GPU, the XLA path on CPU and TPU: the Pallas kernels here are written for the
+    Triton backend, see ``kernels/NOTES.md``).
+  * ``"pallas"`` needs a GPU; on any other backend it fails with a message naming the fix.
+  * ``"pallas_interpret"`` runs the same Pallas kernels in the Pallas interpreter on any backend.
+    It is slow and meant for tests and debugging, so it is only ever used when asked for.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def resolve_impl(op: str, impl: str, valid: tuple[str, ...], auto: dict[str, str]) -> str:
+  """The implementation to run for ``impl`` on this backend, or a ValueError naming choices."""
+  if impl not in valid:
+    choices = ", ".join(repr(v) for v in valid)
+    raise ValueError(f"kernels.{op}={impl!r} is not valid; choose one of {choices}")
+  backend = jax.default_backend()
+  if impl == "auto":
+    return auto.get(backend, "xla")
+  if impl == "pallas" and backend != "gpu":
+    raise ValueError(
+        f"kernels.{op}='pallas' needs a GPU (this backend is {backend!r}): the Pallas kernels "
+        f"are compiled through Triton.  Use kernels.{op}=xla, or kernels.{op}=pallas_interpret "
+        f"to run the kernel in the Pallas interpreter (slow; for debugging).")
+  return impl
+
+
+def dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
+  """2-D matmul with float32 accumulation; the transposes are folded into the contraction
+  (Triton's ``tl.dot`` takes them for free, a materialised ``.T`` would not)."""
+  dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+  return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def padded(n: int, minimum: int = 16) -> int:
+  """The next power of two >= ``n`` and >= ``minimum``: Triton blocks are powers of two, and
+  ``tl.dot`` needs at least 16 along each dimension."""
+  p = minimum
+  while p < n:
+    p *= 2
+  return p
+
+
+def cdiv(a, b: int):
+  """Ceiling division that also works on traced non-negative int32 scalars inside kernels."""
+  if isinstance(a, int):
+    return -(-a // b)
+  return jax.lax.div(a + (b - 1), b)

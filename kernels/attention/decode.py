@@ -1,0 +1,154 @@
+"""Decode attention over a KV cache as a Pallas kernel (Triton backend): a few new query tokens
+(T = 1 when sampling, small T for speculative or chunked steps) against ``S`` cached slots, with
+each sequence's valid slots given by ``kv_mask`` and the causal bound by ``q_offset``.
+
+Decode is memory-bound: the work is reading K and V once.  So one program serves *all* the
+``H/K`` query heads (times T tokens) that share a KV head, and reads that head's cache exactly
+once, instead of once per query head.  When ``B * K`` programs are too few to fill the GPU the
+key range is also split (flash-decoding): each split writes a partial output and its
+log-sum-exp, and a tiny XLA epilogue combines them.  Only slots below ``q_offset + T`` (the
+filled part of the cache) are read, whatever the cache's capacity.
+
+Same contract as :func:`kernels.attention.reference.attention_reference`, except that a query
+row with no visible key gets output 0.  Forward only: the backward of this op (nobody
+differentiates through sampling) falls back to the reference's gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels._backend import cdiv, dot, padded
+from kernels.attention.flash import check_shapes, kernel_inputs
+from kernels.attention.reference import attention_reference
+
+_MASKED = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlockSizes:
+  """Key-block size, the program count to aim for (about 2 per SM on an H100/H200) and Triton
+  launch settings."""
+
+  block_k: int = 128
+  target_programs: int = 264
+  num_warps: int = 4
+  num_stages: int = 2
+
+
+def _kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, s, g, d, dp, rp, scale, bk,
+            n_split):
+  # q_ref: [T*G, D] (row r = token r // G, query head r % G of this KV head).
+  off = off_ref[0]
+  rows = jnp.arange(rp)
+  row_ok = rows < t * g
+  d_ok = jnp.arange(dp) < d
+  q = plgpu.load(q_ref.at[pl.ds(0, rp), pl.ds(0, dp)], mask=row_ok[:, None] & d_ok[None, :],
+                 other=0.0)
+  q_slot = off + rows // g
+  # This split's share of the filled slots [0, min(S, off + T)), in whole key blocks.
+  n_blocks = cdiv(jnp.minimum(s, off + t), bk)
+  per_split = cdiv(n_blocks, n_split)
+  lo = pl.program_id(2) * per_split
+  hi = jnp.minimum(lo + per_split, n_blocks)
+
+  def body(j, carry):
+    acc, m, l = carry
+    cols = j * bk + jnp.arange(bk)
+    col_ok = cols < s
+    kv_tile = pl.ds(j * bk, bk), pl.ds(0, dp)
+    tile_ok = col_ok[:, None] & d_ok[None, :]
+    k = plgpu.load(k_ref.at[kv_tile], mask=tile_ok, other=0.0)
+    kv_ok = plgpu.load(m_ref.at[pl.ds(j * bk, bk)], mask=col_ok, other=0) != 0
+    vis = (cols[None, :] <= q_slot[:, None]) & (col_ok & kv_ok)[None, :]
+    sc = jnp.where(vis, dot(q, k, trans_b=True) * scale, _MASKED)
+    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+    rescale = jnp.exp(m - m_new)
+    p = jnp.where(vis, jnp.exp(sc - m_new[:, None]), 0.0)
+    l = l * rescale + jnp.sum(p, axis=1)
+    v = plgpu.load(v_ref.at[kv_tile], mask=tile_ok, other=0.0)
+    return acc * rescale[:, None] + dot(p.astype(v.dtype), v), m_new, l
+
+  init = (jnp.zeros((rp, dp), jnp.float32), jnp.full((rp,), _MASKED, jnp.float32),
+          jnp.zeros((rp,), jnp.float32))
+  acc, m, l = jax.lax.fori_loop(lo, hi, body, init)
+  seen = l > 0
+  l_safe = jnp.where(seen, l, 1.0)
+  plgpu.store(o_ref.at[pl.ds(0, rp), pl.ds(0, dp)], acc / l_safe[:, None],
+              mask=row_ok[:, None] & d_ok[None, :])
+  # An empty split gets lse = _MASKED, so its weight in the combination is 0.
+  plgpu.store(lse_ref.at[pl.ds(0, rp)], jnp.where(seen, m + jnp.log(l_safe), _MASKED),
+              mask=row_ok)
+
+
+def _decode(q, k, v, kv_mask, off, bs, interpret, scale):
+  b, t, h, d = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  g = h // kh
+  scale = d ** -0.5 if scale is None else scale
+  bk = min(bs.block_k, padded(s))
+  n_split = max(1, min(cdiv(bs.target_programs, b * kh), cdiv(s, bk)))
+  rows = t * g
+  # [B, T, K, G, D] -> [B, K, T*G, D]: one program's queries are contiguous (a small copy).
+  q_rows = q.reshape(b, t, kh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kh, rows, d)
+  kernel = functools.partial(_kernel, t=t, s=s, g=g, d=d, dp=padded(d), rp=padded(rows),
+                             scale=scale, bk=bk, n_split=n_split)
+  o_part, lse_part = pl.pallas_call(
+      kernel,
+      grid=(b, kh, n_split),
+      in_specs=[
+          pl.BlockSpec((1,), lambda bi, ki, si: (0,)),
+          pl.BlockSpec((None, None, rows, d), lambda bi, ki, si: (bi, ki, 0, 0)),
+          pl.BlockSpec((None, s, None, d), lambda bi, ki, si: (bi, 0, ki, 0)),
+          pl.BlockSpec((None, s, None, d), lambda bi, ki, si: (bi, 0, ki, 0)),
+          pl.BlockSpec((None, s), lambda bi, ki, si: (bi, 0)),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, None, rows, d), lambda bi, ki, si: (bi, ki, si, 0, 0)),
+          pl.BlockSpec((None, None, None, rows), lambda bi, ki, si: (bi, ki, si, 0)),
+      ],
+      out_shape=[jax.ShapeDtypeStruct((b, kh, n_split, rows, d), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kh, n_split, rows), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+      interpret=interpret,
+      name="decode_attention",
+  )(off, q_rows, k, v, kv_mask)
+  # Combine the splits: weights exp(lse_i - max lse); all-empty rows stay 0.
+  top = jnp.max(lse_part, axis=2, keepdims=True)
+  w = jnp.exp(lse_part - top)
+  o = jnp.sum(o_part * w[..., None], axis=2) / jnp.sum(w, axis=2)[..., None]
+  return o.reshape(b, kh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d).astype(q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _decode_vjp(q, k, v, kv_mask, off, bs, interpret, scale):
+  return _decode(q, k, v, kv_mask, off, bs, interpret, scale)
+
+
+def _decode_fwd(q, k, v, kv_mask, off, bs, interpret, scale):
+  return _decode(q, k, v, kv_mask, off, bs, interpret, scale), (q, k, v, kv_mask, off)
+
+
+def _decode_bwd(bs, interpret, scale, res, do):
+  q, k, v, kv_mask, off = res
+  _, vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, kv_mask != 0, off[0],
+                                                       scale=scale), q, k, v)
+  return (*vjp(do), None, None)
+
+
+_decode_vjp.defvjp(_decode_fwd, _decode_bwd)
+
+
+def decode_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *,
+                     block_sizes: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False,
+                     scale: float | None = None):
+  """Attention of T new tokens (slots ``q_offset ..``) over a KV cache; see the module doc."""
+  check_shapes(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS)
+  mask, off = kernel_inputs(kv_mask_BS, q_offset)
+  return _decode_vjp(q_BTHD, k_BSKD, v_BSKD, mask, off, block_sizes, interpret, scale)

@@ -1,0 +1,298 @@
+"""Flash attention for training and prefill as Pallas kernels (Triton backend): causal by slot,
+masked by key validity, grouped-query heads, with a Pallas backward pass.
+
+The contract is :func:`kernels.attention.reference.attention_reference`'s: query ``t`` sits at
+slot ``q_offset + t`` and sees key slot ``s`` iff ``s <= q_offset + t`` and ``kv_mask[b, s]``.
+``q_offset`` may be traced (a KV-cache index); it is passed to the kernels as data.  A query row
+with no visible key (a left-pad query) gets output 0 and zero gradient; the reference gives it
+the mean of V instead.  Callers never use those rows.
+
+Kernels (FlashAttention-2 layout):
+* forward, grid ``(query blocks, B, H)``: online softmax over key blocks up to the causal
+  bound (blocks wholly in the future are never visited); writes O and the row log-sum-exp.
+* backward dQ, same grid: recompute ``P = exp(S - lse)``, ``dS = P (dO V^T - delta)``,
+  ``dQ = dS K``.
+* backward dK/dV, grid ``(key blocks, B, K)``: each program owns one block of one KV head and
+  loops over the ``H/K`` query heads that share it and over the query blocks that can see it,
+  so GQA gradients are summed without atomics.
+``delta = rowsum(O * dO)`` is a plain XLA reduction.  The head dimension is padded to a power
+of two (>= 16) with masked loads; sequence tails are masked, so no input is padded or copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels._backend import cdiv, dot, padded
+
+# Finite stand-ins for -inf / +inf: no inf - inf = NaN in the online softmax, and a row with
+# no visible key stores lse = +BIG so that the backward's exp(s - lse) is exactly 0.
+_MASKED = -1e30
+_BIG = 1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes (powers of two >= 16) and Triton launch settings."""
+
+  block_q: int = 64
+  block_k: int = 64
+  block_q_bwd: int = 32
+  block_k_bwd: int = 32
+  num_warps: int = 4
+  num_stages: int = 2
+
+
+def _params(bs):
+  return plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+
+
+def _load_rows(ref, row0, rows_ok, n_rows, dp, d, *, index=()):
+  """``ref[index..., row0:row0+n_rows, :dp]`` with out-of-range rows and head-dims as 0."""
+  d_ok = jnp.arange(dp) < d
+  return plgpu.load(ref.at[(pl.ds(row0, n_rows),) + index + (pl.ds(0, dp),)],
+                    mask=rows_ok[:, None] & d_ok[None, :], other=0.0)
+
+
+def _visible(q_slot, cols, col_ok, kv_ok):
+  return (cols[None, :] <= q_slot[:, None]) & (col_ok & kv_ok)[None, :]
+
+
+def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, s, d, dp, scale,
+                bq, bk):
+  off = off_ref[0]
+  t0 = pl.program_id(0) * bq
+  rows = t0 + jnp.arange(bq)
+  row_ok = rows < t
+  q = _load_rows(q_ref, t0, row_ok, bq, dp, d)
+  q_slot = off + rows
+
+  def body(j, carry):
+    acc, m, l = carry
+    cols = j * bk + jnp.arange(bk)
+    col_ok = cols < s
+    k = _load_rows(k_ref, j * bk, col_ok, bk, dp, d)
+    kv_ok = plgpu.load(m_ref.at[pl.ds(j * bk, bk)], mask=col_ok, other=0) != 0
+    vis = _visible(q_slot, cols, col_ok, kv_ok)
+    sc = jnp.where(vis, dot(q, k, trans_b=True) * scale, _MASKED)
+    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+    rescale = jnp.exp(m - m_new)
+    p = jnp.where(vis, jnp.exp(sc - m_new[:, None]), 0.0)
+    l = l * rescale + jnp.sum(p, axis=1)
+    v = _load_rows(v_ref, j * bk, col_ok, bk, dp, d)
+    acc = acc * rescale[:, None] + dot(p.astype(v.dtype), v)
+    return acc, m_new, l
+
+  # Key blocks past the last visible slot of this query block are skipped.
+  last_slot = off + jnp.minimum(t, t0 + bq)
+  n_blocks = jnp.minimum(cdiv(last_slot, bk), cdiv(s, bk))
+  init = (jnp.zeros((bq, dp), jnp.float32), jnp.full((bq,), _MASKED, jnp.float32),
+          jnp.zeros((bq,), jnp.float32))
+  acc, m, l = jax.lax.fori_loop(0, n_blocks, body, init)
+  seen = l > 0
+  l_safe = jnp.where(seen, l, 1.0)
+  d_ok = jnp.arange(dp) < d
+  plgpu.store(o_ref.at[pl.ds(t0, bq), pl.ds(0, dp)], (acc / l_safe[:, None]).astype(o_ref.dtype),
+              mask=row_ok[:, None] & d_ok[None, :])
+  plgpu.store(lse_ref.at[pl.ds(t0, bq)], jnp.where(seen, m + jnp.log(l_safe), _BIG),
+              mask=row_ok)
+
+
+def _dq_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, do_ref, lse_ref, delta_ref, dq_ref, *, t, s,
+               d, dp, scale, bq, bk):
+  off = off_ref[0]
+  t0 = pl.program_id(0) * bq
+  rows = t0 + jnp.arange(bq)
+  row_ok = rows < t
+  q = _load_rows(q_ref, t0, row_ok, bq, dp, d)
+  do = _load_rows(do_ref, t0, row_ok, bq, dp, d)
+  lse = plgpu.load(lse_ref.at[pl.ds(t0, bq)], mask=row_ok, other=_BIG)
+  delta = plgpu.load(delta_ref.at[pl.ds(t0, bq)], mask=row_ok, other=0.0)
+  q_slot = off + rows
+
+  def body(j, dq):
+    cols = j * bk + jnp.arange(bk)
+    col_ok = cols < s
+    k = _load_rows(k_ref, j * bk, col_ok, bk, dp, d)
+    v = _load_rows(v_ref, j * bk, col_ok, bk, dp, d)
+    kv_ok = plgpu.load(m_ref.at[pl.ds(j * bk, bk)], mask=col_ok, other=0) != 0
+    vis = _visible(q_slot, cols, col_ok, kv_ok)
+    sc = jnp.where(vis, dot(q, k, trans_b=True) * scale, _MASKED)
+    p = jnp.where(vis, jnp.exp(sc - lse[:, None]), 0.0)
+    ds = p * (dot(do, v, trans_b=True) - delta[:, None])
+    return dq + dot(ds.astype(k.dtype), k)
+
+  last_slot = off + jnp.minimum(t, t0 + bq)
+  n_blocks = jnp.minimum(cdiv(last_slot, bk), cdiv(s, bk))
+  dq = jax.lax.fori_loop(0, n_blocks, body, jnp.zeros((bq, dp), jnp.float32))
+  d_ok = jnp.arange(dp) < d
+  plgpu.store(dq_ref.at[pl.ds(t0, bq), pl.ds(0, dp)], (dq * scale).astype(dq_ref.dtype),
+              mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+                *, t, s, d, dp, scale, bq, bk, groups):
+  # q_ref / do_ref: [T, G, D] (the query heads of this KV head); lse/delta: [G, T].
+  off = off_ref[0]
+  s0 = pl.program_id(0) * bk
+  cols = s0 + jnp.arange(bk)
+  col_ok = cols < s
+  k = _load_rows(k_ref, s0, col_ok, bk, dp, d)
+  v = _load_rows(v_ref, s0, col_ok, bk, dp, d)
+  kv_ok = plgpu.load(m_ref.at[pl.ds(s0, bk)], mask=col_ok, other=0) != 0
+  # Query blocks wholly before this key block cannot see it: start at the first that can.
+  first = jnp.where(s0 > off, jax.lax.div(s0 - off, bq), 0)
+
+  def head_body(g, carry):
+    def q_body(i, carry):
+      dk, dv = carry
+      t0 = i * bq
+      rows = t0 + jnp.arange(bq)
+      row_ok = rows < t
+      q = _load_rows(q_ref, t0, row_ok, bq, dp, d, index=(g,))
+      do = _load_rows(do_ref, t0, row_ok, bq, dp, d, index=(g,))
+      lse = plgpu.load(lse_ref.at[g, pl.ds(t0, bq)], mask=row_ok, other=_BIG)
+      delta = plgpu.load(delta_ref.at[g, pl.ds(t0, bq)], mask=row_ok, other=0.0)
+      vis = _visible(off + rows, cols, col_ok, kv_ok) & row_ok[:, None]
+      sc = jnp.where(vis, dot(q, k, trans_b=True) * scale, _MASKED)
+      p = jnp.where(vis, jnp.exp(sc - lse[:, None]), 0.0)
+      dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
+      ds = p * (dot(do, v, trans_b=True) - delta[:, None])
+      dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)
+      return dk, dv
+
+    return jax.lax.fori_loop(first, cdiv(t, bq), q_body, carry)
+
+  zeros = jnp.zeros((bk, dp), jnp.float32)
+  dk, dv = jax.lax.fori_loop(0, groups, head_body, (zeros, zeros))
+  mask = col_ok[:, None] & (jnp.arange(dp) < d)[None, :]
+  plgpu.store(dk_ref.at[pl.ds(s0, bk), pl.ds(0, dp)], (dk * scale).astype(dk_ref.dtype), mask=mask)
+  plgpu.store(dv_ref.at[pl.ds(s0, bk), pl.ds(0, dp)], dv.astype(dv_ref.dtype), mask=mask)
+
+
+def _statics(q, k, scale):
+  b, t, h, d = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  return b, t, h, d, s, kh, h // kh, (d ** -0.5 if scale is None else scale)
+
+
+def _forward(q, k, v, kv_mask, off, bs, interpret, scale):
+  b, t, h, d, s, kh, g, scale = _statics(q, k, scale)
+  bq, bk = min(bs.block_q, padded(t)), min(bs.block_k, padded(s))
+  kernel = functools.partial(_fwd_kernel, t=t, s=s, d=d, dp=padded(d), scale=scale, bq=bq, bk=bk)
+  return pl.pallas_call(
+      kernel,
+      grid=(cdiv(t, bq), b, h),
+      in_specs=[
+          pl.BlockSpec((1,), lambda i, bi, hi: (0,)),
+          pl.BlockSpec((None, t, None, d), lambda i, bi, hi: (bi, 0, hi, 0)),
+          pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0)),
+          pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0)),
+          pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0)),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, t, None, d), lambda i, bi, hi: (bi, 0, hi, 0)),
+          pl.BlockSpec((None, None, t), lambda i, bi, hi: (bi, hi, 0)),
+      ],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((b, h, t), jnp.float32)],
+      compiler_params=_params(bs),
+      interpret=interpret,
+      name="flash_attention_fwd",
+  )(off, q, k, v, kv_mask)
+
+
+def _backward(q, k, v, kv_mask, off, o, lse, do, bs, interpret, scale):
+  b, t, h, d, s, kh, g, scale = _statics(q, k, scale)
+  bq, bk = min(bs.block_q_bwd, padded(t)), min(bs.block_k_bwd, padded(s))
+  dp = padded(d)
+  delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+  statics = dict(t=t, s=s, d=d, dp=dp, scale=scale, bq=bq, bk=bk)
+  off_spec = pl.BlockSpec((1,), lambda *_: (0,))
+  mask_spec = pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0))
+  per_head = pl.BlockSpec((None, t, None, d), lambda i, bi, hi: (bi, 0, hi, 0))
+  kv_of_head = pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0))
+  row_of_head = pl.BlockSpec((None, None, t), lambda i, bi, hi: (bi, hi, 0))
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, **statics),
+      grid=(cdiv(t, bq), b, h),
+      in_specs=[off_spec, per_head, kv_of_head, kv_of_head, mask_spec, per_head, row_of_head,
+                row_of_head],
+      out_specs=per_head,
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=_params(bs),
+      interpret=interpret,
+      name="flash_attention_bwd_dq",
+  )(off, q, k, v, kv_mask, do, lse, delta)
+
+  # Group the query heads by the KV head they share: free reshapes of contiguous axes.
+  q5, do5 = (x.reshape(b, t, kh, g, d) for x in (q, do))
+  lse4, delta4 = (x.reshape(b, kh, g, t) for x in (lse, delta))
+  group_spec = pl.BlockSpec((None, t, None, g, d), lambda j, bi, ki: (bi, 0, ki, 0, 0))
+  group_rows = pl.BlockSpec((None, None, g, t), lambda j, bi, ki: (bi, ki, 0, 0))
+  kv_spec = pl.BlockSpec((None, s, None, d), lambda j, bi, ki: (bi, 0, ki, 0))
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, groups=g, **statics),
+      grid=(cdiv(s, bk), b, kh),
+      in_specs=[off_spec, group_spec, kv_spec, kv_spec, mask_spec, group_spec, group_rows,
+                group_rows],
+      out_specs=[kv_spec, kv_spec],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=_params(bs),
+      interpret=interpret,
+      name="flash_attention_bwd_dkv",
+  )(off, q5, k, v, kv_mask, do5, lse4, delta4)
+  return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _flash(q, k, v, kv_mask, off, bs, interpret, scale):
+  return _forward(q, k, v, kv_mask, off, bs, interpret, scale)[0]
+
+
+def _flash_fwd(q, k, v, kv_mask, off, bs, interpret, scale):
+  o, lse = _forward(q, k, v, kv_mask, off, bs, interpret, scale)
+  return o, (q, k, v, kv_mask, off, o, lse)
+
+
+def _flash_bwd(bs, interpret, scale, res, do):
+  q, k, v, kv_mask, off, o, lse = res
+  dq, dk, dv = _backward(q, k, v, kv_mask, off, o, lse, do, bs, interpret, scale)
+  return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def check_shapes(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS):
+  """A ValueError naming the mismatch, for shapes the kernels cannot take."""
+  b, _, h, d = q_BTHD.shape
+  if k_BSKD.shape != v_BSKD.shape or k_BSKD.shape[0] != b or k_BSKD.shape[3] != d:
+    raise ValueError(f"attention: k {k_BSKD.shape} and v {v_BSKD.shape} must both be "
+                     f"[B={b}, S, K, D={d}] for q {q_BTHD.shape}")
+  if h % k_BSKD.shape[2]:
+    raise ValueError(f"attention: {h} query heads is not a multiple of {k_BSKD.shape[2]} KV heads")
+  if kv_mask_BS.shape != k_BSKD.shape[:2]:
+    raise ValueError(f"attention: kv_mask {kv_mask_BS.shape} must be [B, S] = {k_BSKD.shape[:2]}")
+
+
+def kernel_inputs(kv_mask_BS, q_offset):
+  """The key mask as int32 (Triton has no bool memory) and the offset as an int32 [1] array."""
+  off = jnp.reshape(jnp.asarray(q_offset, jnp.int32), (1,))
+  return kv_mask_BS.astype(jnp.int32), off
+
+
+def flash_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *,
+                    block_sizes: BlockSizes = BlockSizes(), interpret: bool = False,
+                    scale: float | None = None):
+  """Causal GQA attention with a key mask (see the module docstring); differentiable in
+  q, k and v through the Pallas backward kernels."""
+  check_shapes(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS)
+  mask, off = kernel_inputs(kv_mask_BS, q_offset)
+  return _flash(q_BTHD, k_BSKD, v_BSKD, mask, off, block_sizes, interpret, scale)

@@ -1,0 +1,271 @@
+"""Kernels against their plain-jnp references: values and gradients, on shapes with ragged tails
+(not multiples of any tile), in float32 and bfloat16.  The Pallas kernels run in the Pallas
+interpreter on the CPU; a separate test lowers them for CUDA to Triton IR (no GPU needed), and
+GPU-marked tests run them compiled when a GPU is present.
+
+Tolerances, as a fraction of the reference's largest magnitude: float32 1e-5 (values) and
+1e-4 (gradients): the same math in another summation order.  bfloat16 2e-2: one bf16 rounding
+(2^-8) of the outputs, or of the probabilities / logit gradients before the second matmul.
+"""
+
+import typing
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrlhf.config import KernelsConfig
+from kernels import attention as attn_mod
+from kernels import logprob as lp_mod
+from kernels.attention import (BlockSizes, DecodeBlockSizes, attention, attention_reference,
+                               decode_attention, flash_attention)
+from kernels.attention.reference import allowed_mask
+from kernels.logprob import (logprob_entropy, logprob_entropy_blockwise,
+                             logprob_entropy_pallas, logprob_entropy_reference)
+
+TOL = {jnp.float32: (1e-5, 1e-4), jnp.bfloat16: (2e-2, 2e-2)}  # (values, gradients)
+
+
+def assert_close(got, want, tol, what):
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  scale = max(float(np.max(np.abs(want))), 1.0)
+  err = float(np.max(np.abs(got - want)))
+  assert err <= tol * scale, f"{what}: max error {err:.3g} > {tol} * {scale:.3g}"
+
+
+def _with_grads(f, n_args, cot):
+  """jit(args -> (outputs, grads of sum(outputs * cot) w.r.t. the first n_args args))."""
+  def run(*args):
+    out, vjp = jax.vjp(lambda *a: f(*a, *args[n_args:]), *args[:n_args])
+    ct = jax.tree.map(lambda o, c: c.astype(o.dtype), out, cot)
+    return out, vjp(ct)
+  return jax.jit(run)
+
+
+# ------------------------------------------------------------------------------- log-prob
+
+def _logprob_case(key, b, t, d, v, dtype):
+  k = jax.random.split(key, 5)
+  h = jax.random.normal(k[0], (b, t, d), jnp.float32).astype(dtype)
+  w = (jax.random.normal(k[1], (d, v), jnp.float32) * d ** -0.5 * 3).astype(dtype)
+  tgt = jax.random.randint(k[2], (b, t), 0, v)
+  cot = (jax.random.normal(k[3], (b, t)), jax.random.normal(k[4], (b, t)))
+  return h, w, tgt, cot
+
+
+@pytest.mark.parametrize("dtype,shape,xla_block_v", [
+    # N=18, D=40, V=70: every axis has a ragged tail (Pallas tiles 16, XLA tile 32)
+    (jnp.float32, (2, 9, 40, 70), 32),
+    # XLA tiles dividing V exactly
+    (jnp.bfloat16, (1, 21, 48, 100), 25),
+])
+def test_logprob_pallas_and_xla_match_reference(dtype, shape, xla_block_v):
+  h, w, tgt, cot = _logprob_case(jax.random.key(0), *shape, dtype)
+  tol_v, tol_g = TOL[dtype]
+  want, want_g = _with_grads(logprob_entropy_reference, 2, cot)(h, w, tgt)
+  impls = {
+      "pallas": lambda h, w, t: logprob_entropy_pallas(
+          h, w, t, block_sizes=lp_mod.BlockSizes(16, 16, 16), interpret=True),
+      "xla": lambda h, w, t: logprob_entropy_blockwise(h, w, t, block_v=xla_block_v),
+  }
+  for name, f in impls.items():
+    got, got_g = _with_grads(f, 2, cot)(h, w, tgt)
+    assert got[0].dtype == got[1].dtype == jnp.float32
+    assert_close(got[0], want[0], tol_v, f"{name} logp")
+    assert_close(got[1], want[1], tol_v, f"{name} entropy")
+    assert got_g[0].dtype == h.dtype and got_g[1].dtype == w.dtype
+    assert_close(got_g[0], want_g[0], tol_g, f"{name} dh")
+    assert_close(got_g[1], want_g[1], tol_g, f"{name} dW")
+
+
+# ------------------------------------------------------------------------------ attention
+
+def _attention_case(key, b, t, s, h, kh, d, q_offset, dtype):
+  """Random q/k/v; left-padded keys (so some early queries see nothing) below ``q_offset``."""
+  k = jax.random.split(key, 5)
+  q = jax.random.normal(k[0], (b, t, h, d), jnp.float32).astype(dtype)
+  kk = jax.random.normal(k[1], (b, s, kh, d), jnp.float32).astype(dtype)
+  v = jax.random.normal(k[2], (b, s, kh, d), jnp.float32).astype(dtype)
+  filled = q_offset + t
+  lens = jax.random.randint(k[3], (b,), 1, filled + 1)
+  slots = jnp.arange(s)[None]
+  kv_mask = (slots >= filled - lens[:, None]) & (slots < filled)
+  seen_BT = allowed_mask(t, kv_mask, q_offset).any(-1)
+  cot = jax.random.normal(k[4], (b, t, h, d)) * seen_BT[:, :, None, None]
+  return q, kk, v, kv_mask, seen_BT, cot
+
+
+@pytest.mark.parametrize("dtype,shape", [
+    # (B, T, S, H, K, D, q_offset): GQA, T and S not multiples of 16, D=8 padded to 16
+    (jnp.float32, (2, 19, 19, 4, 2, 8, 0)),
+    # a chunk of 5 queries at a traced cache offset 30, over a 37-slot cache
+    (jnp.float32, (2, 5, 37, 4, 1, 32, 30)),
+    (jnp.bfloat16, (1, 33, 33, 2, 2, 16, 0)),
+])
+def test_flash_attention_matches_reference(dtype, shape):
+  b, t, s, h, kh, d, off = shape
+  q, k, v, kv_mask, seen, cot = _attention_case(jax.random.key(2), b, t, s, h, kh, d, off, dtype)
+  off = jnp.int32(off)  # traced, as a KV-cache index is
+  tol_v, tol_g = TOL[dtype]
+  bs = BlockSizes(16, 16, 16, 16)
+  got, got_g = _with_grads(lambda q, k, v, m, o: flash_attention(
+      q, k, v, m, o, block_sizes=bs, interpret=True), 3, cot)(q, k, v, kv_mask, off)
+  want, want_g = _with_grads(attention_reference, 3, cot)(q, k, v, kv_mask, off)
+  rows = seen[:, :, None, None]
+  assert got.dtype == dtype
+  assert_close(jnp.where(rows, got, 0), jnp.where(rows, want, 0), tol_v, "output")
+  # Documented divergence: a query that sees no key gets 0 (the reference: mean of V).
+  assert not np.any(np.asarray(jnp.where(rows, 0, got), np.float32))
+  for name, g, r in zip("qkv", got_g, want_g):
+    assert g.dtype == dtype
+    assert_close(g, r, tol_g, f"d{name}")
+
+
+@pytest.mark.parametrize("dtype,shape", [
+    # one new token per sequence, 70-slot cache, 4 query heads per KV head, 3 key splits
+    (jnp.float32, (3, 1, 70, 8, 2, 16, 41)),
+    # three new tokens, plain multi-head, D=24 (padded to 32), cache exactly full
+    (jnp.bfloat16, (2, 3, 50, 4, 4, 24, 47)),
+])
+def test_decode_attention_matches_reference(dtype, shape):
+  b, t, s, h, kh, d, off = shape
+  q, k, v, kv_mask, seen, cot = _attention_case(jax.random.key(3), b, t, s, h, kh, d, off, dtype)
+  off = jnp.int32(off)
+  bs = DecodeBlockSizes(block_k=16, target_programs=3 * b * kh)
+  got, got_g = _with_grads(lambda q, k, v, m, o: decode_attention(
+      q, k, v, m, o, block_sizes=bs, interpret=True), 3, cot)(q, k, v, kv_mask, off)
+  want, want_g = _with_grads(attention_reference, 3, cot)(q, k, v, kv_mask, off)
+  tol_v, tol_g = TOL[dtype]
+  assert_close(jnp.where(seen[:, :, None, None], got, 0), want, tol_v, "output")
+  for name, g, r in zip("qkv", got_g, want_g):  # the reference's gradient, by design
+    assert_close(g, r, tol_g, f"d{name}")
+
+
+# ----------------------------------------------------------------------------- dispatcher
+
+def _has_pallas_call(f, *args):
+  return "pallas_call" in str(jax.make_jaxpr(f)(*args))
+
+
+def test_dispatcher_uses_xla_on_cpu_and_honours_overrides():
+  assert jax.default_backend() == "cpu"
+  h, w, tgt, _ = _logprob_case(jax.random.key(4), 1, 3, 16, 40, jnp.float32)
+  lp = lambda impl: (lambda h, w, t: logprob_entropy(h, w, t, impl=impl))
+  assert not _has_pallas_call(lp("auto"), h, w, tgt)
+  assert _has_pallas_call(lp("pallas_interpret"), h, w, tgt)
+  np.testing.assert_allclose(lp("pallas_interpret")(h, w, tgt)[0], lp("auto")(h, w, tgt)[0],
+                             atol=1e-5)
+  # "naive" is the full-logits reference: its jaxpr holds a [B, T, V] array.
+  assert "1,3,40" in str(jax.make_jaxpr(lp("naive"))(h, w, tgt)).replace(" ", "")
+
+  q, k, v, kv_mask, _, _ = _attention_case(jax.random.key(5), 1, 20, 20, 2, 1, 16, 0,
+                                           jnp.float32)
+  at = lambda impl: (lambda q, k, v: attention(q, k, v, kv_mask, 0, impl=impl))
+  assert not _has_pallas_call(at("auto"), q, k, v)
+  jaxpr = str(jax.make_jaxpr(at("pallas_interpret"))(q, k, v))
+  assert "flash_attention_fwd" in jaxpr  # T=20 > DECODE_MAX_T: the prefill kernel
+  jaxpr = str(jax.make_jaxpr(at("pallas_interpret"))(q[:, :1], k, v))
+  assert "decode_attention" in jaxpr
+
+
+def test_dispatcher_errors_name_the_choices():
+  h, w, tgt, _ = _logprob_case(jax.random.key(6), 1, 2, 16, 20, jnp.float32)
+  with pytest.raises(ValueError, match=r"kernels.logprob='triton' is not valid; choose one of "
+                                       r"'auto', 'xla', 'pallas', 'pallas_interpret', 'naive'"):
+    logprob_entropy(h, w, tgt, impl="triton")
+  with pytest.raises(ValueError, match=r"needs a GPU.*kernels.logprob=pallas_interpret"):
+    logprob_entropy(h, w, tgt, impl="pallas")
+  q = jnp.zeros((1, 2, 2, 16))
+  kv = jnp.zeros((1, 2, 1, 16))
+  mask = jnp.ones((1, 2), bool)
+  with pytest.raises(ValueError, match=r"kernels.attention='flash' is not valid"):
+    attention(q, kv, kv, mask, impl="flash")
+  with pytest.raises(ValueError, match=r"'cudnn' needs an NVIDIA GPU"):
+    attention(q.astype(jnp.bfloat16), kv.astype(jnp.bfloat16), kv.astype(jnp.bfloat16), mask,
+              impl="cudnn")
+  with pytest.raises(ValueError, match=r"3 query heads is not a multiple of 2 KV heads"):
+    flash_attention(jnp.zeros((1, 2, 3, 16)), jnp.zeros((1, 2, 2, 16)), jnp.zeros((1, 2, 2, 16)),
+                    mask, interpret=True)
+
+
+def test_config_choices_are_the_dispatchers():
+  hints = typing.get_type_hints(KernelsConfig)
+  assert set(typing.get_args(hints["logprob"])) == set(lp_mod.IMPLS)
+  assert set(typing.get_args(hints["attention"])) == set(attn_mod.IMPLS)
+
+
+def test_model_prefill_and_decode_on_pallas_kernels_match_xla():
+  """The model's own call path: prefill (flash kernel) into a KV cache at a traced offset, then
+  one decode step (decode kernel), against the XLA path, on left-padded prompts."""
+  from helpers import TINY, ragged_batch
+  from jaxrlhf import model as M
+
+  params = M.init_params(TINY, jax.random.key(0))
+  tokens, mask = ragged_batch(jax.random.key(1), 2, 19, TINY.vocab_size)
+  pos = M.positions_from_mask(mask)
+
+  @jax.jit
+  def run_both(params, tokens, mask, pos):
+    outs = []
+    for impl in ("xla", "pallas_interpret"):
+      cache = M.init_cache(TINY, 2, 24)
+      h1, cache = M.forward(params, tokens[:, :18], pos[:, :18], mask[:, :18], cfg=TINY,
+                            cache=cache, attn_impl=impl)
+      h2, _ = M.forward(params, tokens[:, 18:], pos[:, 18:], mask[:, 18:], cfg=TINY,
+                        cache=cache, attn_impl=impl)
+      outs.append(jnp.concatenate([h1, h2], axis=1))
+    return outs
+
+  want, got = run_both(params, tokens, mask, pos)
+  assert_close(jnp.where(mask[..., None], got, 0), jnp.where(mask[..., None], want, 0), 1e-5,
+               "hidden states")
+
+
+# ---------------------------------------------------------------------------- GPU lowering
+
+def test_kernels_lower_to_triton_for_cuda():
+  """Every Pallas kernel (forward and backward) lowers to Triton IR at production-like shapes
+  and dtypes: catches non-power-of-two blocks and ops Triton lacks, without a GPU."""
+  from jax import export
+
+  def n_triton_calls(f, *avals):
+    exp = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*avals)
+    return exp.mlir_module().count("__gpu$xla.gpu.triton")
+
+  sds = jax.ShapeDtypeStruct
+  bf16 = jnp.bfloat16
+  h, w, tgt = sds((2, 100, 256), bf16), sds((256, 1000), bf16), sds((2, 100), jnp.int32)
+  lp_loss = lambda h, w, t: sum(x.sum() for x in logprob_entropy_pallas(h, w, t))
+  assert n_triton_calls(jax.grad(lp_loss, argnums=(0, 1)), h, w, tgt) == 3
+  q, kv = sds((2, 100, 8, 128), bf16), sds((2, 120, 2, 128), bf16)
+  mask, off = sds((2, 120), jnp.bool_), sds((), jnp.int32)
+  fa_loss = lambda q, k, v, m, o: flash_attention(q, k, v, m, o).astype(jnp.float32).sum()
+  assert n_triton_calls(jax.grad(fa_loss, argnums=(0, 1, 2)), q, kv, kv, mask, off) == 3
+  assert n_triton_calls(decode_attention, sds((2, 1, 8, 128), bf16), kv, kv, mask, off) == 1
+
+
+# ------------------------------------------------------------------------------ GPU only
+
+@pytest.mark.gpu
+def test_compiled_kernels_match_reference_on_gpu():
+  h, w, tgt, cot = _logprob_case(jax.random.key(7), 2, 300, 512, 5000, jnp.bfloat16)
+  want, want_g = _with_grads(logprob_entropy_reference, 2, cot)(h, w, tgt)
+  got, got_g = _with_grads(logprob_entropy_pallas, 2, cot)(h, w, tgt)
+  for g, r, name in zip(got + got_g, want + want_g, ("logp", "ent", "dh", "dW")):
+    assert_close(g, r, 3e-2, f"logprob {name}")
+  q, k, v, kv_mask, seen, cot = _attention_case(jax.random.key(8), 2, 200, 200, 8, 2, 128, 0,
+                                                jnp.bfloat16)
+  want, want_g = _with_grads(attention_reference, 3, cot)(q, k, v, kv_mask, 0)
+  rows = seen[:, :, None, None]
+  for impl in ("pallas", "cudnn"):
+    got, got_g = _with_grads(lambda q, k, v, m, o: attention(q, k, v, m, o, impl=impl), 3,
+                             cot)(q, k, v, kv_mask, 0)
+    assert_close(jnp.where(rows, got, 0), jnp.where(rows, want, 0), 3e-2, f"{impl} output")
+    for name, g, r in zip("qkv", got_g, want_g):
+      assert_close(g, r, 3e-2, f"{impl} d{name}")
+  q, k, v, kv_mask, seen, _ = _attention_case(jax.random.key(9), 4, 1, 300, 8, 2, 128, 250,
+                                              jnp.bfloat16)
+  got = attention(q, k, v, kv_mask, jnp.int32(250), impl="pallas")
+  assert_close(got, attention_reference(q, k, v, kv_mask, 250), 3e-2, "decode output")
