@@ -450,8 +450,10 @@ def load_hf(path: str, cfg: ModelConfig, mesh, head: str = "lm", dtype: Optional
       elif e.stacked:
         def read(box, e=e):
           (l0, l1), rest = box[0], box[1:]
-          return np.stack([_read_block(ckpt, e.hf_names[i], e, hf_sizes, rest).astype(dtype)
-                           for i in range(l0, l1)])
+          block = np.empty([b - a for a, b in box], dtype)
+          for i in range(l0, l1):  # layer by layer into one buffer: no second copy
+            block[i - l0] = _read_block(ckpt, e.hf_names[i], e, hf_sizes, rest)
+          return block
         value = _place(shape, sharding, read)
       else:
         value = _place(shape, sharding,
