@@ -12,7 +12,9 @@ row, which would not fit on chip at D = 8192):
   ``gz = g_logp (onehot - p) - g_ent p (z - mu)``, and add ``gz @ W[:, tile].T`` into its own
   rows of a float32 dh.
 * backward for dW, one program per vocabulary tile: loop over token blocks, recompute ``z``
-  and ``gz``, add ``h.T @ gz`` into its own columns of a float32 dW.
+  and ``gz``, add ``h.T @ gz`` into its own columns of a float32 dW.  It is launched once per
+  ``vocab_chunk`` columns (a scan), so the float32 accumulator is ``[D, vocab_chunk]``, and
+  each chunk is stored into dW in W's dtype.
 
 Each program owns the rows (or columns) it writes, so there are no atomics and the result is
 deterministic; the price is one extra recompute of the logits (4 matmul-equivalents instead of
@@ -43,6 +45,8 @@ class BlockSizes:
   block_d: int = 64
   num_warps: int = 4
   num_stages: int = 3
+  # Vocabulary columns per dW launch: bounds the float32 dW accumulator to [D, vocab_chunk].
+  vocab_chunk: int = 16384
 
 
 def _params(bs: BlockSizes):
@@ -143,12 +147,15 @@ def _dh_kernel(h_ref, w_ref, t_ref, lse_ref, mu_ref, gl_ref, ge_ref, dh_ref, *, 
   jax.lax.fori_loop(0, cdiv(v, bv), v_body, 0)
 
 
-def _dw_kernel(h_ref, w_ref, t_ref, lse_ref, mu_ref, gl_ref, ge_ref, dw_ref, *, n, d, v, bs,
-               cdt):
+def _dw_kernel(off_ref, h_ref, w_ref, t_ref, lse_ref, mu_ref, gl_ref, ge_ref, dw_ref, *, n, d,
+               v, bs, cdt):
+  # dw_ref: float32 [D, vc], the columns off .. off+vc of dW (one vocabulary chunk).
   bn, bv, bd = bs.block_n, bs.block_v, bs.block_d
-  col0 = pl.program_id(0) * bv
+  # program_id only at the top level: the interpreter does not substitute it inside loops.
+  local0 = pl.program_id(0) * bv
+  col_ok = local0 + jnp.arange(bv) < dw_ref.shape[1]
+  col0 = off_ref[0] + local0
   cols = col0 + jnp.arange(bv)
-  col_ok = cols < v
 
   def n_body(i, carry):
     row0 = i * bn
@@ -163,7 +170,7 @@ def _dw_kernel(h_ref, w_ref, t_ref, lse_ref, mu_ref, gl_ref, ge_ref, dw_ref, *, 
       d_ok = k * bd + jnp.arange(bd) < d
       h = plgpu.load(h_ref.at[pl.ds(row0, bn), pl.ds(k * bd, bd)],
                      mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-      at = dw_ref.at[pl.ds(k * bd, bd), pl.ds(col0, bv)]
+      at = dw_ref.at[pl.ds(k * bd, bd), pl.ds(local0, bv)]
       mask = d_ok[:, None] & col_ok[None, :]
       old = plgpu.load(at, mask=mask & (i > 0), other=0.0)
       plgpu.store(at, old + dot(h.astype(cdt), gz, trans_a=True), mask=mask)
@@ -223,15 +230,27 @@ def _fused_bwd(bs, interpret, res, grads):
       interpret=interpret,
       name="logprob_entropy_bwd_dh",
   )(*args)
-  dw = pl.pallas_call(
+  # dW one vocabulary chunk at a time: the float32 accumulator is [D, vocab_chunk], not
+  # [D, V], and each finished chunk is stored in W's dtype.  Each column's gradient is whole
+  # within one call (the sum over tokens is inside it), so the last chunk may be shifted back
+  # to end at V and simply rewrite the columns it shares with the previous one.
+  vc = min(bs.vocab_chunk, st["v"])
+  dw_chunk = pl.pallas_call(
       functools.partial(_dw_kernel, **st),
-      grid=(cdiv(st["v"], bs.block_v),),
-      out_shape=jax.ShapeDtypeStruct(w_DV.shape, jnp.float32),
+      grid=(cdiv(vc, bs.block_v),),
+      out_shape=jax.ShapeDtypeStruct((st["d"], vc), jnp.float32),
       compiler_params=_params(bs),
       interpret=interpret,
       name="logprob_entropy_bwd_dw",
-  )(*args)
-  return dh.astype(h_ND.dtype), dw.astype(w_DV.dtype), None
+  )
+
+  def chunk(dw, c):
+    start = jnp.minimum(c * vc, st["v"] - vc)
+    part = dw_chunk(jnp.reshape(start, (1,)).astype(jnp.int32), *args)
+    return jax.lax.dynamic_update_slice_in_dim(dw, part.astype(dw.dtype), start, axis=1), None
+
+  dw, _ = jax.lax.scan(chunk, jnp.zeros(w_DV.shape, w_DV.dtype), jnp.arange(cdiv(st["v"], vc)))
+  return dh.astype(h_ND.dtype), dw, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
