@@ -116,6 +116,35 @@ def test_sharded_load_gives_the_unsharded_logits(name, rules):
   np.testing.assert_allclose(out, ref, atol=1e-5)
 
 
+def test_each_device_block_is_read_once_and_only_its_slice(monkeypatch):
+  """On (dp=2, tp=4) with d_model over dp, every read is a quarter of the heads / vocabulary
+  and half of d_model, one layer at a time; the dp replicas of a block are not read again."""
+  reads = []
+  slice_of = hf._Checkpoint.slice
+
+  def recording(self, name):
+    s = slice_of(self, name)
+
+    class Recorder:
+      def __getitem__(self, index):
+        out = s[index]
+        reads.append((name, out.shape))
+        return out
+    return Recorder()
+
+  monkeypatch.setattr(hf._Checkpoint, "slice", recording)
+  cfg = hf.config_from_hf(_asset("llama"), tp=4)
+  hf.load_hf(_asset("llama"), cfg, mesh(dp=2, tp=4), rules=FROZEN_PARAM_RULES)
+  shapes = {}
+  for name, shape in reads:
+    shapes.setdefault(name, []).append(shape)
+  assert shapes["model.layers.1.self_attn.q_proj.weight"] == [(16, 32)] * 8  # 4 tp x 2 dp
+  assert shapes["model.embed_tokens.weight"] == [(25, 32)] * 8
+  assert shapes["lm_head.weight"] == [(25, 32)] * 8
+  # Replicated over tp: two distinct halves, each read once and copied to its 4 devices.
+  assert shapes["model.norm.weight"] == [(32,)] * 2
+
+
 def _outputs_traced(params, cfg):
   h, _ = M.forward(params, jnp.asarray(TOKENS), jnp.asarray(POSITIONS), jnp.asarray(MASK),
                    cfg=cfg)
@@ -152,6 +181,8 @@ def test_export_without_a_source_config_and_a_score_bias(tmp_path):
   cfg = dataclasses.replace(hf.config_from_hf(_asset("llama")), hf_path="")
   params = hf.load_hf(_asset("llama"), cfg, mesh(), head="scalar")
   params["score"] = {"w": params["embed"][3], "b": jnp.asarray(0.25, jnp.float32)}
+  hf.export_hf(params, cfg, str(tmp_path / "rm"), head="scalar", max_shard_size="64KB")
+  # Exporting again into the same folder replaces the earlier shards and index.
   out = hf.export_hf(params, cfg, str(tmp_path / "rm"), head="scalar", dtype="bfloat16")
   assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
   back_cfg = hf.config_from_hf(out)

@@ -122,23 +122,22 @@ def _sizes(cfg: ModelConfig, hf: bool) -> dict[str, int]:
 
 
 def _entries(cfg: ModelConfig, head: str, prefix: str) -> list[_Entry]:
-  """Every parameter of ``param_axes(cfg, head)`` except the score bias, in HF file order."""
+  """Every parameter of ``param_axes(cfg, head)`` except the score bias, in HF file order
+  (embedding, layers, final norm, head)."""
   axes = param_axes(cfg, head)
-  name, groups, _ = _GLOBAL[("embed",)]
-  out = [_Entry(("embed",), (prefix + name,), groups, axes["embed"], False)]
+
+  def single(path):
+    name, groups, backbone = _GLOBAL[path]
+    return _Entry(path, ((prefix if backbone else "") + name,), groups, _leaf(axes, path), False)
+
+  out = [single(("embed",))]
   # Stacked layers: one entry per parameter, its names cover every layer.
   for key, layer_axes in axes["layers"].items():
     name, groups = _LAYER[key]
     names = tuple(f"{prefix}layers.{i}.{name}" for i in range(cfg.n_layers))
     out.append(_Entry(("layers", key), names, groups, layer_axes[1:], True))
-  out.append(_Entry(("final_norm",), (prefix + "norm.weight",), _GLOBAL[("final_norm",)][1],
-                    axes["final_norm"], False))
-  if "unembed" in axes:
-    name, groups, _ = _GLOBAL[("unembed",)]
-    out.append(_Entry(("unembed",), (name,), groups, axes["unembed"], False))
-  if "score" in axes:
-    name, groups, _ = _GLOBAL[("score", "w")]
-    out.append(_Entry(("score", "w"), (name,), groups, axes["score"]["w"], False))
+  out.append(single(("final_norm",)))
+  out += [single(path) for path in (("unembed",), ("score", "w")) if path[0] in axes]
   return out
 
 
@@ -623,7 +622,7 @@ def export_hf(params: dict, cfg: ModelConfig, out_dir: str, tokenizer_path: Opti
   if writer:
     os.makedirs(out_dir, exist_ok=True)
     for f in os.listdir(out_dir):  # stale shards of an earlier export would confuse loaders
-      if f.endswith(".safetensors") or f == INDEX_FILE:
+      if f in (SINGLE_FILE, INDEX_FILE) or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f):
         os.remove(os.path.join(out_dir, f))
   shard: dict[str, np.ndarray] = {}
   total = 0
