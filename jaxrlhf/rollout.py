@@ -97,7 +97,7 @@ def _check(prompt_tokens_BP, prompt_mask_BP, cfg: ModelConfig, rollout: RolloutC
   if prompt_tokens_BP.ndim != 2 or prompt_mask_BP.shape != prompt_tokens_BP.shape:
     raise ConfigError(f"generate: prompt tokens {prompt_tokens_BP.shape} and mask "
                       f"{prompt_mask_BP.shape} must both be [batch, prompt_len]")
-  n_new, vocab = rollout.max_new_tokens, cfg.vocab_size
+  n_new, vocab = rollout.max_new_tokens, cfg.unpadded_vocab_size or cfg.vocab_size
   if n_new < 1:
     raise ConfigError(f"rollout.max_new_tokens={n_new}: must be at least 1")
   if rollout.temperature < 0:
@@ -109,12 +109,13 @@ def _check(prompt_tokens_BP, prompt_mask_BP, cfg: ModelConfig, rollout: RolloutC
   bad_stops = [t for t in rollout.stop_token_ids if not 0 <= t < vocab]
   if bad_stops:
     raise ConfigError(f"rollout.stop_token_ids: {bad_stops} outside the vocabulary "
-                      f"[0, {vocab}); use ids below model.vocab_size={vocab}")
+                      f"[0, {vocab}); use ids below the model's vocabulary size {vocab}")
   if not (eos_id == -1 or 0 <= eos_id < vocab):
     raise ConfigError(f"generate: eos_id={eos_id} is outside the vocabulary [0, {vocab}); "
                       f"pass the tokenizer's EOS id, or -1 for no EOS")
-  if not 0 <= pad_id < vocab:
-    raise ConfigError(f"generate: pad_id={pad_id} is outside the vocabulary [0, {vocab})")
+  if not 0 <= pad_id < cfg.vocab_size:
+    raise ConfigError(f"generate: pad_id={pad_id} is outside the vocabulary "
+                      f"[0, {cfg.vocab_size})")
   if num_samples < 1:
     raise ConfigError(f"generate: num_samples={num_samples} must be at least 1")
   total = prompt_tokens_BP.shape[1] + n_new
@@ -144,10 +145,11 @@ def _rows(x):
 Advance = Callable[[object, jax.Array, jax.Array, jax.Array], tuple[jax.Array, object]]
 
 
-def _decode(first_logits_BV, advance: Advance, model_state, key, *, rollout: RolloutConfig,
-            eos_id: int, pad_id: int):
+def _decode(first_logits_BV, advance: Advance, model_state, key, *, cfg: ModelConfig,
+            rollout: RolloutConfig, eos_id: int, pad_id: int):
   """Samples response token 0 from ``first_logits_BV``, then tokens 1.. with ``advance``,
-  until ``max_new_tokens`` or every row has emitted a stop token.
+  until ``max_new_tokens`` or every row has emitted a stop token.  Ids of a padded vocabulary
+  (``>= cfg.unpadded_vocab_size``) get probability 0, in the log-probs as in the draws.
 
   Returns (response_BN, response_mask_BN, logprobs_BN, sample_logprobs_BN, finished_B, steps).
   """
@@ -157,6 +159,9 @@ def _decode(first_logits_BV, advance: Advance, model_state, key, *, rollout: Rol
   def record(carry, logits_BV, i):
     """Samples step ``i`` for rows still running and writes it into the buffers."""
     resp, rmask, lp, slp, done = carry
+    if cfg.unpadded_vocab_size:
+      real_V = jnp.arange(logits_BV.shape[-1]) < cfg.unpadded_vocab_size
+      logits_BV = jnp.where(real_V[None, :], logits_BV, -jnp.inf)
     tok, logp, slogp = sample_logits(logits_BV, jax.random.fold_in(key, i), rollout)
     live = ~done
     tok = jnp.where(live, tok, pad_id)
@@ -238,8 +243,8 @@ def _generate(params, prompt_tokens_BP, prompt_mask_BP, key, *, cfg: ModelConfig
                        attn_impl=kernels.attention)
     return _rows(lm_logits(params, h, cfg)[:, 0]), _constrain_cache(cache)
 
-  decoded = _decode(_rows(first_logits), advance, cache, key, rollout=rollout, eos_id=eos_id,
-                    pad_id=pad_id)
+  decoded = _decode(_rows(first_logits), advance, cache, key, cfg=cfg, rollout=rollout,
+                    eos_id=eos_id, pad_id=pad_id)
   return _assemble(tokens_BP, mask_BP, decoded, n, pad_id), decoded[-1]
 
 
@@ -294,6 +299,6 @@ def generate_uncached(params, prompt_tokens_BP, prompt_mask_BP, key, *, cfg: Mod
     buf, bmask = put(buf, tok_B), put(bmask, live_B)
     return logits_at_last(buf, bmask), (buf, bmask)
 
-  decoded = _decode(logits_at_last(buf, bmask), advance, (buf, bmask), key, rollout=rollout,
-                    eos_id=eos_id, pad_id=pad_id)
+  decoded = _decode(logits_at_last(buf, bmask), advance, (buf, bmask), key, cfg=cfg,
+                    rollout=rollout, eos_id=eos_id, pad_id=pad_id)
   return _assemble(prompt_tokens_BP, prompt_mask_BP, decoded, n, pad_id)

@@ -228,16 +228,16 @@ def test_sharded_generation_equals_unsharded():
   cfg = dataclasses.replace(CFG, n_kv_heads=4)
   params = M.init_params(cfg, jax.random.key(0))
   prompts = ragged_batch(jax.random.key(2), 4, P, cfg.vocab_size)
-  kw = dict(key=9, cfg=cfg, temperature=1.0, top_k=20, num_samples=2)
-  ref = _run(params, prompts, **kw)
+  ref = _run(params, prompts, key=9, cfg=cfg, temperature=1.0, top_k=20, num_samples=2)
   m = mesh(dp=2, tp=4)
   with jax.set_mesh(m):
     sp = jax.device_put(params, tree_shardings(m, M.param_axes(cfg), params, PARAM_RULES))
     st = tuple(jax.device_put(x, batch_sharding(m, 2, x.shape)) for x in prompts)
-    got = _run(sp, st, **kw)
     ro = RolloutConfig(max_new_tokens=N, temperature=1.0, top_k=20)
-    hlo = R.generate.lower(sp, *st, jax.random.key(9), cfg=cfg, rollout=ro, eos_id=-1,
-                           num_samples=2).compile().as_text()
+    compiled = R.generate.lower(sp, *st, jax.random.key(9), cfg=cfg, rollout=ro, eos_id=-1,
+                                num_samples=2).compile()
+    got = compiled(sp, *st, jax.random.key(9))
+    hlo = compiled.as_text()
   np.testing.assert_array_equal(got.tokens, ref.tokens)
   np.testing.assert_array_equal(got.mask, ref.mask)
   np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5)
@@ -245,6 +245,20 @@ def test_sharded_generation_equals_unsharded():
   # The per-device KV cache is [layers, rows/dp, P+N-1, kv_heads/tp, head_dim].
   assert f"f32[{cfg.n_layers},4,{P + N - 1},1,{cfg.head_dim}]" in hlo
   assert f"f32[{cfg.n_layers},8,{P + N - 1},4,{cfg.head_dim}]" not in hlo
+
+
+def test_padded_vocabulary_ids_are_never_sampled(params, prompts):
+  # As jaxrlhf.model.hf loads a vocabulary padded for tp: zero LM-head columns, logit 0.
+  cfg = dataclasses.replace(CFG, unpadded_vocab_size=CFG.vocab_size - 4)
+  padded = dict(params, unembed=params["unembed"].at[:, cfg.unpadded_vocab_size:].set(0.0))
+  r = _run(padded, prompts, key=4, cfg=cfg, temperature=1.5, num_samples=4)
+  assert np.all(np.asarray(r.tokens[:, P:]) < cfg.unpadded_vocab_size)
+  # The policy's log-probs normalise over the real vocabulary only.
+  logits = _full_logits(padded, r, cfg)[..., :cfg.unpadded_vocab_size]
+  want = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+  tok = np.asarray(r.tokens[:, P:])
+  np.testing.assert_allclose(r.logprobs, np.take_along_axis(want, tok[..., None], -1)[..., 0],
+                             atol=2e-5)
 
 
 @pytest.mark.parametrize("change,match", [
