@@ -288,32 +288,40 @@ class Checkpointer:
       by_time = bool(multihost_utils.broadcast_one_to_all(np.asarray(by_time)))
     return by_steps or by_time
 
-  def maybe_save(self, step: int, state, *, extra: dict, metrics: Optional[dict] = None,
-                 force: bool = False) -> bool:
+  def maybe_save(self, step: int, state, extra: Optional[dict] = None,
+                 metrics: Optional[dict] = None, *, force: bool = False) -> bool:
     """Saves ``state`` and ``extra`` as checkpoint ``step`` when one is due (every
     ``every_steps`` steps and/or ``every_seconds`` seconds) or ``force``; returns whether it
     started a save.
 
     ``step`` counts the updates already applied to ``state``; resuming from it runs step + 1
-    next.  ``metrics`` (host numbers) are used only for ``best_metric``: pass the eval results
-    of this step so the checkpoint can be ranked.  Asynchronous with ``async_save``: on return
-    the arrays are copied and ``state`` may be donated; call :meth:`wait` before reading the
-    files.
+    next.  ``extra`` is JSON (data position, policy version, ...).  ``metrics`` (host numbers)
+    are used only for ``best_metric``: pass this step's metrics, eval results included, so
+    the checkpoint can be ranked.  Asynchronous with ``async_save``: on return the arrays are
+    copied and ``state`` may be donated; call :meth:`wait` before reading the files.
     """
     if not self.cfg.enabled or not (force or self._due(step)):
       return False
     if step in self._manager.all_steps():
       return False  # e.g. the final forced save on a step the cadence already saved
-    extra = _to_json(extra, "extra")
+    extra = _to_json(extra or {}, "extra")
     ranked = None
     if self.cfg.best_metric and metrics is not None and self.cfg.best_metric in metrics:
-      ranked = {self.cfg.best_metric: float(np.asarray(metrics[self.cfg.best_metric]))}
+      value = float(np.asarray(metrics[self.cfg.best_metric]))
+      # A NaN would sort arbitrarily; such a checkpoint is kept as one of the latest only.
+      ranked = {self.cfg.best_metric: value} if np.isfinite(value) else None
     args = ocp.args.Composite(**{
         STATE: ocp.args.StandardSave(state), EXTRA: ocp.args.JsonSave(extra),
         CONFIG: ocp.args.JsonSave(self._run_config), FROZEN: ocp.args.JsonSave(self._frozen)})
     self._manager.save(step, args=args, metrics=ranked, force=True)
     self._last_save_time = self._clock()
     return True
+
+  def save_now(self, step: int, state, extra: Optional[dict] = None,
+               metrics: Optional[dict] = None) -> bool:
+    """A save regardless of the cadence (preemption, the end of a stage, a failing run);
+    still asynchronous: :meth:`wait` or :meth:`close` before exiting."""
+    return self.maybe_save(step, state, extra, metrics, force=True)
 
   def wait(self) -> None:
     """Blocks until every started save is complete on disk."""

@@ -180,13 +180,12 @@ def main():
         while not stop.should_stop():
           time.sleep(0.02)
       if stop.should_stop():
-        ckpt.maybe_save(step, state, extra=extra, force=True)
+        ckpt.save_now(step, state, extra)
         ckpt.close()
         print(stop.message(step, ckpt.directory), flush=True)
         log(args.log, event="stopped", step=step)
         return 0
-  ckpt.maybe_save(cfg.sft.steps, state, extra={"data_position": position, "stage": "sft"},
-                  force=True)
+  ckpt.save_now(cfg.sft.steps, state, {"data_position": position, "stage": "sft"})
   ckpt.close()
   if args.out:
     np.savez(args.out, **flat(state))

@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,6 +32,17 @@ ROOT = os.path.dirname(HERE)
 CFG = ExperimentConfig(name="ckpt_test", model=TINY)
 
 
+@flax.struct.dataclass
+class _TrainState:
+  """Shaped like the trainer's state: a dataclass pytree of arrays and dicts."""
+
+  step: jax.Array
+  rng: jax.Array
+  params: dict
+  opt_state: dict
+  extras: dict
+
+
 def _sharded_state(m, seed=0):
   """A trainer-like state on mesh ``m``: TINY params and an AdamW state (random values, so
   every moment is distinct), a typed key, KL controller and running reward statistics.
@@ -44,10 +56,10 @@ def _sharded_state(m, seed=0):
   opt_shard = optax.tree_map_params(tx, lambda _, s: s, abstract[1], shard,
                                     transform_non_params=lambda _: replicated(m))
   params, opt = jax.device_put((params, opt), (shard, opt_shard))
-  return {"step": jnp.int32(7), "key": jax.random.key(seed + 11), "params": params, "opt": opt,
-          "kl": {"coef": jnp.float32(0.05)},
-          "reward_stats": {"mean": jnp.float32(0.25), "var": jnp.float32(1.5),
-                           "count": jnp.int32(96)}}
+  return _TrainState(step=jnp.int32(7), rng=jax.random.key(seed + 11), params={"policy": params},
+                     opt_state={"policy": opt},
+                     extras={"kl/coef": jnp.float32(0.05), "reward/mean": jnp.float32(0.25),
+                             "reward/var": jnp.float32(1.5), "reward/count": jnp.int32(96)})
 
 
 def _params(m=None, seed=0):
@@ -100,17 +112,19 @@ def test_round_trip_is_bit_identical_and_async_save_survives_donation(tmp_path):
                         to_dict(CFG), frozen=frozen)
   assert ckpt.maybe_save(7, state, extra=extra)
   # The training step that follows donates the state while the save is still being written.
-  step = jax.jit(lambda s: jax.tree.map(lambda x: x if x.dtype == jnp.int32 or
-                                        jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x + 1,
-                                        s), donate_argnums=0)
+  step = jax.jit(lambda s: jax.tree.map(
+      lambda x: x + 1 if jnp.issubdtype(x.dtype, jnp.floating) else x, s), donate_argnums=0)
+  embed = state.params["policy"]["embed"]
   state = step(state)
   jax.block_until_ready(state)
+  assert embed.is_deleted()  # the buffers the save was given are gone
   ckpt.wait()
   restored, got_extra = ckpt.restore(abstract)
   _assert_bit_identical(_host(restored), expected)
   assert got_extra == {"data_position": 17, "stage": "ppo", "policy_version": 3}
-  assert jnp.issubdtype(restored["key"].dtype, jax.dtypes.prng_key)
-  assert type(restored["opt"][0]).__name__ == "ScaleByAdamState"
+  assert isinstance(restored, _TrainState)
+  assert jnp.issubdtype(restored.rng.dtype, jax.dtypes.prng_key)
+  assert type(restored.opt_state["policy"][0]).__name__ == "ScaleByAdamState"
   for r, a in zip(jax.tree.leaves(restored), jax.tree.leaves(abstract)):
     assert r.sharding == a.sharding
   assert ckpt.saved_config() == json.loads(json.dumps(to_dict(CFG)))
@@ -162,21 +176,21 @@ def test_restore_into_a_different_mesh_gives_same_values_and_logits(tmp_path):
   m_old, m_new = mesh(dp=2, tp=4), mesh(dp=4, tp=2)
   state = _sharded_state(m_old)
   ckpt = C.Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig(async_save=True), to_dict(CFG))
-  ckpt.maybe_save(7, state, extra={}, force=True)
+  assert ckpt.save_now(7, state)
   ckpt.wait()
 
   new_param_sh = M.param_shardings(TINY, m_new)
-  opt_sh = optax.tree_map_params(optax.adamw(1e-3), lambda _, s: s, state["opt"], new_param_sh,
-                                 transform_non_params=lambda _: replicated(m_new))
-  new_sh = jax.tree.map(lambda _: replicated(m_new), state)
-  new_sh.update(params=new_param_sh, opt=opt_sh)
+  opt_sh = optax.tree_map_params(optax.adamw(1e-3), lambda _, s: s, state.opt_state["policy"],
+                                 new_param_sh, transform_non_params=lambda _: replicated(m_new))
+  new_sh = jax.tree.map(lambda _: replicated(m_new), state).replace(
+      params={"policy": new_param_sh}, opt_state={"policy": opt_sh})
   restored, _ = ckpt.restore(_abstract(state, new_sh))
   ckpt.close()
 
   _assert_bit_identical(_host(restored), _host(state))
-  wq = restored["params"]["layers"]["wq"]
+  wq = restored.params["policy"]["layers"]["wq"]
   assert wq.sharding.mesh.shape == m_new.shape and wq.sharding == new_param_sh["layers"]["wq"]
-  assert restored["opt"][0].mu["layers"]["wq"].sharding == new_param_sh["layers"]["wq"]
+  assert restored.opt_state["policy"][0].mu["layers"]["wq"].sharding == wq.sharding
 
   tokens = jax.random.randint(jax.random.key(1), (4, 10), 1, TINY.vocab_size)
   mask = jnp.ones_like(tokens, bool)
@@ -187,12 +201,14 @@ def test_restore_into_a_different_mesh_gives_same_values_and_logits(tmp_path):
     return M.lm_logits(p, h, TINY)
 
   with jax.set_mesh(m_new):
-    original_on_new = jax.device_put(state["params"], new_param_sh)
-    got, want = np.asarray(logits(restored["params"])), np.asarray(logits(original_on_new))
+    original_on_new = jax.device_put(state.params["policy"], new_param_sh)
+    got = np.asarray(logits(restored.params["policy"]))
+    want = np.asarray(logits(original_on_new))
   np.testing.assert_array_equal(got, want)
   # On the old mesh the same parameters give the same logits up to reduction order (tp=4 vs 2).
   with jax.set_mesh(m_old):
-    np.testing.assert_allclose(got, np.asarray(logits(state["params"])), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, np.asarray(logits(state.params["policy"])), rtol=1e-4,
+                               atol=1e-4)
 
 
 def test_restore_into_a_different_model_is_a_clear_error(tmp_path):
