@@ -34,8 +34,8 @@ jax.config.update("jax_threefry_partitionable", True)
 
 from jaxrlhf import model as M  # noqa: E402
 from jaxrlhf.checkpoint import Checkpointer, checkpoint_dir  # noqa: E402
-from jaxrlhf.config import (CheckpointConfig, ExperimentConfig, MeshConfig, ModelConfig,  # noqa: E402
-                            SFTConfig, to_dict)
+from jaxrlhf.config import (CheckpointConfig, ExperimentConfig,  # noqa: E402
+                            MeshConfig, ModelConfig, SFTConfig, to_dict)
 from jaxrlhf.mesh import batch_sharding, make_mesh, replicated  # noqa: E402
 from jaxrlhf.preemption import PreemptionHandler  # noqa: E402
 

@@ -224,11 +224,10 @@ def test_restore_into_a_different_model_is_a_clear_error(tmp_path):
 
 def test_check_resume_config_breaking_and_harmless():
   saved = to_dict(CFG)
-  changed = CFG.__class__(**{**CFG.__dict__, "logging": LoggingConfig(every_steps=10),
-                             "checkpoint": CheckpointConfig(every_steps=5),
-                             "sft": dataclasses.replace(CFG.sft, steps=900)})
-  changed = dataclasses.replace(changed, mesh=dataclasses.replace(CFG.mesh, tp=2),
-                                model=dataclasses.replace(TINY, remat="full"))
+  changed = dataclasses.replace(
+      CFG, logging=LoggingConfig(every_steps=10), checkpoint=CheckpointConfig(every_steps=5),
+      sft=dataclasses.replace(CFG.sft, steps=900), mesh=dataclasses.replace(CFG.mesh, tp=2),
+      model=dataclasses.replace(TINY, remat="full"))
   harmless = {c[0] for c in C.check_resume_config(saved, changed)}
   assert harmless == {"logging.every_steps", "checkpoint.every_steps", "sft.steps", "mesh.tp",
                       "model.remat", "reward_model.remat", "value_model.remat",
