@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels._backend import cdiv, dot, padded
+from kernels._sharding import per_shard
 from kernels.attention.flash import check_shapes, kernel_inputs
 from kernels.attention.reference import attention_reference
 
@@ -87,16 +88,16 @@ def _kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, s, g, d, 
               mask=row_ok)
 
 
-def _decode(q, k, v, kv_mask, off, bs, interpret, scale):
-  b, t, h, d = q.shape
-  s, kh = k.shape[1], k.shape[2]
-  g = h // kh
+def _decode_local(off, q5, k, v, kv_mask, *, bs, interpret, scale):
+  """One shard: q5 [B, T, K, G, D] (query heads grouped by their KV head)."""
+  b, t, kh, g, d = q5.shape
+  s = k.shape[1]
   scale = d ** -0.5 if scale is None else scale
   bk = min(bs.block_k, padded(s))
   n_split = max(1, min(cdiv(bs.target_programs, b * kh), cdiv(s, bk)))
   rows = t * g
   # [B, T, K, G, D] -> [B, K, T*G, D]: one program's queries are contiguous (a small copy).
-  q_rows = q.reshape(b, t, kh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kh, rows, d)
+  q_rows = q5.transpose(0, 2, 1, 3, 4).reshape(b, kh, rows, d)
   kernel = functools.partial(_kernel, t=t, s=s, g=g, d=d, dp=padded(d), rp=padded(rows),
                              scale=scale, bk=bk, n_split=n_split)
   o_part, lse_part = pl.pallas_call(
@@ -123,7 +124,21 @@ def _decode(q, k, v, kv_mask, off, bs, interpret, scale):
   top = jnp.max(lse_part, axis=2, keepdims=True)
   w = jnp.exp(lse_part - top)
   o = jnp.sum(o_part * w[..., None], axis=2) / jnp.sum(w, axis=2)[..., None]
-  return o.reshape(b, kh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d).astype(q.dtype)
+  return o.reshape(b, kh, t, g, d).transpose(0, 2, 1, 3, 4).astype(q5.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _op(bs, interpret, scale):
+  return per_shard(functools.partial(_decode_local, bs=bs, interpret=interpret, scale=scale),
+                   "x, b t k g d, b s k d, b s k d, b s -> b t k g d",
+                   replicated=("x", "t", "g", "d", "s"))
+
+
+def _decode(q, k, v, kv_mask, off, bs, interpret, scale):
+  b, t, h, d = q.shape
+  kh = k.shape[2]
+  q5 = q.reshape(b, t, kh, h // kh, d)
+  return _op(bs, interpret, scale)(off, q5, k, v, kv_mask).reshape(q.shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))

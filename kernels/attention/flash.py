@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels._backend import cdiv, dot, padded
+from kernels._sharding import per_shard
 
 # Finite stand-ins for -inf / +inf: no inf - inf = NaN in the online softmax, and a row with
 # no visible key stores lse = +BIG so that the backward's exp(s - lse) is exactly 0.
@@ -176,95 +177,122 @@ def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, do_ref, lse_ref, delta_ref,
   plgpu.store(dv_ref.at[pl.ds(s0, bk), pl.ds(0, dp)], dv.astype(dv_ref.dtype), mask=mask)
 
 
-def _statics(q, k, scale):
-  b, t, h, d = q.shape
-  s, kh = k.shape[1], k.shape[2]
-  return b, t, h, d, s, kh, h // kh, (d ** -0.5 if scale is None else scale)
+# The pallas_calls below take one shard's arrays with the query heads grouped by the KV head
+# they share: q/o/dO [B, T, K, G, D], lse/delta [B, K, G, T]; K and V [B, S, K, D].  Grouping
+# lets one sharding rule tie the query heads to their KV head (kernels/_sharding.py).
+_RULE_IN = "x, b t k g d, b s k d, b s k d, b s"
+_WHOLE = ("x", "t", "g", "d", "s")  # needed whole by every kernel
 
 
-def _forward(q, k, v, kv_mask, off, bs, interpret, scale):
-  b, t, h, d, s, kh, g, scale = _statics(q, k, scale)
-  bq, bk = min(bs.block_q, padded(t)), min(bs.block_k, padded(s))
-  kernel = functools.partial(_fwd_kernel, t=t, s=s, d=d, dp=padded(d), scale=scale, bq=bq, bk=bk)
+def _statics(q5, k, scale, bq, bk):
+  b, t, kh, g, d = q5.shape
+  s = k.shape[1]
+  scale = d ** -0.5 if scale is None else scale
+  bq, bk = min(bq, padded(t)), min(bk, padded(s))
+  return (b, t, kh, g, d, s), dict(t=t, s=s, d=d, dp=padded(d), scale=scale, bq=bq, bk=bk)
+
+
+# BlockSpecs over the grouped layout, for grids (blocks, B, H) and (blocks, B, K).
+def _head_specs(t, s, d, g):
+  return dict(
+      off=pl.BlockSpec((1,), lambda *_: (0,)),
+      q=pl.BlockSpec((None, t, None, None, d), lambda i, bi, hi: (bi, 0, hi // g, hi % g, 0)),
+      kv=pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0)),
+      mask=pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0)),
+      rows=pl.BlockSpec((None, None, None, t), lambda i, bi, hi: (bi, hi // g, hi % g, 0)))
+
+
+def _forward_local(off, q5, k, v, kv_mask, *, bs, interpret, scale):
+  (b, t, kh, g, d, s), st = _statics(q5, k, scale, bs.block_q, bs.block_k)
+  sp = _head_specs(t, s, d, g)
   return pl.pallas_call(
-      kernel,
-      grid=(cdiv(t, bq), b, h),
-      in_specs=[
-          pl.BlockSpec((1,), lambda i, bi, hi: (0,)),
-          pl.BlockSpec((None, t, None, d), lambda i, bi, hi: (bi, 0, hi, 0)),
-          pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0)),
-          pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0)),
-          pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0)),
-      ],
-      out_specs=[
-          pl.BlockSpec((None, t, None, d), lambda i, bi, hi: (bi, 0, hi, 0)),
-          pl.BlockSpec((None, None, t), lambda i, bi, hi: (bi, hi, 0)),
-      ],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((b, h, t), jnp.float32)],
+      functools.partial(_fwd_kernel, **st),
+      grid=(cdiv(t, st["bq"]), b, kh * g),
+      in_specs=[sp["off"], sp["q"], sp["kv"], sp["kv"], sp["mask"]],
+      out_specs=[sp["q"], sp["rows"]],
+      out_shape=[jax.ShapeDtypeStruct(q5.shape, q5.dtype),
+                 jax.ShapeDtypeStruct((b, kh, g, t), jnp.float32)],
       compiler_params=_params(bs),
       interpret=interpret,
       name="flash_attention_fwd",
-  )(off, q, k, v, kv_mask)
+  )(off, q5, k, v, kv_mask)
 
 
-def _backward(q, k, v, kv_mask, off, o, lse, do, bs, interpret, scale):
-  b, t, h, d, s, kh, g, scale = _statics(q, k, scale)
-  bq, bk = min(bs.block_q_bwd, padded(t)), min(bs.block_k_bwd, padded(s))
-  dp = padded(d)
-  delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
-  statics = dict(t=t, s=s, d=d, dp=dp, scale=scale, bq=bq, bk=bk)
-  off_spec = pl.BlockSpec((1,), lambda *_: (0,))
-  mask_spec = pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0))
-  per_head = pl.BlockSpec((None, t, None, d), lambda i, bi, hi: (bi, 0, hi, 0))
-  kv_of_head = pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0))
-  row_of_head = pl.BlockSpec((None, None, t), lambda i, bi, hi: (bi, hi, 0))
-  dq = pl.pallas_call(
-      functools.partial(_dq_kernel, **statics),
-      grid=(cdiv(t, bq), b, h),
-      in_specs=[off_spec, per_head, kv_of_head, kv_of_head, mask_spec, per_head, row_of_head,
-                row_of_head],
-      out_specs=per_head,
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+def _dq_local(off, q5, k, v, kv_mask, do5, lse4, delta4, *, bs, interpret, scale):
+  (b, t, kh, g, d, s), st = _statics(q5, k, scale, bs.block_q_bwd, bs.block_k_bwd)
+  sp = _head_specs(t, s, d, g)
+  return pl.pallas_call(
+      functools.partial(_dq_kernel, **st),
+      grid=(cdiv(t, st["bq"]), b, kh * g),
+      in_specs=[sp["off"], sp["q"], sp["kv"], sp["kv"], sp["mask"], sp["q"], sp["rows"],
+                sp["rows"]],
+      out_specs=sp["q"],
+      out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),
       compiler_params=_params(bs),
       interpret=interpret,
       name="flash_attention_bwd_dq",
-  )(off, q, k, v, kv_mask, do, lse, delta)
+  )(off, q5, k, v, kv_mask, do5, lse4, delta4)
 
-  # Group the query heads by the KV head they share: free reshapes of contiguous axes.
-  q5, do5 = (x.reshape(b, t, kh, g, d) for x in (q, do))
-  lse4, delta4 = (x.reshape(b, kh, g, t) for x in (lse, delta))
-  group_spec = pl.BlockSpec((None, t, None, g, d), lambda j, bi, ki: (bi, 0, ki, 0, 0))
+
+def _dkv_local(off, q5, k, v, kv_mask, do5, lse4, delta4, *, bs, interpret, scale):
+  (b, t, kh, g, d, s), st = _statics(q5, k, scale, bs.block_q_bwd, bs.block_k_bwd)
+  group = pl.BlockSpec((None, t, None, g, d), lambda j, bi, ki: (bi, 0, ki, 0, 0))
   group_rows = pl.BlockSpec((None, None, g, t), lambda j, bi, ki: (bi, ki, 0, 0))
-  kv_spec = pl.BlockSpec((None, s, None, d), lambda j, bi, ki: (bi, 0, ki, 0))
-  dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, groups=g, **statics),
-      grid=(cdiv(s, bk), b, kh),
-      in_specs=[off_spec, group_spec, kv_spec, kv_spec, mask_spec, group_spec, group_rows,
+  kv = pl.BlockSpec((None, s, None, d), lambda j, bi, ki: (bi, 0, ki, 0))
+  return pl.pallas_call(
+      functools.partial(_dkv_kernel, groups=g, **st),
+      grid=(cdiv(s, st["bk"]), b, kh),
+      in_specs=[pl.BlockSpec((1,), lambda *_: (0,)), group, kv, kv,
+                pl.BlockSpec((None, s), lambda j, bi, ki: (bi, 0)), group, group_rows,
                 group_rows],
-      out_specs=[kv_spec, kv_spec],
+      out_specs=[kv, kv],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=_params(bs),
       interpret=interpret,
       name="flash_attention_bwd_dkv",
   )(off, q5, k, v, kv_mask, do5, lse4, delta4)
-  return dq, dk, dv
+
+
+@functools.lru_cache(maxsize=None)
+def _ops(bs, interpret, scale):
+  """The three kernels as per-shard ops, built once per static configuration."""
+  kw = dict(bs=bs, interpret=interpret, scale=scale)
+  grads_in = _RULE_IN + ", b t k g d, b k g t, b k g t"
+  return (
+      per_shard(functools.partial(_forward_local, **kw), _RULE_IN + " -> b t k g d, b k g t",
+                replicated=_WHOLE),
+      per_shard(functools.partial(_dq_local, **kw), grads_in + " -> b t k g d",
+                replicated=_WHOLE),
+      per_shard(functools.partial(_dkv_local, **kw), grads_in + " -> b s k d, b s k d",
+                replicated=_WHOLE))
+
+
+def _group(x_BTHD, kh):
+  b, t, h, d = x_BTHD.shape
+  return x_BTHD.reshape(b, t, kh, h // kh, d)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _flash(q, k, v, kv_mask, off, bs, interpret, scale):
-  return _forward(q, k, v, kv_mask, off, bs, interpret, scale)[0]
+  o5, _ = _ops(bs, interpret, scale)[0](off, _group(q, k.shape[2]), k, v, kv_mask)
+  return o5.reshape(q.shape)
 
 
 def _flash_fwd(q, k, v, kv_mask, off, bs, interpret, scale):
-  o, lse = _forward(q, k, v, kv_mask, off, bs, interpret, scale)
-  return o, (q, k, v, kv_mask, off, o, lse)
+  q5 = _group(q, k.shape[2])
+  o5, lse4 = _ops(bs, interpret, scale)[0](off, q5, k, v, kv_mask)
+  return o5.reshape(q.shape), (q5, k, v, kv_mask, off, o5, lse4)
 
 
 def _flash_bwd(bs, interpret, scale, res, do):
-  q, k, v, kv_mask, off, o, lse = res
-  dq, dk, dv = _backward(q, k, v, kv_mask, off, o, lse, do, bs, interpret, scale)
-  return dq, dk, dv, None, None
+  q5, k, v, kv_mask, off, o5, lse4 = res
+  do5 = do.reshape(q5.shape)
+  delta4 = jnp.einsum("btkgd,btkgd->bkgt", o5.astype(jnp.float32), do5.astype(jnp.float32))
+  _, dq_op, dkv_op = _ops(bs, interpret, scale)
+  args = (off, q5, k, v, kv_mask, do5, lse4, delta4)
+  dq5 = dq_op(*args)
+  dk, dv = dkv_op(*args)
+  return dq5.reshape(do.shape), dk, dv, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels._backend import cdiv, dot
+from kernels._sharding import per_shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +194,7 @@ def _statics(h_ND, w_DV, bs):
   return dict(n=n, d=d, v=w_DV.shape[1], bs=bs, cdt=jnp.promote_types(h_ND.dtype, w_DV.dtype))
 
 
-def _forward(h_ND, w_DV, t_N, bs, interpret):
+def _forward_local(h_ND, w_DV, t_N, *, bs, interpret):
   st = _statics(h_ND, w_DV, bs)
   f32 = jax.ShapeDtypeStruct((st["n"],), jnp.float32)
   return pl.pallas_call(
@@ -206,34 +207,24 @@ def _forward(h_ND, w_DV, t_N, bs, interpret):
   )(h_ND, w_DV, t_N)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused(h_ND, w_DV, t_N, bs, interpret):
-  logp, ent, _ = _forward(h_ND, w_DV, t_N, bs, interpret)
-  return logp, ent
-
-
-def _fused_fwd(h_ND, w_DV, t_N, bs, interpret):
-  logp, ent, lse = _forward(h_ND, w_DV, t_N, bs, interpret)
-  return (logp, ent), (h_ND, w_DV, t_N, lse, ent)
-
-
-def _fused_bwd(bs, interpret, res, grads):
-  h_ND, w_DV, t_N, lse, ent = res
-  g_logp, g_ent = (g.astype(jnp.float32) for g in grads)
+def _dh_local(h_ND, w_DV, t_N, lse, mu, g_logp, g_ent, *, bs, interpret):
   st = _statics(h_ND, w_DV, bs)
-  args = (h_ND, w_DV, t_N, lse, lse - ent, g_logp, g_ent)
-  dh = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(_dh_kernel, **st),
       grid=(cdiv(st["n"], bs.block_n),),
       out_shape=jax.ShapeDtypeStruct(h_ND.shape, jnp.float32),
       compiler_params=_params(bs),
       interpret=interpret,
       name="logprob_entropy_bwd_dh",
-  )(*args)
+  )(h_ND, w_DV, t_N, lse, mu, g_logp, g_ent).astype(h_ND.dtype)
+
+
+def _dw_local(h_ND, w_DV, t_N, lse, mu, g_logp, g_ent, *, bs, interpret):
   # dW one vocabulary chunk at a time: the float32 accumulator is [D, vocab_chunk], not
   # [D, V], and each finished chunk is stored in W's dtype.  Each column's gradient is whole
   # within one call (the sum over tokens is inside it), so the last chunk may be shifted back
   # to end at V and simply rewrite the columns it shares with the previous one.
+  st = _statics(h_ND, w_DV, bs)
   vc = min(bs.vocab_chunk, st["v"])
   dw_chunk = pl.pallas_call(
       functools.partial(_dw_kernel, **st),
@@ -246,11 +237,45 @@ def _fused_bwd(bs, interpret, res, grads):
 
   def chunk(dw, c):
     start = jnp.minimum(c * vc, st["v"] - vc)
-    part = dw_chunk(jnp.reshape(start, (1,)).astype(jnp.int32), *args)
+    part = dw_chunk(jnp.reshape(start, (1,)).astype(jnp.int32), h_ND, w_DV, t_N, lse, mu,
+                    g_logp, g_ent)
     return jax.lax.dynamic_update_slice_in_dim(dw, part.astype(dw.dtype), start, axis=1), None
 
   dw, _ = jax.lax.scan(chunk, jnp.zeros(w_DV.shape, w_DV.dtype), jnp.arange(cdiv(st["v"], vc)))
-  return dh.astype(h_ND.dtype), dw, None
+  return dw
+
+
+@functools.lru_cache(maxsize=None)
+def _ops(bs, interpret):
+  """The kernels as per-shard ops (tokens stay sharded; W is needed whole), built once per
+  static configuration.  dW sums over tokens, so it is also summed across token shards."""
+  kw = dict(bs=bs, interpret=interpret)
+  grads_in = "n d, d v, n, n, n, n, n"
+  return (per_shard(functools.partial(_forward_local, **kw), "n d, d v, n -> n, n, n",
+                    replicated=("d", "v")),
+          per_shard(functools.partial(_dh_local, **kw), grads_in + " -> n d",
+                    replicated=("d", "v")),
+          per_shard(functools.partial(_dw_local, **kw), grads_in + " -> d v",
+                    replicated=("d", "v"), reduced="n"))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fused(h_ND, w_DV, t_N, bs, interpret):
+  logp, ent, _ = _ops(bs, interpret)[0](h_ND, w_DV, t_N)
+  return logp, ent
+
+
+def _fused_fwd(h_ND, w_DV, t_N, bs, interpret):
+  logp, ent, lse = _ops(bs, interpret)[0](h_ND, w_DV, t_N)
+  return (logp, ent), (h_ND, w_DV, t_N, lse, ent)
+
+
+def _fused_bwd(bs, interpret, res, grads):
+  h_ND, w_DV, t_N, lse, ent = res
+  g_logp, g_ent = (g.astype(jnp.float32) for g in grads)
+  _, dh_op, dw_op = _ops(bs, interpret)
+  args = (h_ND, w_DV, t_N, lse, lse - ent, g_logp, g_ent)
+  return dh_op(*args), dw_op(*args), None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
