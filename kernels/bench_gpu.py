@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.attention import attention
-from kernels.logprob import logprob_entropy
+from kernels.logprob import logprob_entropy, logprob_entropy_pallas
 
 
 def _time(f, args, iters):
@@ -82,6 +82,11 @@ def logprob_cases(quick, pallas):
                flops=2 * n * d * v)
     yield dict(op="logprob fwd+bwd", shape=shape, impl=impl, fn=_grad_fn(f, 2),
                args=(h, w, tgt), flops=6 * n * d * v)
+  # The Pallas forward with the XLA blockwise backward (kernels/NOTES.md: which backward wins).
+  f = lambda h, w, tg: logprob_entropy_pallas(h, w, tg, interpret=pallas != "pallas",
+                                              backward="xla")
+  yield dict(op="logprob fwd+bwd", shape=shape, impl=pallas + "+xla_bwd", fn=_grad_fn(f, 2),
+             args=(h, w, tgt), flops=6 * n * d * v)
 
 
 def _attn_inputs(b, t, s, h, kh, d, filled, key):
@@ -127,7 +132,7 @@ def main(argv=None):
   print(f"device: {jax.devices()[0].device_kind} ({backend}); measured ceilings: "
         f"bf16 matmul {flops_peak / 1e12:.1f} TFLOP/s, streaming {bw_peak / 1e9:.0f} GB/s")
   rows, baseline = [], {}
-  header = (f"{'op':<27}{'impl':<18}{'ms':>9}{'achieved':>16}{'of ceiling':>12}"
+  header = (f"{'op':<27}{'impl':<26}{'ms':>9}{'achieved':>16}{'of ceiling':>12}"
             f"{'vs xla':>8}{'max |diff|':>12}  shape")
   print(header)
   pallas = "pallas" if backend == "gpu" else "pallas_interpret"
@@ -155,12 +160,12 @@ def main(argv=None):
         row["fraction_of_ceiling"] = case["bytes"] / sec / bw_peak
         achieved = f"{row['gbps']:.0f} GB/s"
       speed = f"{row['speedup_vs_xla']:.2f}x" if row["speedup_vs_xla"] else "-"
-      print(f"{row['op']:<27}{impl:<18}{row['ms']:>9.3f}{achieved:>16}"
+      print(f"{row['op']:<27}{impl:<26}{row['ms']:>9.3f}{achieved:>16}"
             f"{row['fraction_of_ceiling']:>11.0%}{speed:>8}{row['max_abs_diff_vs_xla']:>12.3g}"
             f"  {row['shape']}")
     except Exception as e:  # one unsupported case (e.g. cuDNN) must not end the run
       row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-      print(f"{row['op']:<27}{impl:<18}  failed: {row['error']}")
+      print(f"{row['op']:<27}{impl:<26}  failed: {row['error']}")
     rows.append(row)
   if a.json:
     with open(a.json, "w") as f:

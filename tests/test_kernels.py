@@ -68,6 +68,9 @@ def test_logprob_pallas_and_xla_match_reference(dtype, shape, xla_block_v):
   impls = {
       "pallas": lambda h, w, t: logprob_entropy_pallas(
           h, w, t, block_sizes=lp_mod.BlockSizes(16, 16, 16, vocab_chunk=32), interpret=True),
+      "pallas fwd + xla bwd": lambda h, w, t: logprob_entropy_pallas(
+          h, w, t, block_sizes=lp_mod.BlockSizes(16, 16, 16, vocab_chunk=32), interpret=True,
+          backward="xla"),
       "xla": lambda h, w, t: logprob_entropy_blockwise(h, w, t, block_v=xla_block_v),
   }
   for name, f in impls.items():

@@ -35,6 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels._backend import cdiv, dot
 from kernels._sharding import per_shard
+from kernels.logprob.xla import backward_blockwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,18 +260,20 @@ def _ops(bs, interpret):
                     replicated=("d", "v"), reduced="n"))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused(h_ND, w_DV, t_N, bs, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fused(h_ND, w_DV, t_N, bs, interpret, backward):
   logp, ent, _ = _ops(bs, interpret)[0](h_ND, w_DV, t_N)
   return logp, ent
 
 
-def _fused_fwd(h_ND, w_DV, t_N, bs, interpret):
+def _fused_fwd(h_ND, w_DV, t_N, bs, interpret, backward):
   logp, ent, lse = _ops(bs, interpret)[0](h_ND, w_DV, t_N)
   return (logp, ent), (h_ND, w_DV, t_N, lse, ent)
 
 
-def _fused_bwd(bs, interpret, res, grads):
+def _fused_bwd(bs, interpret, backward, res, grads):
+  if backward == "xla":  # same residuals; recomputes tiles in XLA with cuBLAS matmuls
+    return backward_blockwise(min(bs.vocab_chunk, res[1].shape[1]), res, grads)
   h_ND, w_DV, t_N, lse, ent = res
   g_logp, g_ent = (g.astype(jnp.float32) for g in grads)
   _, dh_op, dw_op = _ops(bs, interpret)
@@ -282,10 +285,18 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def logprob_entropy_pallas(h_BTD, w_DV, targets_BT, *, block_sizes: BlockSizes = BlockSizes(),
-                           interpret: bool = False):
-  """(log p(target) [B,T], entropy [B,T]) in float32 from the fused Pallas kernels."""
+                           interpret: bool = False, backward: str = "pallas"):
+  """(log p(target) [B,T], entropy [B,T]) in float32 from the fused Pallas kernels.
+
+  ``backward="pallas"`` differentiates with the two backward kernels; ``"xla"`` with the
+  blockwise XLA backward over ``vocab_chunk``-wide tiles (same residuals), for comparison on
+  a GPU: see kernels/NOTES.md.
+  """
   _check(block_sizes)
+  if backward not in ("pallas", "xla"):
+    raise ValueError(f"logprob backward={backward!r}: choose 'pallas' or 'xla'")
   b, t, d = h_BTD.shape
   logp, ent = _fused(h_BTD.reshape(b * t, d), w_DV,
-                     targets_BT.reshape(b * t).astype(jnp.int32), block_sizes, interpret)
+                     targets_BT.reshape(b * t).astype(jnp.int32), block_sizes, interpret,
+                     backward)
   return logp.reshape(b, t), ent.reshape(b, t)

@@ -71,7 +71,9 @@ def _fwd(h_ND, w_DV, t_N, block_v):
   return (logp, ent), (h_ND, w_DV, t_N, lse, ent)
 
 
-def _bwd(block_v, res, grads):
+def backward_blockwise(block_v, res, grads):
+  """The backward pass from the residuals (h, W, targets, lse, entropy), blockwise over the
+  vocabulary; shared with the Pallas forward (`kernels.logprob.pallas`, backward="xla")."""
   h_ND, w_DV, t_N, lse, ent = res
   g_logp, g_ent = (g.astype(jnp.float32) for g in grads)
   n_tiles = -(-w_DV.shape[1] // block_v)
@@ -96,7 +98,7 @@ def _bwd(block_v, res, grads):
   return dh.astype(h_ND.dtype), dw, None
 
 
-_logprob_entropy_flat.defvjp(_fwd, _bwd)
+_logprob_entropy_flat.defvjp(_fwd, backward_blockwise)
 
 
 def logprob_entropy_blockwise(h_BTD, w_DV, targets_BT, *, block_v: int = 8192):
