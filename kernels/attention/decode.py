@@ -26,7 +26,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels._backend import cdiv, dot, padded
 from kernels._sharding import per_shard
-from kernels.attention.flash import check_shapes, kernel_inputs
+from kernels.attention.flash import (check_shapes, kernel_inputs, key_block, n_key_blocks,
+                                     softmax_finish, softmax_init, softmax_step)
 from kernels.attention.reference import attention_reference
 
 _MASKED = -1e30
@@ -53,39 +54,21 @@ def _kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, s, g, d, 
   q = plgpu.load(q_ref.at[pl.ds(0, rp), pl.ds(0, dp)], mask=row_ok[:, None] & d_ok[None, :],
                  other=0.0)
   q_slot = off + rows // g
-  # This split's share of the filled slots [0, min(S, off + T)), in whole key blocks.
-  n_blocks = cdiv(jnp.minimum(s, off + t), bk)
+  # This split's share of the key blocks holding filled slots [0, min(S, off + T)).
+  n_blocks = n_key_blocks(off + t, s, bk)
   per_split = cdiv(n_blocks, n_split)
   lo = pl.program_id(2) * per_split
   hi = jnp.minimum(lo + per_split, n_blocks)
 
   def body(j, carry):
-    acc, m, l = carry
-    cols = j * bk + jnp.arange(bk)
-    col_ok = cols < s
-    kv_tile = pl.ds(j * bk, bk), pl.ds(0, dp)
-    tile_ok = col_ok[:, None] & d_ok[None, :]
-    k = plgpu.load(k_ref.at[kv_tile], mask=tile_ok, other=0.0)
-    kv_ok = plgpu.load(m_ref.at[pl.ds(j * bk, bk)], mask=col_ok, other=0) != 0
-    vis = (cols[None, :] <= q_slot[:, None]) & (col_ok & kv_ok)[None, :]
-    sc = jnp.where(vis, dot(q, k, trans_b=True) * scale, _MASKED)
-    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-    rescale = jnp.exp(m - m_new)
-    p = jnp.where(vis, jnp.exp(sc - m_new[:, None]), 0.0)
-    l = l * rescale + jnp.sum(p, axis=1)
-    v = plgpu.load(v_ref.at[kv_tile], mask=tile_ok, other=0.0)
-    return acc * rescale[:, None] + dot(p.astype(v.dtype), v), m_new, l
+    cols, key_ok, k, v = key_block(k_ref, v_ref, m_ref, j * bk, bk, s, dp, d)
+    vis = (cols[None, :] <= q_slot[:, None]) & key_ok[None, :]
+    return softmax_step(carry, q, k, v, vis, scale)
 
-  init = (jnp.zeros((rp, dp), jnp.float32), jnp.full((rp,), _MASKED, jnp.float32),
-          jnp.zeros((rp,), jnp.float32))
-  acc, m, l = jax.lax.fori_loop(lo, hi, body, init)
-  seen = l > 0
-  l_safe = jnp.where(seen, l, 1.0)
-  plgpu.store(o_ref.at[pl.ds(0, rp), pl.ds(0, dp)], acc / l_safe[:, None],
-              mask=row_ok[:, None] & d_ok[None, :])
   # An empty split gets lse = _MASKED, so its weight in the combination is 0.
-  plgpu.store(lse_ref.at[pl.ds(0, rp)], jnp.where(seen, m + jnp.log(l_safe), _MASKED),
-              mask=row_ok)
+  o, lse = softmax_finish(jax.lax.fori_loop(lo, hi, body, softmax_init(rp, dp)), _MASKED)
+  plgpu.store(o_ref.at[pl.ds(0, rp), pl.ds(0, dp)], o, mask=row_ok[:, None] & d_ok[None, :])
+  plgpu.store(lse_ref.at[pl.ds(0, rp)], lse, mask=row_ok)
 
 
 def _decode_local(off, q5, k, v, kv_mask, *, bs, interpret, scale):

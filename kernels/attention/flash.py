@@ -61,8 +61,44 @@ def _load_rows(ref, row0, rows_ok, n_rows, dp, d, *, index=()):
                     mask=rows_ok[:, None] & d_ok[None, :], other=0.0)
 
 
-def _visible(q_slot, cols, col_ok, kv_ok):
-  return (cols[None, :] <= q_slot[:, None]) & (col_ok & kv_ok)[None, :]
+def key_block(k_ref, v_ref, m_ref, s0, bk, s, dp, d):
+  """The key block at slots ``s0 .. s0+bk``: (slots, which hold a real key, K, V); slots past
+  ``s`` read as zeros and count as invalid."""
+  cols = s0 + jnp.arange(bk)
+  col_ok = cols < s
+  kv_ok = plgpu.load(m_ref.at[pl.ds(s0, bk)], mask=col_ok, other=0) != 0
+  return (cols, col_ok & kv_ok, _load_rows(k_ref, s0, col_ok, bk, dp, d),
+          _load_rows(v_ref, s0, col_ok, bk, dp, d))
+
+
+def n_key_blocks(last_slot, s, bk):
+  """Key blocks to visit for queries whose last slot is ``last_slot - 1``: later ones are all
+  in the future (causal), so they are skipped."""
+  return jnp.minimum(cdiv(last_slot, bk), cdiv(s, bk))
+
+
+def softmax_step(carry, q, k, v, vis, scale):
+  """One key block of the online softmax; carry = (acc, running max m, running sum l)."""
+  acc, m, l = carry
+  sc = jnp.where(vis, dot(q, k, trans_b=True) * scale, _MASKED)
+  m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+  rescale = jnp.exp(m - m_new)
+  p = jnp.where(vis, jnp.exp(sc - m_new[:, None]), 0.0)
+  return (acc * rescale[:, None] + dot(p.astype(v.dtype), v), m_new,
+          l * rescale + jnp.sum(p, axis=1))
+
+
+def softmax_init(rows, dp):
+  return (jnp.zeros((rows, dp), jnp.float32), jnp.full((rows,), _MASKED, jnp.float32),
+          jnp.zeros((rows,), jnp.float32))
+
+
+def softmax_finish(carry, lse_if_empty):
+  """(output, lse) from the online-softmax state; a row that saw no key gets output 0."""
+  acc, m, l = carry
+  seen = l > 0
+  l_safe = jnp.where(seen, l, 1.0)
+  return acc / l_safe[:, None], jnp.where(seen, m + jnp.log(l_safe), lse_if_empty)
 
 
 def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, s, d, dp, scale,
@@ -72,37 +108,18 @@ def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, s, d,
   rows = t0 + jnp.arange(bq)
   row_ok = rows < t
   q = _load_rows(q_ref, t0, row_ok, bq, dp, d)
-  q_slot = off + rows
 
   def body(j, carry):
-    acc, m, l = carry
-    cols = j * bk + jnp.arange(bk)
-    col_ok = cols < s
-    k = _load_rows(k_ref, j * bk, col_ok, bk, dp, d)
-    kv_ok = plgpu.load(m_ref.at[pl.ds(j * bk, bk)], mask=col_ok, other=0) != 0
-    vis = _visible(q_slot, cols, col_ok, kv_ok)
-    sc = jnp.where(vis, dot(q, k, trans_b=True) * scale, _MASKED)
-    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-    rescale = jnp.exp(m - m_new)
-    p = jnp.where(vis, jnp.exp(sc - m_new[:, None]), 0.0)
-    l = l * rescale + jnp.sum(p, axis=1)
-    v = _load_rows(v_ref, j * bk, col_ok, bk, dp, d)
-    acc = acc * rescale[:, None] + dot(p.astype(v.dtype), v)
-    return acc, m_new, l
+    cols, key_ok, k, v = key_block(k_ref, v_ref, m_ref, j * bk, bk, s, dp, d)
+    vis = (cols[None, :] <= off + rows[:, None]) & key_ok[None, :]
+    return softmax_step(carry, q, k, v, vis, scale)
 
-  # Key blocks past the last visible slot of this query block are skipped.
-  last_slot = off + jnp.minimum(t, t0 + bq)
-  n_blocks = jnp.minimum(cdiv(last_slot, bk), cdiv(s, bk))
-  init = (jnp.zeros((bq, dp), jnp.float32), jnp.full((bq,), _MASKED, jnp.float32),
-          jnp.zeros((bq,), jnp.float32))
-  acc, m, l = jax.lax.fori_loop(0, n_blocks, body, init)
-  seen = l > 0
-  l_safe = jnp.where(seen, l, 1.0)
+  n_blocks = n_key_blocks(off + jnp.minimum(t, t0 + bq), s, bk)
+  o, lse = softmax_finish(jax.lax.fori_loop(0, n_blocks, body, softmax_init(bq, dp)), _BIG)
   d_ok = jnp.arange(dp) < d
-  plgpu.store(o_ref.at[pl.ds(t0, bq), pl.ds(0, dp)], (acc / l_safe[:, None]).astype(o_ref.dtype),
+  plgpu.store(o_ref.at[pl.ds(t0, bq), pl.ds(0, dp)], o.astype(o_ref.dtype),
               mask=row_ok[:, None] & d_ok[None, :])
-  plgpu.store(lse_ref.at[pl.ds(t0, bq)], jnp.where(seen, m + jnp.log(l_safe), _BIG),
-              mask=row_ok)
+  plgpu.store(lse_ref.at[pl.ds(t0, bq)], lse, mask=row_ok)
 
 
 def _dq_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, do_ref, lse_ref, delta_ref, dq_ref, *, t, s,
@@ -115,22 +132,16 @@ def _dq_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, do_ref, lse_ref, delta_ref, 
   do = _load_rows(do_ref, t0, row_ok, bq, dp, d)
   lse = plgpu.load(lse_ref.at[pl.ds(t0, bq)], mask=row_ok, other=_BIG)
   delta = plgpu.load(delta_ref.at[pl.ds(t0, bq)], mask=row_ok, other=0.0)
-  q_slot = off + rows
 
   def body(j, dq):
-    cols = j * bk + jnp.arange(bk)
-    col_ok = cols < s
-    k = _load_rows(k_ref, j * bk, col_ok, bk, dp, d)
-    v = _load_rows(v_ref, j * bk, col_ok, bk, dp, d)
-    kv_ok = plgpu.load(m_ref.at[pl.ds(j * bk, bk)], mask=col_ok, other=0) != 0
-    vis = _visible(q_slot, cols, col_ok, kv_ok)
+    cols, key_ok, k, v = key_block(k_ref, v_ref, m_ref, j * bk, bk, s, dp, d)
+    vis = (cols[None, :] <= off + rows[:, None]) & key_ok[None, :]
     sc = jnp.where(vis, dot(q, k, trans_b=True) * scale, _MASKED)
     p = jnp.where(vis, jnp.exp(sc - lse[:, None]), 0.0)
     ds = p * (dot(do, v, trans_b=True) - delta[:, None])
     return dq + dot(ds.astype(k.dtype), k)
 
-  last_slot = off + jnp.minimum(t, t0 + bq)
-  n_blocks = jnp.minimum(cdiv(last_slot, bk), cdiv(s, bk))
+  n_blocks = n_key_blocks(off + jnp.minimum(t, t0 + bq), s, bk)
   dq = jax.lax.fori_loop(0, n_blocks, body, jnp.zeros((bq, dp), jnp.float32))
   d_ok = jnp.arange(dp) < d
   plgpu.store(dq_ref.at[pl.ds(t0, bq), pl.ds(0, dp)], (dq * scale).astype(dq_ref.dtype),
@@ -142,11 +153,7 @@ def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, do_ref, lse_ref, delta_ref,
   # q_ref / do_ref: [T, G, D] (the query heads of this KV head); lse/delta: [G, T].
   off = off_ref[0]
   s0 = pl.program_id(0) * bk
-  cols = s0 + jnp.arange(bk)
-  col_ok = cols < s
-  k = _load_rows(k_ref, s0, col_ok, bk, dp, d)
-  v = _load_rows(v_ref, s0, col_ok, bk, dp, d)
-  kv_ok = plgpu.load(m_ref.at[pl.ds(s0, bk)], mask=col_ok, other=0) != 0
+  cols, key_ok, k, v = key_block(k_ref, v_ref, m_ref, s0, bk, s, dp, d)
   # Query blocks wholly before this key block cannot see it: start at the first that can.
   first = jnp.where(s0 > off, jax.lax.div(s0 - off, bq), 0)
 
@@ -160,7 +167,7 @@ def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, do_ref, lse_ref, delta_ref,
       do = _load_rows(do_ref, t0, row_ok, bq, dp, d, index=(g,))
       lse = plgpu.load(lse_ref.at[g, pl.ds(t0, bq)], mask=row_ok, other=_BIG)
       delta = plgpu.load(delta_ref.at[g, pl.ds(t0, bq)], mask=row_ok, other=0.0)
-      vis = _visible(off + rows, cols, col_ok, kv_ok) & row_ok[:, None]
+      vis = (cols[None, :] <= off + rows[:, None]) & key_ok[None, :] & row_ok[:, None]
       sc = jnp.where(vis, dot(q, k, trans_b=True) * scale, _MASKED)
       p = jnp.where(vis, jnp.exp(sc - lse[:, None]), 0.0)
       dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
@@ -172,7 +179,7 @@ def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, do_ref, lse_ref, delta_ref,
 
   zeros = jnp.zeros((bk, dp), jnp.float32)
   dk, dv = jax.lax.fori_loop(0, groups, head_body, (zeros, zeros))
-  mask = col_ok[:, None] & (jnp.arange(dp) < d)[None, :]
+  mask = (cols < s)[:, None] & (jnp.arange(dp) < d)[None, :]
   plgpu.store(dk_ref.at[pl.ds(s0, bk), pl.ds(0, dp)], (dk * scale).astype(dk_ref.dtype), mask=mask)
   plgpu.store(dv_ref.at[pl.ds(s0, bk), pl.ds(0, dp)], dv.astype(dv_ref.dtype), mask=mask)
 
