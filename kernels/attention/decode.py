@@ -12,6 +12,7 @@ filled part of the cache) are read, whatever the cache's capacity.
 Same contract as :func:`kernels.attention.reference.attention_reference`, except that a query
 row with no visible key gets output 0.  Forward only: the backward of this op (nobody
 differentiates through sampling) falls back to the reference's gradient.
+Under a device mesh each kernel runs on every device's shard (``kernels/_sharding.py``).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ Kernels (FlashAttention-2 layout):
   so GQA gradients are summed without atomics.
 ``delta = rowsum(O * dO)`` is a plain XLA reduction.  The head dimension is padded to a power
 of two (>= 16) with masked loads; sequence tails are masked, so no input is padded or copied.
+Under a device mesh each kernel runs on every device's shard (``kernels/_sharding.py``).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ deterministic; the price is one extra recompute of the logits (4 matmul-equivale
 the minimal 3) and float32 read-modify-writes of the accumulators; see ``kernels/NOTES.md``.
 Ragged tails (N, V or D not multiples of the blocks) are handled with masked loads and stores,
 so nothing is padded or copied.  ``interpret=True`` runs the same kernels on any backend.
+Under a device mesh each kernel runs on every device's shard (``kernels/_sharding.py``).
 """
 
 from __future__ import annotations
