@@ -233,9 +233,10 @@ class Encoder:
     return row, mask
 
   def prompts(self, examples: Sequence[Example]) -> dict:
-    """``prompt [B,P]``, ``prompt_mask``, ``answer [B,R]`` (answer + EOS), ``answer_mask``."""
+    """``prompt [B,P]``, ``prompt_mask``, ``answer [B,R]`` (the reference answer's tokens,
+    without EOS: what rule rewards compare a response to), ``answer_mask``."""
     rows = [self._left(self.prompt_ids(ex)) for ex in examples]
-    ans = [self._right(self.response_ids(ex.answer), self.R) for ex in examples]
+    ans = [self._right(self.tok.encode(ex.answer)[:self.R], self.R) for ex in examples]
     return {"prompt": np.stack([r[0] for r in rows]), "prompt_mask": np.stack([r[1] for r in rows]),
             "answer": np.stack([a[0] for a in ans]), "answer_mask": np.stack([a[1] for a in ans])}
 

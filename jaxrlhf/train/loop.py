@@ -3,19 +3,17 @@ checkpoint hooks, and stopping cleanly on repeated non-finite steps or a signal.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import jax
 
+from jaxrlhf.perf import memory_in_use
 from jaxrlhf.train.common import metrics_to_host, put_batch
 
 
 class TrainingError(RuntimeError):
   """The run cannot continue (e.g. too many consecutive non-finite steps)."""
-
-
-def tokens_in(metrics: dict) -> float:
-  return metrics.get("rollout/tokens", 0.0)
 
 
 def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer=None,
@@ -27,20 +25,23 @@ def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer
   max_skips = getattr(stage.scfg.optim, "max_consecutive_skips", 0)
   for step in range(start_step, stage.steps):
     if profiler is not None:
-      profiler.before_step(step + 1)
+      profiler.before_step(stage.name, step + 1)
     batch = put_batch(stage.mesh, stage.batch(step))
     with jax.set_mesh(stage.mesh):
       if step_fn is None:
         step_fn = stage.make_step_fn(state, frozen, batch)
       t0 = time.perf_counter()
-      new_state, metrics = step_fn(state, frozen, batch)
+      with profiler.annotate(step + 1) if profiler is not None else contextlib.nullcontext():
+        new_state, metrics = step_fn(state, frozen, batch)
       metrics = metrics_to_host(metrics)
       dt = time.perf_counter() - t0
     if profiler is not None:
-      profiler.after_step(step + 1)
+      profiler.after_step(stage.name, step + 1, new_state)
     consecutive = int(jax.device_get(new_state.extras["skips/consecutive"]))
     state = new_state
+    # Wall time of the whole step, host work included (phase timers report their own parts).
     metrics["time/step_s"] = dt
+    metrics.update(memory_in_use())
     if "rollout/tokens" in metrics:
       metrics["throughput/tokens_per_s"] = metrics["rollout/tokens"] / dt
     if max_skips and consecutive >= max_skips:

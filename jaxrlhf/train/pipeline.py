@@ -3,6 +3,7 @@ roles earlier stages produced, and the run ends with a summary table."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -12,6 +13,7 @@ import jax
 from jaxrlhf.config import ExperimentConfig, to_json
 from jaxrlhf.data import DataSource
 from jaxrlhf.mesh import make_mesh
+from jaxrlhf.model import hf
 from jaxrlhf.metrics import MetricsWriter
 from jaxrlhf.train.loop import TrainingError, run_stage
 
@@ -27,6 +29,7 @@ def run(cfg: ExperimentConfig, workdir: str, resume: str = "latest", profile_ste
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(to_json(cfg))
   mesh = make_mesh(cfg.mesh)
+  cfg = resolve_models(cfg, dict(mesh.shape)["tp"])
   data = DataSource(cfg.data, cfg.seed)
   print(f"{cfg.name}: stages {' -> '.join(cfg.stages)} on mesh {dict(mesh.shape)} "
         f"({jax.device_count()} {jax.default_backend()} devices); outputs in {workdir}")
@@ -60,6 +63,16 @@ def run(cfg: ExperimentConfig, workdir: str, resume: str = "latest", profile_ste
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   return 0
+
+
+def resolve_models(cfg: ExperimentConfig, tp: int) -> ExperimentConfig:
+  """Reads the architecture of every role that names a Hugging Face directory."""
+  changes = {}
+  for field in ("model", "reward_model", "value_model", "guard_model"):
+    m = getattr(cfg, field)
+    if m is not None and m.hf_path:
+      changes[field] = hf.resolve_hf_config(m, tp)
+  return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
 def print_summary(cfg: ExperimentConfig, summary: dict) -> None:

@@ -8,8 +8,6 @@ The same phase functions run as separately-jitted, separately-timed programs whe
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +17,7 @@ from jaxrlhf import rewards as RW
 from jaxrlhf.algorithms import (aggregate, init_kl_controller, kl_estimate, ppo_policy_loss,
                                 update_kl_controller)
 from jaxrlhf.config import ConfigError
+from jaxrlhf.perf import PhaseTimer
 from jaxrlhf.rollout import generate
 from jaxrlhf.train.common import (accumulate_grads, apply_update, count_skip, init_state,
                                   jit_step, shardings_of, skip_counters)
@@ -325,34 +324,25 @@ class PhasedStep:
       return state, {**m, **rm}
 
     self.rest = jax.jit(after_generate, out_shardings=(state_sh, None), donate_argnums=(0,))
+    self.timer = PhaseTimer()
 
   def __call__(self, state, frozen, batch):
     s = self.stage
-    times = {}
-
-    def timed(name, fn, *args):
-      t0 = time.perf_counter()
-      out = jax.block_until_ready(fn(*args))
-      times[name] = times.get(name, 0.0) + time.perf_counter() - t0
-      return out
-
-    state, ro = timed("generate", self.gen, state, batch)
+    timer = self.timer
+    timer.start_step()
+    state, ro = timer.run("generate", self.gen, state, batch)
     host = None
     if s.host_sources:
-      t0 = time.perf_counter()
-      host = jnp.asarray(s.host_scores(jax.device_get(ro)))
-      times["host_reward"] = time.perf_counter() - t0
+      with timer.phase("host_reward"):
+        host = jnp.asarray(s.host_scores(jax.device_get(ro)))
     if not self.timed:
-      state, metrics = timed("rest", self.rest, state, frozen, batch, ro, host)
+      state, metrics = timer.run("score_and_update", self.rest, state, frozen, batch, ro, host)
     else:
-      ro = {**ro, **timed("reference", self.ref, frozen, ro)}
-      scored, rm = timed("reward", self.rew, frozen, batch, ro, host)
+      ro = {**ro, **timer.run("reference", self.ref, frozen, ro)}
+      scored, rm = timer.run("reward", self.rew, frozen, batch, ro, host)
       ro.update(scored)
-      ro.update(timed("values", self.val, state, ro))
-      state, metrics = timed("update", self.upd, state, frozen, batch, ro)
+      ro.update(timer.run("values", self.val, state, ro))
+      state, metrics = timer.run("update", self.upd, state, frozen, batch, ro)
       metrics = {**metrics, **rm}
-    metrics = dict(metrics)
-    for name, t in times.items():
-      metrics[f"time/phase/{name}_s"] = t
-    return state, metrics
+    return state, {**metrics, **timer.end_step()}
 

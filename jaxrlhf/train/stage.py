@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf import model as M
+from jaxrlhf.model import hf
 from jaxrlhf.config import ConfigError, ExperimentConfig, ModelConfig
 from jaxrlhf.data import DataSource
 from jaxrlhf.mesh import FROZEN_PARAM_RULES, PARAM_RULES
@@ -83,7 +84,8 @@ class Stage:
         self.cfg.role_model("reward") == cfg):
       source = roles["reward"]
     if source is None:
-      return M.init_sharded(cfg, key, self.mesh, head, rules)
+      # A Hugging Face directory (model.hf_path / reward_model.hf_path ...) or a random init.
+      return hf.load_or_init(cfg, self.mesh, key, head, rules)
     return jax.device_put(convert_head(source, cfg, head), shardings)
 
   def model_cfg(self, role: str) -> ModelConfig:
