@@ -9,22 +9,17 @@ import numpy as np
 
 from jaxrlhf import model as M
 from jaxrlhf.algorithms import dpo_loss
-from jaxrlhf.train.common import (accumulate_grads, apply_update, count_skip, init_state,
-                                  put_batch, skip_counters)
+from jaxrlhf.train.common import accumulate_grads, apply_update, count_skip, put_batch
 from jaxrlhf.train.evaluate import ExactMatchEval, pair_batches
 from jaxrlhf.train.stage import Stage
 
 
 class DPOStage(Stage):
   name = "dpo"
-  trainable = ("policy",)
-  frozen_roles = ("reference",)
+  trainable = {"policy": "lm"}
 
-  def init(self, key, roles):
-    k_init, k_state = jax.random.split(key)
-    params = {"policy": self.role_params(roles, "policy", k_init, head="lm")}
-    frozen = {"reference": self.role_params(roles, "reference", k_init, head="lm", frozen=True)}
-    self.opt = {"policy": self.optimizer()}
+  def __init__(self, cfg, mesh, data):
+    super().__init__(cfg, mesh, data)
     cfg = self.model_cfg("policy")
     kernels = self.cfg.kernels
 
@@ -40,9 +35,8 @@ class DPOStage(Stage):
 
     self.seq_logps = seq_logps
     self._ref = jax.jit(seq_logps)
-    self.frozen_ref = frozen["reference"]
     self._cache: dict = {}
-    self.eval_pairs = pair_batches(self)
+    self._eval_pairs = None
     self.evaluator = ExactMatchEval(self)
 
     def eval_fn(policy, reference, b):
@@ -52,7 +46,21 @@ class DPOStage(Stage):
                       label_smoothing=self.scfg.label_smoothing)[1]
 
     self._eval = jax.jit(eval_fn)
-    return init_state(self.mesh, params, self.opt, k_state, skip_counters()), frozen
+
+  def frozen(self):
+    return {"reference": "lm"}
+
+  def init(self, key, roles):
+    state, frozen = super().init(key, roles)
+    self.frozen_ref = frozen["reference"]  # for dpo.reference=cache
+    return state, frozen
+
+  def batch_shapes(self):
+    shapes = {**self.sequence_shapes("chosen"), **self.sequence_shapes("rejected")}
+    if self.scfg.reference == "cache":
+      b = self.scfg.batch_size
+      shapes.update(ref_chosen=((b,), jnp.float32), ref_rejected=((b,), jnp.float32))
+    return shapes
 
   def batch(self, step):
     examples = self.data.examples("pairs", step, self.scfg.batch_size)
@@ -98,8 +106,11 @@ class DPOStage(Stage):
                    "skips/total": state.extras["skips/total"]}
 
   def evaluate(self, state, frozen):
+    if self._eval_pairs is None:
+      self._eval_pairs = pair_batches(self)
     with jax.set_mesh(self.mesh):
-      m = jax.device_get(self._eval(state.params["policy"], frozen["reference"], self.eval_pairs))
+      m = jax.device_get(self._eval(state.params["policy"], frozen["reference"],
+                                    self._eval_pairs))
     out = {"eval/pair_accuracy": float(m["pref_accuracy"]),
            "eval/reward_margin": float(m["reward_margin"])}
     out.update(self.evaluator(state.params["policy"]))

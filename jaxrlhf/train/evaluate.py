@@ -6,7 +6,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxrlhf.rewards import RULES
 from jaxrlhf.rollout import generate
@@ -18,8 +17,8 @@ class ExactMatchEval:
 
   def __init__(self, stage, role: str = "policy"):
     self.stage = stage
+    self.batch = None  # the evaluation prompts, placed on first use
     data = stage.data
-    self.batch = put_batch(stage.mesh, data.encoder.prompts(data.eval_examples("prompts")))
     cfg = stage.cfg
     rollout = dataclasses.replace(cfg.rollout, temperature=0.0)
     model_cfg = cfg.role_model(role)
@@ -37,6 +36,10 @@ class ExactMatchEval:
     self._fn = jax.jit(accuracy)
 
   def __call__(self, params) -> dict:
+    if self.batch is None:
+      data = self.stage.data
+      self.batch = put_batch(self.stage.mesh,
+                             data.encoder.prompts(data.eval_examples("prompts")))
     with jax.set_mesh(self.stage.mesh):
       out = self._fn(params, self.batch)
     return {k: float(v) for k, v in jax.device_get(out).items()}
@@ -49,6 +52,3 @@ def pair_batches(stage, n: int | None = None) -> dict:
     examples = examples[:n]
   return put_batch(stage.mesh, stage.data.encoder.pairs(examples))
 
-
-def mean_of(values) -> float:
-  return float(np.mean(values))

@@ -11,8 +11,7 @@ from jaxrlhf.train.rl import RLStage
 
 class GRPOStage(RLStage):
   name = "grpo"
-  trainable = ("policy",)
-  frozen_roles = ("reference", "reward")
+  trainable = {"policy": "lm"}
 
   def advantages(self, ro, score, kl_tok, kl_coef, update_mask):
     scfg = self.scfg

@@ -13,8 +13,7 @@ from jaxrlhf.train.rl import RLStage
 
 class PPOStage(RLStage):
   name = "ppo"
-  trainable = ("policy", "value")
-  frozen_roles = ("reference", "reward")
+  trainable = {"policy": "lm", "value": "scalar"}
   uses_value = True
 
   def __init__(self, cfg, mesh, data):

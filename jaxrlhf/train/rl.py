@@ -19,8 +19,8 @@ from jaxrlhf.algorithms import (aggregate, init_kl_controller, kl_estimate, ppo_
 from jaxrlhf.config import ConfigError
 from jaxrlhf.perf import PhaseTimer
 from jaxrlhf.rollout import generate
-from jaxrlhf.train.common import (accumulate_grads, apply_update, count_skip, init_state,
-                                  jit_step, shardings_of, skip_counters)
+from jaxrlhf.train.common import (accumulate_grads, apply_update, count_skip, jit_step,
+                                  shardings_of, skip_counters)
 from jaxrlhf.train.evaluate import ExactMatchEval
 from jaxrlhf.train.stage import Stage
 
@@ -34,6 +34,7 @@ class RLStage(Stage):
 
   def __init__(self, cfg, mesh, data):
     super().__init__(cfg, mesh, data)
+    self.evaluator = ExactMatchEval(self)
     self.n = self.scfg.num_samples
     self.N = cfg.rollout.max_new_tokens
     rcfg = self.scfg.reward
@@ -62,27 +63,31 @@ class RLStage(Stage):
                         f"must divide into num_minibatches={self.scfg.num_minibatches}")
 
   # ----------------------------------------------------------------------------- set-up
-  def init(self, key, roles):
-    k_pol, k_val, k_rew, k_guard, k_state = jax.random.split(key, 5)
-    params = {"policy": self.role_params(roles, "policy", k_pol, head="lm")}
-    self.opt = {"policy": self.optimizer()}
-    if self.uses_value:
-      params["value"] = self.role_params(roles, "value", k_val, head="scalar")
-      self.opt["value"] = self.optimizer("value_optim")
-    frozen = {}
+  def frozen(self):
+    out = {}
     if self.scfg.kl.coef > 0 or self.scfg.kl.adaptive:
-      frozen["reference"] = self.role_params(roles, "reference", k_pol, head="lm", frozen=True)
+      out["reference"] = "lm"
     if self.uses_reward_model:
-      if "reward" not in roles:
-        print(f"warning: {self.name} uses a reward model but no earlier stage trained one; "
-              f"it starts from random weights (add an 'rm' stage or load one)")
-      frozen["reward"] = self.role_params(roles, "reward", k_rew, head="scalar", frozen=True)
+      out["reward"] = "scalar"
     if self.scfg.reward.guard:
-      frozen["guard"] = self.role_params(roles, "guard", k_guard, head="scalar", frozen=True)
-    extras = {**skip_counters(), "kl": init_kl_controller(self.scfg.kl.coef),
-              "reward_stats": RW.init_running_stats()}
-    self.evaluator = ExactMatchEval(self)
-    return init_state(self.mesh, params, self.opt, k_state, extras), frozen
+      out["guard"] = "scalar"
+    return out
+
+  def initial_extras(self):
+    return {**skip_counters(), "kl": init_kl_controller(self.scfg.kl.coef),
+            "reward_stats": RW.init_running_stats()}
+
+  def init(self, key, roles):
+    if self.uses_reward_model and "reward" not in roles and not self.cfg.role_model(
+        "reward").hf_path:
+      print(f"warning: {self.name} uses a reward model but no earlier stage trained one; "
+            f"it starts from random weights (add an 'rm' stage or set reward_model.hf_path)")
+    return super().init(key, roles)
+
+  def batch_shapes(self):
+    b = self.scfg.batch_size
+    return {"prompt": ((b, self.P), jnp.int32), "prompt_mask": ((b, self.P), jnp.bool_),
+            "answer": ((b, self.R), jnp.int32), "answer_mask": ((b, self.R), jnp.bool_)}
 
   def batch(self, step):
     examples = self.data.examples("prompts", step, self.scfg.batch_size)

@@ -7,21 +7,18 @@ import jax.numpy as jnp
 
 from jaxrlhf import model as M
 from jaxrlhf.algorithms import bradley_terry_loss
-from jaxrlhf.train.common import (accumulate_grads, apply_update, count_skip, init_state,
-                                  skip_counters)
+from jaxrlhf.train.common import accumulate_grads, apply_update, count_skip
 from jaxrlhf.train.evaluate import pair_batches
 from jaxrlhf.train.stage import Stage
 
 
 class RMStage(Stage):
   name = "rm"
-  trainable = ("reward",)
+  trainable = {"reward": "scalar"}
 
-  def init(self, key, roles):
-    k_init, k_state = jax.random.split(key)
-    params = {"reward": self.role_params(roles, "reward", k_init, head="scalar")}
-    self.opt = {"reward": self.optimizer()}
-    self.eval_pairs = pair_batches(self)
+  def __init__(self, cfg, mesh, data):
+    super().__init__(cfg, mesh, data)
+    self._eval_pairs = None
     cfg = self.model_cfg("reward")
     kernels = self.cfg.kernels
 
@@ -34,7 +31,9 @@ class RMStage(Stage):
 
     self.pair_scores = pair_scores
     self._eval = jax.jit(lambda p, b: bradley_terry_loss(*pair_scores(p, b))[1])
-    return init_state(self.mesh, params, self.opt, k_state, skip_counters()), {}
+
+  def batch_shapes(self):
+    return {**self.sequence_shapes("chosen"), **self.sequence_shapes("rejected")}
 
   def batch(self, step):
     return self.data.encoder.pairs(self.data.examples("pairs", step, self.scfg.batch_size))
@@ -57,6 +56,8 @@ class RMStage(Stage):
                    "skips/total": state.extras["skips/total"]}
 
   def evaluate(self, state, frozen):
+    if self._eval_pairs is None:
+      self._eval_pairs = pair_batches(self)
     with jax.set_mesh(self.mesh):
-      m = jax.device_get(self._eval(state.params["reward"], self.eval_pairs))
+      m = jax.device_get(self._eval(state.params["reward"], self._eval_pairs))
     return {"eval/pair_accuracy": float(m["accuracy"])}

@@ -3,27 +3,25 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jaxrlhf import model as M
 from jaxrlhf.algorithms import sft_loss
-from jaxrlhf.train.common import (TrainState, accumulate_grads, apply_update, count_skip,
-                                  init_state, skip_counters)
+from jaxrlhf.train.common import TrainState, accumulate_grads, apply_update, count_skip
 from jaxrlhf.train.evaluate import ExactMatchEval
 from jaxrlhf.train.stage import Stage
 
 
 class SFTStage(Stage):
   name = "sft"
-  trainable = ("policy",)
+  trainable = {"policy": "lm"}
 
-  def init(self, key, roles):
-    k_init, k_state = jax.random.split(key)
-    params = {"policy": self.role_params(roles, "policy", k_init, head="lm")}
-    self.opt = {"policy": self.optimizer()}
+  def __init__(self, cfg, mesh, data):
+    super().__init__(cfg, mesh, data)
     self.evaluator = ExactMatchEval(self)
-    return init_state(self.mesh, params, self.opt, k_state, skip_counters()), {}
+
+  def batch_shapes(self):
+    return self.sequence_shapes()
 
   def batch(self, step):
     examples = self.data.examples("sft", step, self.scfg.batch_size)

@@ -14,18 +14,23 @@ from jaxrlhf import model as M
 from jaxrlhf.model import hf
 from jaxrlhf.config import ConfigError, ExperimentConfig, ModelConfig
 from jaxrlhf.data import DataSource
-from jaxrlhf.mesh import FROZEN_PARAM_RULES, PARAM_RULES
-from jaxrlhf.train.common import TrainState, jit_step, make_optimizer
+from jaxrlhf.mesh import FROZEN_PARAM_RULES, PARAM_RULES, batch_sharding, replicated
+from jaxrlhf.train.common import (TrainState, init_state, jit_step, make_optimizer,
+                                  skip_counters)
 
 
 class Stage:
-  """Base class: subclasses set ``name`` and implement ``init``, ``batch``, ``step``,
-  ``evaluate`` and ``outputs``."""
+  """Base class.  Subclasses set ``name`` and ``trainable`` and implement ``batch``,
+  ``batch_shapes`` and ``step`` (and usually ``evaluate``).
+
+  Construction allocates nothing (configs, optimizers, closures), so the planner can lower a
+  stage's step on abstract arrays; :meth:`init` allocates the parameters on the mesh.
+  """
 
   name = "stage"
-  # Roles this stage trains (keys of state.params) and keeps frozen.
-  trainable: tuple[str, ...] = ()
-  frozen_roles: tuple[str, ...] = ()
+  # Trained roles -> head ("lm" or "scalar"), and the optimizer config field of each.
+  trainable: dict = {}
+  optim_fields: dict = {"policy": "optim", "value": "value_optim", "reward": "optim"}
 
   def __init__(self, cfg: ExperimentConfig, mesh, data: DataSource):
     self.cfg = cfg
@@ -41,12 +46,22 @@ class Stage:
     if self.tok.vocab_size > model_vocab:
       raise ConfigError(f"the tokenizer has {self.tok.vocab_size} tokens but model.vocab_size="
                         f"{model_vocab}; set --set=model.vocab_size={self.tok.vocab_size} or more")
+    self.opt = {role: make_optimizer(getattr(self.scfg, self.optim_fields[role]), self.steps)
+                for role in self.trainable}
 
   # -- to implement -------------------------------------------------------------------------
-  def init(self, key: jax.Array, roles: dict) -> tuple[TrainState, dict]:
-    raise NotImplementedError
+  def frozen(self) -> dict:
+    """Frozen roles -> head (may depend on the config)."""
+    return {}
+
+  def initial_extras(self) -> dict:
+    return skip_counters()
 
   def batch(self, step: int) -> dict:
+    raise NotImplementedError
+
+  def batch_shapes(self) -> dict:
+    """``name -> (shape, dtype)`` of the global batch (for planning without data)."""
     raise NotImplementedError
 
   def step(self, state: TrainState, frozen: dict, batch: dict):
@@ -54,6 +69,49 @@ class Stage:
 
   def evaluate(self, state: TrainState, frozen: dict) -> dict:
     return {}
+
+  # -- shared machinery ---------------------------------------------------------------------
+  def init(self, key: jax.Array, roles: dict) -> tuple[TrainState, dict]:
+    """Parameters of every role (from earlier stages, a Hugging Face directory, or fresh) on
+    the mesh, and the train state around the trainable ones."""
+    keys = dict(zip(("state",) + tuple(self.trainable) + tuple(self.frozen()),
+                    jax.random.split(key, 1 + len(self.trainable) + len(self.frozen()))))
+    params = {r: self.role_params(roles, r, keys[r], head=h) for r, h in self.trainable.items()}
+    # The reference starts from the same weights as the policy when both are fresh.
+    frozen = {r: self.role_params(roles, r, keys.get("policy", keys[r]) if r == "reference"
+                                  else keys[r], head=h, frozen=True)
+              for r, h in self.frozen().items()}
+    state = init_state(self.mesh, params, self.opt, keys["state"], self.initial_extras())
+    return state, frozen
+
+  def abstract_init(self) -> tuple[TrainState, dict]:
+    """The train state and frozen parameters as ShapeDtypeStructs with their shardings on the
+    mesh; allocates nothing."""
+    def role(r, head, rules):
+      cfg = self.cfg.role_model(r)
+      sh = M.param_shardings(cfg, self.mesh, head, rules)
+      return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          M.abstract_params(cfg, head), sh)
+    params = {r: role(r, h, PARAM_RULES) for r, h in self.trainable.items()}
+    frozen = {r: role(r, h, FROZEN_PARAM_RULES) for r, h in self.frozen().items()}
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated(self.mesh))
+
+    def make(params, key):
+      opt_state = {r: self.opt[r].init(p) for r, p in params.items()}
+      return TrainState(step=jnp.zeros((), jnp.int32), rng=key, params=params,
+                        opt_state=opt_state, extras=self.initial_extras())
+
+    with jax.set_mesh(self.mesh):
+      compiled = jax.jit(make).lower(params, key).compile()
+    shapes = jax.eval_shape(make, params, key)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         shapes, compiled.output_shardings)
+    return state, frozen
+
+  def abstract_batch(self) -> dict:
+    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(self.mesh, len(shape),
+                                                                           shape))
+            for k, (shape, dtype) in self.batch_shapes().items()}
 
   def make_step_fn(self, state: TrainState, frozen: dict, batch: dict):
     """The callable the loop runs each step: by default the whole step as one jitted program
@@ -64,10 +122,15 @@ class Stage:
     """Role parameters this stage hands to later stages."""
     return dict(state.params)
 
-  # -- shared helpers -----------------------------------------------------------------------
-  def optimizer(self, which: str = "optim"):
-    return make_optimizer(getattr(self.scfg, which), self.steps)
+  def sequence_shapes(self, side: str = "") -> dict:
+    """Shapes of prompt|response sequences: ``tokens, mask, loss_mask``, or for one side of a
+    preference pair ``SIDE, SIDE_mask, SIDE_loss_mask``."""
+    b, length = self.scfg.batch_size, self.P + self.R
+    pre = f"{side}_" if side else ""
+    return {side or "tokens": ((b, length), jnp.int32), f"{pre}mask": ((b, length), jnp.bool_),
+            f"{pre}loss_mask": ((b, length), jnp.bool_)}
 
+  # -- shared helpers -----------------------------------------------------------------------
   def role_params(self, roles: dict, role: str, key: jax.Array, *, head: str,
                   frozen: bool = False) -> dict:
     """Parameters for ``role``: from an earlier stage when present, else a conversion of the
