@@ -98,6 +98,10 @@ class Example:
 class AdditionTask:
   """``a+b=`` -> ``a+b`` for numbers of up to ``digits`` digits; exact-match checkable.
 
+  Numbers are written fixed-width with leading zeros (``07+45=052``): the digits of the
+  operands and the sum line up, which a small transformer learns far faster than ragged
+  numbers.
+
   The held-out split is fixed by a hash of ``(a, b)``: about 1 in 8 pairs are evaluation-only
   and never appear in training batches.
   """
@@ -118,23 +122,23 @@ class AdditionTask:
       a, b = (int(x) for x in rng.integers(0, self.limit, size=2))
       if self._is_eval(a, b) != want_eval:
         continue
-      answer = str(a + b)
-      out.append(Example(prompt=f"{a}+{b}=", answer=answer, response=answer, chosen=answer,
-                         rejected=self.wrong_answer(rng, a + b)))
+      d = self.digits
+      answer = f"{a + b:0{d + 1}d}"
+      out.append(Example(prompt=f"{a:0{d}d}+{b:0{d}d}=", answer=answer, response=answer,
+                         chosen=answer, rejected=self.wrong_answer(rng, a + b)))
     return out
 
   def wrong_answer(self, rng: np.random.Generator, correct: int) -> str:
-    """A plausible wrong answer: one digit changed, or off by a small amount."""
-    s = str(correct)
+    """A plausible wrong answer of the same width: one digit changed, or off by a little."""
+    width = self.digits + 1
+    s = f"{correct:0{width}d}"
     while True:
       if rng.random() < 0.5:
-        i = int(rng.integers(0, len(s)))
-        d = str(int(rng.integers(0, 10)))
-        cand = s[:i] + d + s[i + 1:]
-        if len(cand) > 1 and cand[0] == "0":
-          continue
+        i = int(rng.integers(0, width))
+        cand = s[:i] + str(int(rng.integers(0, 10))) + s[i + 1:]
       else:
-        cand = str(max(0, correct + int(rng.choice([-10, -2, -1, 1, 2, 10]))))
+        value = correct + int(rng.choice([-10, -2, -1, 1, 2, 10]))
+        cand = f"{value:0{width}d}" if 0 <= value < 10 ** width else s
       if cand != s:
         return cand
 

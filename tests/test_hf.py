@@ -307,7 +307,7 @@ def test_directory_errors(tmp_path):
 
 
 def test_experiment_templates_take_the_model_from_the_command_line():
-  for name in ("hf_ppo", "hf_grpo", "hf_dpo"):
+  for name in ("ppo_jsonl", "grpo_jsonl", "dpo_jsonl"):
     cfg = apply_overrides(registry.get(name), [f"model.hf_path={_asset('qwen2')}",
                                                "mesh.tp=4"])
     model = hf.resolve_hf_config(cfg.model, tp=cfg.mesh.tp)

@@ -4,7 +4,7 @@ Templates: the architecture comes from the checkpoint at run time
 (``jaxrlhf.model.hf.resolve_hf_config``), so the model fields here are placeholders; point
 them at local directories and data on the command line, e.g.::
 
-  python -m jaxrlhf.main --experiment=hf_grpo \\
+  python -m jaxrlhf.main --experiment=grpo_jsonl \\
       --set=model.hf_path=/ckpt/qwen2-0.5b-sft --set=data.tokenizer=/ckpt/qwen2-0.5b-sft \\
       --set=data.prompts_path=prompts.jsonl --mesh=dp=-1,tp=4
 
@@ -32,25 +32,25 @@ def _base(name: str, stages: tuple[str, ...], description: str) -> ExperimentCon
       rollout=RolloutConfig(max_new_tokens=256, temperature=1.0))
 
 
-@register("hf_ppo")
+@register("ppo_jsonl")
 def build_ppo():
-  cfg = _base("hf_ppo", ("ppo",), "PPO on your HF model: --set=model.hf_path=DIR "
+  cfg = _base("ppo_jsonl", ("ppo",), "PPO on your HF model: --set=model.hf_path=DIR "
               "--set=reward_model.hf_path=RM_DIR --set=data.tokenizer=DIR "
               "--set=data.prompts_path=FILE")
   return dataclasses.replace(cfg, ppo=PPOConfig(steps=500, batch_size=32, num_minibatches=4))
 
 
-@register("hf_grpo")
+@register("grpo_jsonl")
 def build_grpo():
-  cfg = _base("hf_grpo", ("grpo",), "GRPO on your HF model: --set=model.hf_path=DIR "
+  cfg = _base("grpo_jsonl", ("grpo",), "GRPO on your HF model: --set=model.hf_path=DIR "
               "--set=data.tokenizer=DIR --set=data.prompts_path=FILE (answers: exact match)")
   return dataclasses.replace(cfg, grpo=GRPOConfig(
       steps=500, batch_size=16, num_samples=8, num_minibatches=4,
       reward=RewardConfig(sources=("rule:exact_match",))))
 
 
-@register("hf_dpo")
+@register("dpo_jsonl")
 def build_dpo():
-  cfg = _base("hf_dpo", ("dpo",), "DPO on your HF model: --set=model.hf_path=DIR "
+  cfg = _base("dpo_jsonl", ("dpo",), "DPO on your HF model: --set=model.hf_path=DIR "
               "--set=data.tokenizer=DIR --set=data.pairs_path=FILE")
   return dataclasses.replace(cfg, dpo=DPOConfig(steps=500, batch_size=32))

@@ -1,0 +1,15 @@
+"""DPO on 2-digit addition from a short SFT, pairs derived from the checker; CPU, minutes."""
+
+from experiments.tiny_ppo import ADDITION, GREEDY_LEN, TINY, TINY_SFT
+from jaxrlhf.config import DPOConfig, ExperimentConfig, OptimizerConfig
+from jaxrlhf.registry import register
+
+
+@register("tiny_dpo")
+def build():
+  return ExperimentConfig(
+      name="tiny_dpo",
+      description="SFT, then DPO on derived preference pairs (correct answer over a wrong one)",
+      stages=("sft", "dpo"), model=TINY, data=ADDITION, rollout=GREEDY_LEN, sft=TINY_SFT,
+      dpo=DPOConfig(steps=60, batch_size=32, beta=0.1, eval_every=20,
+                    optim=OptimizerConfig(lr=3e-4, warmup_steps=5, schedule="constant")))
