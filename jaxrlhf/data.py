@@ -295,6 +295,13 @@ class DataSource:
       if not kept:
         raise ConfigError(f"{path}: every prompt was skipped as over-long "
                           f"(data.max_prompt_len={self.cfg.max_prompt_len})")
+      dropped = len(examples) - len(kept)
+      truncated = self.encoder.counts["data/truncated"]
+      if dropped or truncated:
+        # Never silent: say what the data.overlong policy did to this file.
+        print(f"{path}: {dropped} over-long prompt(s) skipped, {truncated} truncated to "
+              f"data.max_prompt_len={self.cfg.max_prompt_len} (data.overlong="
+              f"{self.cfg.overlong}); {len(kept)} examples kept")
       self._files[kind] = kept
     return self._files[kind]
 
