@@ -1,5 +1,6 @@
-"""The loop around any stage: batches, the jitted step, evaluation every K steps, metrics,
-checkpoint hooks, and stopping cleanly on repeated non-finite steps or a signal."""
+"""The loop around any stage: batches, the jitted step, evaluation every K steps, metrics
+(step time, throughput, memory, MFU), checkpoints, and stopping cleanly on repeated non-finite
+steps or a signal."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import jax
 
 from jaxrlhf.perf import memory_in_use
 from jaxrlhf.train.common import metrics_to_host, put_batch
+from jaxrlhf.train.work import step_utilisation
 
 
 class TrainingError(RuntimeError):
@@ -17,26 +19,37 @@ class TrainingError(RuntimeError):
 
 
 def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer=None,
-              should_stop=lambda: False, extra_fn=None, profiler=None):
-  """Trains ``stage`` from ``start_step`` to ``stage.steps``; returns ``(state, last_metrics,
-  stopped_early)``."""
+              should_stop=lambda: False, extra_fn=None, profiler=None, work=None):
+  """Trains ``stage`` from ``start_step`` (steps already done) to ``stage.steps``; returns
+  ``(state, last_metrics, stopped_early)``.
+
+  Batches are a pure function of the step (``stage.batch(step)``), so ``start_step`` is also
+  the data position.  After each step: evaluation when due, one metrics record, a checkpoint
+  when due (``checkpointer.maybe_save``, asynchronous), then ``should_stop()``; when it says
+  stop, a checkpoint of this step is written (``save_now``) before returning with
+  ``stopped_early=True``.  ``extra_fn(done)`` is the JSON saved beside the state; ``work``
+  (:class:`jaxrlhf.train.work.StepWork`) adds ``perf/*`` utilisation metrics.
+  """
   step_fn = None
   last: dict = {}
+  extra = extra_fn or (lambda done: {})
   max_skips = getattr(stage.scfg.optim, "max_consecutive_skips", 0)
+  log_every = max(stage.cfg.logging.every_steps, 1)
   for step in range(start_step, stage.steps):
+    done = step + 1
     if profiler is not None:
-      profiler.before_step(stage.name, step + 1)
+      profiler.before_step(stage.name, done)
     batch = put_batch(stage.mesh, stage.batch(step))
     with jax.set_mesh(stage.mesh):
       if step_fn is None:
         step_fn = stage.make_step_fn(state, frozen, batch)
       t0 = time.perf_counter()
-      with profiler.annotate(step + 1) if profiler is not None else contextlib.nullcontext():
+      with profiler.annotate(done) if profiler is not None else contextlib.nullcontext():
         new_state, metrics = step_fn(state, frozen, batch)
       metrics = metrics_to_host(metrics)
       dt = time.perf_counter() - t0
     if profiler is not None:
-      profiler.after_step(stage.name, step + 1, new_state)
+      profiler.after_step(stage.name, done, new_state)
     consecutive = int(jax.device_get(new_state.extras["skips/consecutive"]))
     state = new_state
     # Wall time of the whole step, host work included (phase timers report their own parts).
@@ -44,24 +57,36 @@ def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer
     metrics.update(memory_in_use())
     if "rollout/tokens" in metrics:
       metrics["throughput/tokens_per_s"] = metrics["rollout/tokens"] / dt
+    if work is not None:
+      metrics.update(step_utilisation(work, metrics))
     if max_skips and consecutive >= max_skips:
+      # A skipped step leaves params and optimizer states untouched (common.apply_update), so
+      # this state holds those of the last finite step: the one worth keeping.
       if checkpointer is not None:
-        checkpointer.save_now(step + 1, state, extra_fn(step + 1) if extra_fn else {})
+        checkpointer.save_now(done, state, extra(done))
+        checkpointer.wait()
       raise TrainingError(
           f"{stage.name}: {consecutive} consecutive steps had a non-finite loss or gradient "
-          f"(step {step + 1}); parameters were left at the last good state"
-          + (" and checkpointed" if checkpointer is not None else "")
+          f"(step {done}); parameters were left at the last good state"
+          + (f" and checkpointed as step {done} in {checkpointer.directory}"
+             if checkpointer is not None else "")
           + ". Lower the learning rate, check the data, or raise "
           f"{stage.name}.optim.max_consecutive_skips")
-    done = step + 1
+    evaluated = False
     if stage.eval_every and (done % stage.eval_every == 0 or done == stage.steps):
       metrics.update(stage.evaluate(state, frozen))
-    writer.write(stage.name, done, metrics)
+      evaluated = True
+    if evaluated or done % log_every == 0 or done == stage.steps:
+      writer.write(stage.name, done, metrics)
     last = metrics
     if checkpointer is not None:
-      checkpointer.maybe_save(done, state, extra_fn(done) if extra_fn else {}, metrics)
+      t0 = time.perf_counter()
+      if checkpointer.maybe_save(done, state, extra(done), metrics):
+        how = "writing in the background" if checkpointer.cfg.async_save else "written"
+        writer.message(f"{stage.name}: checkpoint {done} -> {checkpointer.directory} "
+                       f"({time.perf_counter() - t0:.2f}s, {how})")
     if should_stop():
+      if checkpointer is not None:
+        checkpointer.save_now(done, state, extra(done), metrics)
       return state, last, True
   return state, last, False
-
-

@@ -1,5 +1,12 @@
 """Runs an experiment's stages in order (e.g. SFT -> RM -> PPO): each stage starts from the
-roles earlier stages produced, and the run ends with a summary table."""
+roles earlier stages produced, checkpoints as it goes, resumes where a stopped run left off,
+and the run ends with a summary table.
+
+On disk (see docs/checkpointing.md): ``WORKDIR/STAGE/checkpoints/STEP`` while a stage trains,
+``WORKDIR/STAGE/final`` once it has finished.  Rerunning the same command continues the first
+unfinished stage from its latest checkpoint and loads the results of the finished ones instead
+of training them again.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +14,26 @@ import dataclasses
 import json
 import os
 import time
+from typing import Optional
 
 import jax
+from absl import flags
+from absl import logging as absl_logging
 
-from jaxrlhf.config import ExperimentConfig, to_json
+from jaxrlhf import checkpoint as ckpt
+from jaxrlhf import hardware, perf
+from jaxrlhf.config import ConfigError, ExperimentConfig, to_dict, to_json
 from jaxrlhf.data import DataSource
 from jaxrlhf.mesh import make_mesh
 from jaxrlhf.model import hf
 from jaxrlhf.metrics import MetricsWriter
+from jaxrlhf.preemption import PreemptionHandler
 from jaxrlhf.train.loop import TrainingError, run_stage
+from jaxrlhf.train.work import step_work
+
+STAGES = ("sft", "rm", "ppo", "grpo", "dpo")
+# Stages whose held-out accuracy before training goes into the summary.
+EVAL_AT_START = ("sft", "dpo", "ppo", "grpo")
 
 
 def stage_class(name: str):
@@ -24,7 +42,22 @@ def stage_class(name: str):
           "dpo": dpo.DPOStage}[name]
 
 
+@dataclasses.dataclass(frozen=True)
+class StageOutcome:
+  """What a stage hands on: its roles' parameters, its summary rows and its result's id."""
+
+  outputs: dict  # role -> params
+  summary: dict  # {"NAME": {...}, "NAME/start": {...}}
+  result_id: Optional[str]  # None when the stage stopped early
+  stopped: bool = False
+
+
 def run(cfg: ExperimentConfig, workdir: str, resume: str = "latest", profile_steps=None) -> int:
+  """Trains every stage of ``cfg`` in ``workdir``; returns the process exit status (0 also
+  when a signal stopped the run after writing a checkpoint, 1 when training failed)."""
+  policy = ckpt.parse_resume(resume)
+  quiet_library_logs()
+  profiler = perf.ProfileWindow(profile_steps, workdir)  # a bad flag fails before any work
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(to_json(cfg))
@@ -33,36 +66,201 @@ def run(cfg: ExperimentConfig, workdir: str, resume: str = "latest", profile_ste
   data = DataSource(cfg.data, cfg.seed)
   print(f"{cfg.name}: stages {' -> '.join(cfg.stages)} on mesh {dict(mesh.shape)} "
         f"({jax.device_count()} {jax.default_backend()} devices); outputs in {workdir}")
-  writer = MetricsWriter(workdir, cfg.logging,
-                         {s: getattr(cfg, s).steps for s in cfg.stages})
-  roles: dict = {}
+  if policy == "none":
+    start_over(workdir, cfg.stages)
+  accelerator = hardware.detect_accelerator()
+  if accelerator is None:
+    print(f"perf/mfu: {jax.devices()[0].device_kind} is not in jaxrlhf.hardware.ACCELERATORS; "
+          "utilisation metrics are left out")
+  else:
+    print(f"perf/mfu is measured against {accelerator.describe()}")
+  writer = MetricsWriter(workdir, cfg.logging, {s: getattr(cfg, s).steps for s in cfg.stages})
+  roles: dict = {}  # role -> params, from the stages so far
+  sources: dict = {}  # role -> the stage whose result it is
+  inputs: dict = {}  # finished stage -> its result's id
   summary: dict = {}
   key = jax.random.key(cfg.seed)
+  pending = policy  # --resume applies to the first stage that has not finished
   try:
-    for i, name in enumerate(cfg.stages):
-      stage = stage_class(name)(cfg, mesh, data)
-      t0 = time.perf_counter()
-      state, frozen = stage.init(jax.random.fold_in(key, i), roles)
-      if name in ("sft", "dpo", "ppo", "grpo"):
-        before = stage.evaluate(state, frozen)
-        summary[f"{name}/start"] = before
-      state, last, stopped = run_stage(stage, state, frozen, writer=writer)
-      final = {k: v for k, v in last.items() if k.startswith("eval/")} or stage.evaluate(
-          state, frozen)
-      summary[name] = {**final, "time_s": time.perf_counter() - t0,
-                       **({"kl/mean": last["kl/mean"]} if "kl/mean" in last else {})}
-      roles.update(stage.outputs(state, frozen))
-      if stopped:
-        break
+    with PreemptionHandler() as stop:
+      for i, name in enumerate(cfg.stages):
+        stage = stage_class(name)(cfg, mesh, data)
+        if ckpt.stage_result_exists(workdir, name):
+          outcome = load_finished(stage, workdir)
+        else:
+          outcome = train_stage(stage, jax.random.fold_in(key, i), roles, sources, inputs,
+                                workdir=workdir, policy=pending, writer=writer,
+                                profiler=profiler, stop=stop, accelerator=accelerator)
+          pending = "latest"
+        if outcome.stopped:
+          return 0
+        summary.update(outcome.summary)
+        roles.update(outcome.outputs)
+        sources.update({r: name for r in outcome.outputs})
+        inputs[name] = outcome.result_id
+        if stop.should_stop() and i + 1 < len(cfg.stages):
+          print(f"stopped by {stop.signal_name or 'a stop signal'} after stage {name} finished; "
+                "rerun the same command to continue with the next stage")
+          return 0
   except TrainingError as e:
     print(f"error: {e}")
     return 1
   finally:
+    profiler.close()
     writer.close()
+  if isinstance(pending, int):
+    print(f"--resume={pending}: every stage had already finished; nothing was resumed")
   print_summary(cfg, summary)
+  if accelerator is not None:
+    summary["accelerator"] = {"name": accelerator.name, "peak_flops": accelerator.peak_flops,
+                              "hbm_bandwidth": accelerator.hbm_bandwidth,
+                              "measured": accelerator.measured}
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   return 0
+
+
+# ---------------------------------------------------------------------------- one stage
+
+
+def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir: str, policy,
+                writer, profiler, stop, accelerator) -> StageOutcome:
+  """Trains one stage, from its latest checkpoint when there is one (per ``policy``), and
+  saves its result."""
+  name, cfg = stage.name, stage.cfg
+  t0 = time.perf_counter()
+  ck = ckpt.Checkpointer(ckpt.checkpoint_dir(workdir, name), cfg.checkpoint, to_dict(cfg),
+                         frozen=frozen_manifest(stage, workdir, sources))
+  with ck:  # closing waits for the checkpoints still being written, whatever happens
+    restoring = policy != "none" and bool(ck.all_steps())
+    state, frozen = stage.init(key, roles)
+    abstract = None
+    if restoring:
+      state = None  # free the fresh state before the restored one arrives
+      abstract = stage.abstract_init()[0]
+    point = ck.resume(abstract, policy, cfg)
+    start, start_eval = 0, {}
+    if point is not None:
+      check_inputs(point.extra, inputs, f"{ck.directory}/{point.step}")
+      state, start = point.state, int(point.extra.get("data_position", point.step))
+      start_eval = point.extra.get("start_eval", {})
+      print(f"{name}: continuing after step {start} of {stage.steps} "
+            f"(set up and restored in {time.perf_counter() - t0:.1f}s)")
+    elif name in EVAL_AT_START:
+      start_eval = stage.evaluate(state, frozen)
+
+    def extra_fn(done: int) -> dict:
+      # Batches are a pure function of the step, so the data position is the step.
+      return {"data_position": done, "stage": name, "inputs": dict(inputs),
+              "start_eval": start_eval}
+
+    work = None
+    if accelerator is not None:
+      work = step_work(stage, accelerator, tp=dict(stage.mesh.shape)["tp"],
+                       n_devices=stage.mesh.devices.size, n_processes=jax.process_count())
+    state, last, stopped = run_stage(stage, state, frozen, writer=writer, start_step=start,
+                                     checkpointer=ck, should_stop=stop.should_stop,
+                                     extra_fn=extra_fn, profiler=profiler, work=work)
+    if stopped:
+      ck.wait()
+      print(stop.message(int(jax.device_get(state.step)), ck.directory), flush=True)
+      return StageOutcome({}, {}, None, stopped=True)
+    ck.save_now(stage.steps, state, extra_fn(stage.steps), last)  # no-op if already saved
+    final = {k: v for k, v in last.items() if k.startswith("eval/")}
+    if not final:
+      final = stage.evaluate(state, frozen)
+      if final:
+        writer.write(name, stage.steps, final)
+  summary = {name: {**final, "time_s": time.perf_counter() - t0,
+                    **({"kl/mean": last["kl/mean"]} if "kl/mean" in last else {})}}
+  if start_eval:
+    summary[f"{name}/start"] = start_eval
+  outputs = stage.outputs(state, frozen)
+  info = ckpt.save_stage_result(workdir, name, outputs,
+                                {"summary": summary, "steps": stage.steps,
+                                 "config": to_dict(cfg)})
+  return StageOutcome(outputs, summary, info["id"])
+
+
+def load_finished(stage, workdir: str) -> StageOutcome:
+  """A finished stage's result, loaded onto the current mesh instead of training again."""
+  name, cfg = stage.name, stage.cfg
+  info = ckpt.stage_result_info(workdir, name)
+  where = ckpt.stage_result_dir(workdir, name)
+  saved = info["metrics"].get("config")
+  changes = []
+  if saved:
+    # Only this stage's own settings and what it shares (model, data, seed) matter here:
+    # adding a later stage, or changing another stage's settings, leaves its result valid.
+    saved = {**saved, "stages": list(cfg.stages),
+             **{s: to_dict(getattr(cfg, s)) for s in STAGES if s != name}}
+    changes = ckpt.check_resume_config(saved, cfg, where)
+  abstract = stage.abstract_init()[0]
+  outputs = ckpt.load_stage_result(workdir, name, {r: abstract.params[r] for r in info["roles"]})
+  note = ""
+  if changes:
+    note = (" (not applied to it: " + "; ".join(f"{f}: {a!r} -> {b!r}" for f, a, b in changes)
+            + "; --resume=none trains every stage again)")
+  print(f"{name}: finished earlier ({where}); skipped{note}")
+  return StageOutcome(outputs, info["metrics"].get("summary", {}), info["id"])
+
+
+def frozen_manifest(stage, workdir: str, sources: dict) -> dict:
+  """Frozen role -> where its parameters come from: an earlier stage's result (by reference,
+  with that result's id), a Hugging Face directory, or a seeded random init.
+
+  Follows the order of :meth:`jaxrlhf.train.stage.Stage.role_params`: the role itself, else
+  (reference) the policy, else (a scalar head on the policy's shape) the policy's backbone.
+  """
+  cfg = stage.cfg
+  out = {}
+  for role, head in stage.frozen().items():
+    origin = None
+    if role in sources:
+      origin = role
+    elif role == "reference" and "policy" in sources:
+      origin = "policy"
+    elif head == "scalar" and cfg.role_model(role) == cfg.model and "policy" in sources:
+      origin = "policy"
+    if origin is not None:
+      out[role] = {**ckpt.frozen_source(workdir, sources[origin], origin), "head": head}
+    elif cfg.role_model(role).hf_path:
+      out[role] = {"hf_path": cfg.role_model(role).hf_path, "head": head}
+    else:
+      out[role] = {"init": "random", "seed": cfg.seed, "head": head}
+  return out
+
+
+def check_inputs(extra: dict, inputs: dict, where: str) -> None:
+  """A checkpoint continues from the earlier stages' results it started from; refuses one
+  whose inputs were rewritten since (e.g. SFT rerun), which would mix two runs."""
+  saved = extra.get("inputs", {})
+  changed = sorted(s for s in set(saved) | set(inputs) if saved.get(s) != inputs.get(s))
+  if changed:
+    raise ConfigError(
+        f"cannot resume from {where}: it was trained on the results of stage(s) "
+        f"{', '.join(changed)} as they were then, and they have been rewritten since. Use "
+        "--resume=none to train every stage again, or a new --workdir")
+
+
+def start_over(workdir: str, stages) -> None:
+  """``--resume=none``: moves every stage's checkpoints and result aside (never deletes)."""
+  for name in stages:
+    for path in (ckpt.checkpoint_dir(workdir, name), ckpt.stage_result_dir(workdir, name)):
+      moved = ckpt._move_aside(path, "replaced")
+      if moved:
+        print(f"--resume=none: {path} moved to {moved}")
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def quiet_library_logs() -> None:
+  """orbax logs every file of every checkpoint at INFO through absl; the console is for the
+  progress lines.  An explicit ``--verbosity`` still wins."""
+  if "verbosity" in flags.FLAGS and flags.FLAGS["verbosity"].present:
+    return
+  absl_logging.set_verbosity(absl_logging.WARNING)
 
 
 def resolve_models(cfg: ExperimentConfig, tp: int) -> ExperimentConfig:
@@ -91,6 +289,8 @@ def print_summary(cfg: ExperimentConfig, summary: dict) -> None:
     if "kl/mean" in s:
       rows.append((f"{name}: KL to reference (last step)", None, s["kl/mean"]))
     rows.append((f"{name}: wall time (s)", None, s["time_s"]))
+  if not rows:
+    return
   fmt = lambda v: "" if v is None else f"{v:.3f}"
   width = max(len(r[0]) for r in rows)
   print(f"\n{'summary':<{width}}  {'start':>8}  {'end':>8}")

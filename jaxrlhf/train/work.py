@@ -1,0 +1,147 @@
+"""How much work one training step does, for MFU and bandwidth figures in the metrics.
+
+:func:`step_flops` counts the model FLOPs of one step of a stage, phase by phase (generation,
+reference log-probs, reward, values, update), with :func:`jaxrlhf.perf.decoder_flops`: the
+programs scan over layers and decode in a ``while`` loop, and XLA's cost analysis counts such
+loop bodies once, so its figure would be far too low.  :func:`generation_bytes` estimates the
+memory traffic of decoding (parameters and KV cache read once per new token), the figure that
+bounds a memory-bound phase.  :func:`step_utilisation` turns both into ``perf/*`` metrics
+against the ceilings of the whole mesh (:func:`mesh_ceiling`).
+
+Counts are for the whole global batch (all devices together).  Generation is counted at its
+full length (``rollout.max_new_tokens``): decoding stops early when every row has ended, so the
+generation figures are upper bounds when responses are short.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from jaxrlhf.perf import decoder_flops, utilisation
+
+
+def step_flops(stage) -> dict[str, float]:
+  """Model FLOPs of one step of ``stage``, by phase (``update`` for the supervised stages)."""
+  name = stage.name
+  T = stage.P + stage.R
+  b = stage.scfg.batch_size
+  if name == "sft":
+    return {"update": decoder_flops(stage.model_cfg("policy"), b, T, head_positions=T - 1,
+                                    train=True)}
+  if name == "rm":
+    return {"update": decoder_flops(stage.model_cfg("reward"), 2 * b, T, head="scalar",
+                                    train=True)}
+  if name == "dpo":
+    cfg = stage.model_cfg("policy")
+    out = {"update": decoder_flops(cfg, 2 * b, T, head_positions=T - 1, train=True)}
+    if stage.scfg.reference == "step":
+      out["reference"] = decoder_flops(cfg, 2 * b, T, head_positions=T - 1)
+    return out
+  if name in ("ppo", "grpo"):
+    return _rl_flops(stage)
+  raise ValueError(f"no FLOP count for stage {name!r}")
+
+
+def _rl_flops(stage) -> dict[str, float]:
+  P, N, n = stage.P, stage.N, stage.n
+  b = stage.scfg.batch_size
+  rows, T = b * n, stage.P + stage.N
+  policy = stage.model_cfg("policy")
+  frozen = stage.frozen()
+  # Prefill once per prompt (logits at the last prompt token only), then N - 1 decode steps
+  # over a cache of P + N - 1 slots for every sample of the group.
+  gen = decoder_flops(policy, b, P, head_positions=1)
+  gen += (N - 1) * decoder_flops(policy, rows, 1, P + N - 1, head_positions=1)
+  out = {"generate": gen}
+  if "reference" in frozen:
+    out["reference"] = decoder_flops(stage.model_cfg("reference"), rows, T, head_positions=N)
+  reward = 0.0
+  for role in ("reward", "guard"):
+    if role in frozen:
+      reward += decoder_flops(stage.model_cfg(role), rows, T, head="scalar")
+  if reward:
+    out["reward"] = reward
+  update = decoder_flops(policy, rows, T, head_positions=N, train=True)
+  if stage.uses_value:
+    value = stage.model_cfg("value")
+    out["values"] = decoder_flops(value, rows, T, head="scalar")
+    update += decoder_flops(value, rows, T, head="scalar", train=True)
+  out["update"] = stage.scfg.ppo_epochs * update
+  return out
+
+
+def _itemsize(dtype_name: str) -> int:
+  import jax.numpy as jnp
+  return np.dtype(jnp.dtype(dtype_name)).itemsize
+
+
+def generation_bytes(stage, tp: int, n_devices: int) -> float:
+  """Bytes read from device memory by one step's decoding, all devices together.
+
+  Each decode step reads every parameter once per tensor-parallel group (``n_devices / tp``
+  groups each hold, or gather, a whole copy) and the whole KV cache (attention runs over all
+  ``P + N - 1`` slots, masked).  Activations are left out: at decode they are tiny next to
+  these.
+  """
+  if stage.name not in ("ppo", "grpo"):
+    return math.nan
+  cfg = stage.model_cfg("policy")
+  rows = stage.scfg.batch_size * stage.n
+  params = cfg.num_params("lm") * _itemsize(cfg.param_dtype)
+  cache = (2 * cfg.n_layers * rows * (stage.P + stage.N - 1) * cfg.n_kv_heads * cfg.head_dim
+           * _itemsize(cfg.compute_dtype))
+  return float((stage.N - 1) * (params * max(n_devices // tp, 1) + cache))
+
+
+def mesh_ceiling(accelerator, n_devices: int, n_processes: int = 1):
+  """The accelerator's ceilings scaled to the whole run.
+
+  Datasheet figures are per device, so they scale with the device count.  A *measured* CPU
+  figure is the whole machine's (one XLA CPU program uses every core, whatever number of
+  simulated devices the mesh has), so it scales with the number of processes (hosts) only.
+  """
+  scale = n_processes if accelerator.measured else n_devices
+  return dataclasses.replace(accelerator, peak_flops=accelerator.peak_flops * scale,
+                             hbm_bandwidth=accelerator.hbm_bandwidth * scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepWork:
+  """What one step of a stage does, and the ceilings it is measured against."""
+
+  flops: dict  # phase -> model FLOPs of the global batch
+  gen_bytes: float  # memory read by decoding (NaN for stages that do not generate)
+  ceiling: object  # hardware.Accelerator for the whole mesh
+
+  @property
+  def total_flops(self) -> float:
+    return float(sum(self.flops.values()))
+
+
+def step_work(stage, accelerator, *, tp: int, n_devices: int, n_processes: int) -> StepWork:
+  return StepWork(flops=step_flops(stage), gen_bytes=generation_bytes(stage, tp, n_devices),
+                  ceiling=mesh_ceiling(accelerator, n_devices, n_processes))
+
+
+def step_utilisation(work: StepWork, metrics: dict) -> dict[str, float]:
+  """``perf/*`` metrics of one step from its measured times in ``metrics``.
+
+  ``perf/mfu`` and ``perf/flops_per_s`` use the whole step (``time/step_s``).  Where the step
+  ran as timed phases (``time/phase/<name>_s``), each phase with FLOPs gets
+  ``perf/<name>/mfu``, and generation gets ``perf/generate/bandwidth_util`` and
+  ``perf/generate/bytes_per_s``: decoding is memory-bound, so that is its honest figure.
+  """
+  out = {"perf/flops_per_step": work.total_flops}
+  out.update(utilisation(metrics["time/step_s"], work.ceiling, flops=work.total_flops))
+  for phase, flops in work.flops.items():
+    seconds = metrics.get(f"time/phase/{phase}_s")
+    if seconds is None:
+      continue
+    m = utilisation(seconds, work.ceiling, flops=flops,
+                    bytes_accessed=work.gen_bytes if phase == "generate" else math.nan,
+                    prefix=f"perf/{phase}")
+    out.update({k: v for k, v in m.items() if not k.endswith("/flops_per_s")})
+  return out
