@@ -245,11 +245,12 @@ def check_inputs(extra: dict, inputs: dict, where: str) -> None:
 
 def start_over(workdir: str, stages) -> None:
   """``--resume=none``: moves every stage's checkpoints and result aside (never deletes)."""
-  for name in stages:
-    for path in (ckpt.checkpoint_dir(workdir, name), ckpt.stage_result_dir(workdir, name)):
-      moved = ckpt._move_aside(path, "replaced")
-      if moved:
-        print(f"--resume=none: {path} moved to {moved}")
+  moved = [ckpt._move_aside(path, "replaced") for name in stages
+           for path in (ckpt.checkpoint_dir(workdir, name), ckpt.stage_result_dir(workdir, name))]
+  moved = [os.path.relpath(m, workdir) for m in moved if m]
+  if moved:
+    print(f"--resume=none: starting over; earlier checkpoints and results moved aside in "
+          f"{workdir}: {', '.join(moved)}")
 
 
 # ------------------------------------------------------------------------------ helpers
