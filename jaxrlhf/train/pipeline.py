@@ -21,7 +21,7 @@ from absl import flags
 from absl import logging as absl_logging
 
 from jaxrlhf import checkpoint as ckpt
-from jaxrlhf import hardware, perf
+from jaxrlhf import hardware, perf, plan
 from jaxrlhf.config import ConfigError, ExperimentConfig, to_dict, to_json
 from jaxrlhf.data import DataSource
 from jaxrlhf.mesh import make_mesh
@@ -55,6 +55,7 @@ class StageOutcome:
 def run(cfg: ExperimentConfig, workdir: str, resume: str = "latest", profile_steps=None) -> int:
   """Trains every stage of ``cfg`` in ``workdir``; returns the process exit status (0 also
   when a signal stopped the run after writing a checkpoint, 1 when training failed)."""
+  plan.preflight(cfg)  # the wrong-machine guard: fail in seconds, before allocating anything
   policy = ckpt.parse_resume(resume)
   quiet_library_logs()
   profiler = perf.ProfileWindow(profile_steps, workdir)  # a bad flag fails before any work
