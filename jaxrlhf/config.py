@@ -253,6 +253,9 @@ class DataConfig:
   # A built-in synthetic task ("addition") or "jsonl" for the user's files below.
   task: str = "addition"
   digits: int = 2
+  # Write the sum least-significant digit first ("07+45=" -> "250"): each digit then depends
+  # only on two operand digits and the carry already written, which small models learn fast.
+  reverse_answer: bool = False
   seed: int = 0
   eval_size: int = 256
   # "char" (built-in tokenizer for synthetic tasks) or a local transformers tokenizer directory.

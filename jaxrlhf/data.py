@@ -106,10 +106,11 @@ class AdditionTask:
   and never appear in training batches.
   """
 
-  def __init__(self, digits: int):
+  def __init__(self, digits: int, reverse_answer: bool = False):
     if not 1 <= digits <= 6:
       raise ConfigError(f"data.digits={digits}: use 1..6")
     self.digits = digits
+    self.reverse = reverse_answer
     self.limit = 10 ** digits
 
   def _is_eval(self, a, b):
@@ -123,22 +124,26 @@ class AdditionTask:
       if self._is_eval(a, b) != want_eval:
         continue
       d = self.digits
-      answer = f"{a + b:0{d + 1}d}"
+      answer = self._write(a + b)
       out.append(Example(prompt=f"{a:0{d}d}+{b:0{d}d}=", answer=answer, response=answer,
                          chosen=answer, rejected=self.wrong_answer(rng, a + b)))
     return out
 
+  def _write(self, value: int) -> str:
+    text = f"{value:0{self.digits + 1}d}"
+    return text[::-1] if self.reverse else text
+
   def wrong_answer(self, rng: np.random.Generator, correct: int) -> str:
     """A plausible wrong answer of the same width: one digit changed, or off by a little."""
     width = self.digits + 1
-    s = f"{correct:0{width}d}"
+    s = self._write(correct)
     while True:
       if rng.random() < 0.5:
         i = int(rng.integers(0, width))
         cand = s[:i] + str(int(rng.integers(0, 10))) + s[i + 1:]
       else:
         value = correct + int(rng.choice([-10, -2, -1, 1, 2, 10]))
-        cand = f"{value:0{width}d}" if 0 <= value < 10 ** width else s
+        cand = self._write(value) if 0 <= value < 10 ** width else s
       if cand != s:
         return cand
 
@@ -277,7 +282,7 @@ class DataSource:
     self.encoder = Encoder(cfg, self.tokenizer)
     self._files: dict[str, list[Example]] = {}
     if cfg.task == "addition":
-      self.task = AdditionTask(cfg.digits)
+      self.task = AdditionTask(cfg.digits, cfg.reverse_answer)
     elif cfg.task == "jsonl":
       self.task = None
     else:
