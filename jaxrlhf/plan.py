@@ -222,70 +222,41 @@ def _train_bytes(m: ModelConfig, head: str, sizes: dict, passes: int) -> float:
 def workload(stage, sizes: dict) -> dict[str, Work]:
   """Analytic work of each program of ``stage`` on a mesh of ``sizes`` (dp, fsdp, tp).
 
-  FLOPs are :func:`jaxrlhf.perf.decoder_flops` (matmuls; elementwise work left out).  HBM
-  bytes per device count weights, the KV cache and optimizer states -- what bounds decoding
-  and the update; activations are left out (the programs that move many are compute-bound).
+  FLOPs are :func:`jaxrlhf.train.work.step_flops` (the trainer's own MFU count: matmuls of
+  each phase, elementwise work left out).  HBM bytes per device count weights, the KV cache
+  and optimizer states -- what bounds decoding and the update; activations are left out (the
+  programs that move many are compute-bound).
   """
-  from jaxrlhf.perf import decoder_flops
-  cfg, scfg, name = stage.cfg, stage.scfg, stage.name
-  tp = sizes["tp"]
-  data_shards = sizes["dp"] * sizes["fsdp"]
-  L = stage.P + stage.R
-  out: dict[str, Work] = {}
-  if name in ("ppo", "grpo"):
-    pol = cfg.role_model("policy")
-    B, n, P, N = scfg.batch_size, scfg.num_samples, stage.P, stage.N
-    rows, L = B * n, P + N
-    tpp = _tp_share(pol, tp)
-    w_pol = _param_bytes(pol, "lm") / tpp
-    rows_dev = rows / data_shards if rows % data_shards == 0 else rows
-    kv_heads_dev = pol.n_kv_heads / tpp
-    kv_step = (rows_dev * pol.n_layers * 2 * kv_heads_dev * pol.head_dim * (P + N / 2)
-               * dtype_bytes(pol.compute_dtype))
-    gen_flops = (decoder_flops(pol, B, P, head_positions=1) +
-                 (N - 1) * decoder_flops(pol, rows, 1, P + N // 2, head_positions=1))
-    out["generate"] = Work(gen_flops, w_pol + (N - 1) * (w_pol + kv_step), rows * N)
-    frozen = stage.frozen()
-    if "reference" in frozen:
-      ref = cfg.role_model("reference")
-      out["reference"] = Work(decoder_flops(ref, rows, L, head_positions=N),
-                              _param_bytes(ref, "lm") / _tp_share(ref, tp))
-    score_flops, score_bytes = 0.0, 0.0
-    for role in ("reward", "guard"):
-      if role in frozen:
-        m = cfg.role_model(role)
-        score_flops += decoder_flops(m, rows, L, head="scalar")
-        score_bytes += _param_bytes(m, "scalar") / _tp_share(m, tp)
-    out["reward"] = Work(score_flops, score_bytes)
-    passes = scfg.ppo_epochs * scfg.num_minibatches * stage.opt_accum()
-    upd_flops = scfg.ppo_epochs * decoder_flops(pol, rows, L, head_positions=N, train=True)
-    upd_bytes = _train_bytes(pol, "lm", sizes, passes)
-    if stage.uses_value:
-      val = cfg.role_model("value")
-      out["values"] = Work(decoder_flops(val, rows, L, head="scalar"),
-                           _param_bytes(val, "scalar") / _tp_share(val, tp))
-      upd_flops += scfg.ppo_epochs * decoder_flops(val, rows, L, head="scalar", train=True)
-      upd_bytes += _train_bytes(val, "scalar", sizes, passes)
-    out["update"] = Work(upd_flops, upd_bytes, rows * N)
-  elif name == "sft":
-    pol = cfg.role_model("policy")
-    B = scfg.batch_size
-    out["step"] = Work(decoder_flops(pol, B, L, head_positions=L - 1, train=True),
-                       _train_bytes(pol, "lm", sizes, scfg.optim.grad_accum), B * L)
-  elif name == "dpo":
-    pol = cfg.role_model("policy")
-    rows = 2 * scfg.batch_size
-    flops = decoder_flops(pol, rows, L, head_positions=L - 1, train=True)
-    hbm = _train_bytes(pol, "lm", sizes, scfg.optim.grad_accum)
-    if scfg.reference == "step":
-      flops += decoder_flops(pol, rows, L, head_positions=L - 1)
-      hbm += _param_bytes(pol, "lm") / _tp_share(pol, tp)
-    out["step"] = Work(flops, hbm, rows * L)
-  elif name == "rm":
-    rm = cfg.role_model("reward")
-    rows = 2 * scfg.batch_size
-    out["step"] = Work(decoder_flops(rm, rows, L, head="scalar", train=True),
-                       _train_bytes(rm, "scalar", sizes, scfg.optim.grad_accum), rows * L)
+  from jaxrlhf.train.work import generation_bytes, step_flops
+  cfg, scfg = stage.cfg, stage.scfg
+  tp, n = sizes["tp"], sizes["dp"] * sizes["fsdp"] * sizes["tp"]
+  flops = step_flops(stage)
+  if stage.name not in ("ppo", "grpo"):
+    role = next(iter(stage.trainable))
+    m, head = cfg.role_model(role), stage.trainable[role]
+    rows = scfg.batch_size * (1 if stage.name == "sft" else 2)
+    hbm = _train_bytes(m, head, sizes, scfg.optim.grad_accum)
+    if "reference" in flops:  # DPO computing reference log-probs in the step
+      hbm += _param_bytes(m, head) / _tp_share(m, tp)
+    return {"step": Work(sum(flops.values()), hbm, rows * (stage.P + stage.R))}
+  pol = cfg.role_model("policy")
+  rows = scfg.batch_size * stage.n
+  frozen = stage.frozen()
+  # Prefill reads the weights once more than the decode steps generation_bytes counts.
+  gen_bytes = (generation_bytes(stage, _tp_share(pol, tp), n) / n
+               + _param_bytes(pol, "lm") / _tp_share(pol, tp))
+  out = {"generate": Work(flops["generate"], gen_bytes, rows * stage.N)}
+  forward = lambda r, h: _param_bytes(cfg.role_model(r), h) / _tp_share(cfg.role_model(r), tp)
+  if "reference" in flops:
+    out["reference"] = Work(flops["reference"], forward("reference", "lm"))
+  out["reward"] = Work(flops.get("reward", 0.0),
+                       sum(forward(r, "scalar") for r in ("reward", "guard") if r in frozen))
+  passes = scfg.ppo_epochs * scfg.num_minibatches * stage.opt_accum()
+  upd_bytes = sum(_train_bytes(cfg.role_model(r), h, sizes, passes)
+                  for r, h in stage.trainable.items())
+  if "values" in flops:
+    out["values"] = Work(flops["values"], forward("value", "scalar"))
+  out["update"] = Work(flops["update"], upd_bytes, rows * stage.N)
   return out
 
 
@@ -338,10 +309,13 @@ def _abstract_outputs(fn, compiled, *args):
                       shapes, compiled.output_shardings)
 
 
-def read_program(name: str, compiled, *, runs: bool, resident: int, n_devices: int,
+def read_program(name: str, compiled, *, runs: bool, held: int, n_devices: int,
                  node_size: int, unknown_trip: int, half_f32_traffic: bool,
                  compile_seconds: float) -> ProgramPlan:
-  """Memory, raw cost and collective traffic of a compiled program."""
+  """Memory, raw cost and collective traffic of a compiled program.  ``held``: bytes per
+  device resident while it runs (0 for a program that takes everything as arguments);
+  what of it is not an argument of the compiled program counts towards its peak (jit drops
+  unused arguments, so the compiled argument size is the measure)."""
   from jaxrlhf import plan_hlo
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
@@ -355,6 +329,7 @@ def read_program(name: str, compiled, *, runs: bool, resident: int, n_devices: i
   arg, out = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes)
   temp, alias = int(mem.temp_size_in_bytes), int(mem.alias_size_in_bytes)
   upcast = min(upcast, temp)
+  resident = max(held - arg, 0)
   peak = arg + out + temp - alias - upcast + resident
   return ProgramPlan(
       name=name, runs=runs, argument_bytes=arg, output_bytes=out, temp_bytes=temp,
@@ -436,8 +411,8 @@ def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True
                     for r in (*stage.trainable, *stage.frozen()))
   rl = name in ("ppo", "grpo")
   unknown_trip = max(stage.N - 1, 1) if rl else 1
-  read = lambda label, c, secs, runs, resident=0: read_program(
-      f"{name}/{label}", c, runs=runs, resident=resident, n_devices=n, node_size=node_size,
+  read = lambda label, c, secs, runs, held=0: read_program(
+      f"{name}/{label}", c, runs=runs, held=held, n_devices=n, node_size=node_size,
       unknown_trip=unknown_trip, half_f32_traffic=sixteen_bit, compile_seconds=secs)
   programs: list[ProgramPlan] = []
   with jax.set_mesh(mesh):
@@ -492,8 +467,7 @@ def _plan_phases(stage, state, frozen, batch, read, one_program: bool, step_fn):
 
   def add(label, fn, args, runs):
     compiled, secs = _compile(fn, *args)
-    resident = max(held + ro_bytes[0] - tree_bytes(args), 0)
-    out.append(read(label, compiled, secs, runs=runs, resident=resident))
+    out.append(read(label, compiled, secs, runs=runs, held=held + ro_bytes[0]))
     return compiled
 
   ro_bytes = [0]
@@ -642,6 +616,10 @@ def _size(x: float) -> str:
   return f"{x:.0f}B"
 
 
+def _bytes(x: float) -> str:
+  return _size(x) + "B"
+
+
 def _secs(x: float) -> str:
   if x is None or math.isnan(x):
     return "-"
@@ -716,16 +694,16 @@ def format_plan(plan: Plan) -> str:
                  f"{tps:,.0f} tokens/s")
     if s.replicated_optimizer_bytes:
       lines.append(f"note: the trainer's init replicates optimizer moments "
-                   f"(+{_gb(s.replicated_optimizer_bytes)} GB/device as the code stands); "
+                   f"(+{_bytes(s.replicated_optimizer_bytes)}/device as the code stands); "
                    f"planned sharded like their parameters")
   what, size, fix = plan.largest_consumer()
   peak = max(s.peak.peak_bytes_per_device for s in plan.stages)
   if plan.fits:
-    lines.append(f"\nfits: peak {_gb(peak)} GB/device of {_gb(plan.usable_bytes)} usable; "
-                 f"largest consumer: {what} ({_gb(size)} GB)")
+    lines.append(f"\nfits: peak {_bytes(peak)}/device of {_bytes(plan.usable_bytes)} usable; "
+                 f"largest consumer: {what} ({_bytes(size)})")
   else:
-    lines.append(f"\nDOES NOT FIT: peak {_gb(peak)} GB/device > {_gb(plan.usable_bytes)} GB "
-                 f"usable on {acc.name}; largest consumer: {what} ({_gb(size)} GB); {fix}; "
+    lines.append(f"\nDOES NOT FIT: peak {_bytes(peak)}/device > {_bytes(plan.usable_bytes)} "
+                 f"usable on {acc.name}; largest consumer: {what} ({_bytes(size)}); {fix}; "
                  f"or try --plan_search")
   usd_month = plan.usd_per_run * plan.runs_per_month
   lines.append(
