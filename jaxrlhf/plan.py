@@ -888,3 +888,95 @@ def preflight(cfg: ExperimentConfig) -> None:
       f"--devices={cfg.plan.devices} --accelerator={cfg.plan.accelerator}\n"
       f"  python -m jaxrlhf.main --experiment={cfg.name} --plan_search "
       f"--accelerator={cfg.plan.accelerator}")
+
+
+# ------------------------------------------------------------------------------ compare
+
+
+def compare(accelerator: str = "h100", workdir: str = "runs/compare70b", search: bool = True,
+            names=("sft70b", "dpo70b", "grpo70b", "ppo70b")) -> list[dict]:
+  """Plans the 70B experiments on their configured clusters (and, with ``search``, finds the
+  smallest cluster for each) and prints them next to the seed analysis's figures."""
+  from jaxrlhf import registry
+  acc = hardware.get_accelerator(accelerator)
+  cfgs = [dataclasses.replace(registry.get(n), plan=dataclasses.replace(
+      registry.get(n).plan, accelerator=acc.name)) for n in names]
+  simulate_devices(max([c.plan.devices for c in cfgs] + list(SEARCH_COUNTS if search else [])))
+  enable_compile_cache()
+  rows = []
+  for cfg in cfgs:
+    print(f"planning {cfg.name} on {cfg.plan.devices} x {acc.name} ...", flush=True)
+    p = build_plan(cfg, cfg.plan.devices, acc)
+    write_json(p, os.path.join(workdir, cfg.name))
+    smallest = None
+    if search:
+      found, _ = find_smallest(cfg, acc, log=lambda line: print(line, flush=True))
+      smallest = (found.devices, found.mesh) if found is not None else None
+    seed = SEED_70B.get(cfg.name, ("-",) * 4)
+    rows.append({
+        "experiment": cfg.name, "models_in_memory": len(p.main.models_in_memory),
+        "models": p.main.models_in_memory, "devices": p.devices, "mesh": p.mesh,
+        "peak_bytes_per_device": max(s.peak.peak_bytes_per_device for s in p.stages),
+        "fits": p.fits, "min_devices": smallest[0] if smallest else None,
+        "min_mesh": smallest[1] if smallest else None, "searched": search,
+        "est_step_seconds": p.main.est_step_seconds, "gpu_hours_per_run": p.gpu_hours,
+        "usd_per_run": p.usd_per_run, "steps": p.main.steps,
+        "seed": dict(zip(("models_in_memory", "min_gpus", "memory_per_gpu", "gpu_hours"),
+                         seed))})
+  print(format_compare(rows, acc))
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "compare.json"), "w") as f:
+    json.dump(rows, f, indent=2, default=float)
+  print(f"wrote {os.path.join(workdir, 'compare.json')} and each plan.json under {workdir}")
+  return rows
+
+
+def _min_text(row: dict) -> str:
+  if row["min_devices"]:
+    m = row["min_mesh"]
+    return f"{row['min_devices']} ({m['tp']}x{m['fsdp']}x{m['dp']})"
+  return "-" if not row.get("searched") else f">{max(SEARCH_COUNTS)}"
+
+
+def format_compare(rows: list[dict], acc) -> str:
+  head = (f"{'':<8} {'models':>6} {'seed':>5} | {'min (tpxfsdpxdp)':>16} {'seed':>6} | "
+          f"{'GB/dev @N':>10} {'fits':>4} {'seed':>10} | {'step':>7} {'dev-hours':>9} "
+          f"{'seed':>11}")
+  lines = [f"\nours (compiled on simulated devices) vs the seed analysis, {acc.name}:", head]
+  for r in rows:
+    s = r["seed"]
+    mem = f"{r['peak_bytes_per_device'] / GB:.0f} @{r['devices']}"
+    lines.append(
+        f"{r['experiment']:<8} {r['models_in_memory']:>6} {s['models_in_memory']:>5} | "
+        f"{_min_text(r):>16} "
+        f"{s['min_gpus']:>6} | {mem:>10} {'yes' if r['fits'] else 'NO':>4} "
+        f"{s['memory_per_gpu']:>10} | {_secs(r['est_step_seconds']):>7} "
+        f"{r['gpu_hours_per_run']:>9,.0f} {s['gpu_hours']:>11}")
+  lines.append("dev-hours: the experiment's configured steps at the roofline step time (a lower "
+               "bound); why the figures differ: docs/plan.md")
+  return "\n".join(lines)
+
+
+def _cli(argv=None) -> int:
+  import argparse
+  ap = argparse.ArgumentParser(prog="python -m jaxrlhf.plan",
+                               description="Plan the 70B experiments next to the seed figures.")
+  ap.add_argument("--compare", action="store_true", help="plan sft70b, dpo70b, grpo70b, ppo70b")
+  ap.add_argument("--accelerator", default="h100", help="h100, h200, b200 or tpu-v5p")
+  ap.add_argument("--workdir", default="runs/compare70b")
+  ap.add_argument("--no_search", action="store_true",
+                  help="skip finding each experiment's smallest cluster (faster)")
+  args = ap.parse_args(argv)
+  if not args.compare:
+    ap.print_help()
+    return 0
+  try:
+    compare(args.accelerator, args.workdir, search=not args.no_search)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(_cli())

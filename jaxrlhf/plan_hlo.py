@@ -317,6 +317,16 @@ def _is_upcast(ins: Instr, types: dict[str, Type]) -> bool:
   return isinstance(src, tuple) and src[0] in ("bf16", "f16") and src[1] == ins.type[1]
 
 
+def _in_place_target(ins: Instr, types: dict[str, Type]) -> Optional[str]:
+  """The operand a dynamic-update-slice or scatter (or a fusion rooted in one) writes into
+  in place: XLA reuses its buffer, so the result is no new allocation."""
+  if ins.opcode in ("dynamic-update-slice", "scatter"):
+    return ins.operands[0] if ins.operands else None
+  if ins.opcode == "fusion" and ins.name.startswith(("dynamic-update-slice", "scatter")):
+    return next((op for op in ins.operands if types.get(op) == ins.type), None)
+  return None
+
+
 def _simulate(module: Module, comp: str, skip_upcasts: bool, memo: dict):
   """Liveness of the buffers a computation defines (parameters excluded), in schedule order.
 
@@ -352,6 +362,8 @@ def _simulate(module: Module, comp: str, skip_upcasts: bool, memo: dict):
       struct[ins.name] = src[k] if isinstance(src, list) and k < len(src) else src
     elif ins.opcode in _ALIAS_OPS:
       struct[ins.name] = struct.get(ins.operands[0], ()) if ins.operands else ()
+    elif _in_place_target(ins, types) is not None:
+      struct[ins.name] = struct.get(_in_place_target(ins, types), ())
     else:
       size = 0 if skip_upcasts and _is_upcast(ins, types) else type_bytes(ins.type)
       owners.append(ins)
