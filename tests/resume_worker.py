@@ -7,7 +7,7 @@ alone.  Every stage trains ``--steps`` steps (SFT in the GRPO chain: 2) with a c
 
 Fault injection (in ``--stage``, default the last stage): ``--hang_after_save=N`` waits until
 checkpoint N is complete on disk, logs ``saved`` and hangs; ``--wait_for_signal_at=N`` logs
-``waiting`` after checkpoint-time of step N and idles until a stop signal has arrived.
+``waiting`` after step N (at its checkpoint call) and idles until a stop signal arrives.
 Events go to ``--log`` as JSON lines.
 """
 

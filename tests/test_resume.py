@@ -141,17 +141,25 @@ def _steps(workdir, stage):
 
 
 @pytest.fixture(scope="module")
-def ppo_straight(tmp_path_factory, jit_cache):
-  wd = str(tmp_path_factory.mktemp("ppo_straight"))
-  Worker(wd, jit_cache, "ppo").finish()
-  return wd
+def straight(tmp_path_factory, jit_cache):
+  """8 steps of PPO, and SFT then 8 steps of GRPO, without interruption: the references every
+  resumed run must match bit for bit.  Started together: each compiles (mostly one core) and
+  fills the shared cache for the runs that follow."""
+  dirs = {a: str(tmp_path_factory.mktemp(f"{a}_straight")) for a in ("ppo", "grpo")}
+  workers = [Worker(wd, jit_cache, a) for a, wd in dirs.items()]
+  for w in workers:
+    w.finish()
+  return dirs
 
 
 @pytest.fixture(scope="module")
-def grpo_straight(tmp_path_factory, jit_cache):
-  wd = str(tmp_path_factory.mktemp("grpo_straight"))
-  Worker(wd, jit_cache, "grpo").finish()
-  return wd
+def ppo_straight(straight):
+  return straight["ppo"]
+
+
+@pytest.fixture(scope="module")
+def grpo_straight(straight):
+  return straight["grpo"]
 
 
 def test_ppo_killed_after_checkpoint_resumes_bit_identically(tmp_path, jit_cache, ppo_straight):
