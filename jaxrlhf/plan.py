@@ -71,7 +71,7 @@ BANDS = ((50_000, "under $50k/month: use API fine-tuning services (Together AI, 
 SEED_70B = {
     "sft70b": ("1", "4-8", "35-45 GB", "400-700"),
     "dpo70b": ("2", "8-16", "50-70 GB", "800-1,400"),
-    "grpo70b": ("3", "(>= PPO)", "-", "-"),
+    "grpo70b": ("3", ">=PPO", "-", "-"),
     "ppo70b": ("4-6", "32-64", "100-140 GB", "2,500-3,500"),
 }
 
@@ -692,6 +692,18 @@ def format_plan(plan: Plan) -> str:
     tps = s.tokens_per_step / s.est_step_seconds if s.est_step_seconds > 0 else math.nan
     lines.append(f"step: {_secs(s.est_step_seconds)} (roofline, a lower bound), "
                  f"{tps:,.0f} tokens/s")
+    gen = next((p for p in s.programs if p.name.endswith("/generate")), None)
+    if gen is not None and gen.bound == "collectives":
+      # One gather per step instead of one per token: the decode loop's traffic once.
+      steps = max(plan.cfg.rollout.max_new_tokens - 1, 1)
+      once = (gen.comm_intra_bytes / steps / (acc.interconnect_bandwidth / 2)
+              + gen.comm_inter_bytes / steps / node_of(acc.name)[1])
+      without = max(gen.t_compute, gen.t_memory) + once
+      lines.append(f"note: generation is bound by collectives: the rollout all-gathers the "
+                   f"fsdp-sharded policy for every decoded token ({_bytes(gen.comm_inter_bytes)}"
+                   f" across nodes per step); gathered once per step it would take about "
+                   f"{_secs(without)} ({_secs(s.est_step_seconds - gen.est_seconds + without)} "
+                   f"per step)")
     if s.replicated_optimizer_bytes:
       lines.append(f"note: the trainer's init replicates optimizer moments "
                    f"(+{_bytes(s.replicated_optimizer_bytes)}/device as the code stands); "
