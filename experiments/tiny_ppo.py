@@ -8,14 +8,14 @@ from jaxrlhf.config import (DataConfig, ExperimentConfig, ModelConfig, Optimizer
                             PPOConfig, RewardConfig, RMConfig, RolloutConfig, SFTConfig)
 from jaxrlhf.registry import register
 
-# 2 layers, d_model 128: about 0.4M parameters; the char tokenizer has 48 tokens.
-TINY = ModelConfig(vocab_size=48, d_model=128, n_layers=2, n_heads=4, n_kv_heads=4,
+# 4 layers, d_model 128: about 0.8M parameters; the char tokenizer has 48 tokens.
+TINY = ModelConfig(vocab_size=48, d_model=128, n_layers=4, n_heads=4, n_kv_heads=4,
                    head_dim=32, mlp_dim=512, max_seq_len=64)
 # Fixed-width sums: "07+45=" -> "052" (3 digits + EOS).
 ADDITION = DataConfig(task="addition", digits=2, max_prompt_len=8, max_response_len=5,
                       eval_size=256)
 GREEDY_LEN = RolloutConfig(max_new_tokens=5)
-TINY_SFT = SFTConfig(steps=220, batch_size=128, eval_every=110,
+TINY_SFT = SFTConfig(steps=280, batch_size=128, eval_every=70,
                      optim=OptimizerConfig(lr=3e-3, warmup_steps=10, schedule="cosine"))
 
 
@@ -28,6 +28,7 @@ def build():
       rm=RMConfig(steps=200, batch_size=64, eval_every=50,
                   optim=OptimizerConfig(lr=1e-3, warmup_steps=10, schedule="cosine")),
       ppo=PPOConfig(steps=100, batch_size=32, eval_every=20,
-                    reward=RewardConfig(sources=("model",), normalize="batch"),
+                    reward=RewardConfig(sources=("model", "rule:exact_match"),
+                                        weights=(0.5, 1.0), normalize="batch"),
                     optim=OptimizerConfig(lr=3e-4, warmup_steps=5, schedule="constant"),
                     value_optim=OptimizerConfig(lr=3e-4, warmup_steps=5, schedule="constant")))

@@ -44,6 +44,10 @@ class ModelConfig:
   remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
   scan_layers: bool = True
   init_std: float = 0.02
+  # How a scalar-head model (reward, guard) turns per-token scores into one sequence score:
+  # "last" reads the last real token (the usual reward model); "mean" averages the response
+  # tokens, so each token's score only has to judge that token.
+  score_pool: Literal["last", "mean"] = "last"
   # Load weights from a local Hugging Face model directory (issue: HF interop).
   hf_path: str = ""
   # The checkpoint's real vocabulary when ``vocab_size`` was padded up to a multiple of ``tp``

@@ -29,9 +29,15 @@ def token_logprobs(params: dict, tokens_BL: jax.Array, mask_BL: jax.Array, *, cf
 
 
 def sequence_scores(params: dict, tokens_BL: jax.Array, mask_BL: jax.Array, *, cfg: ModelConfig,
-                    kernels: KernelsConfig = KernelsConfig()) -> jax.Array:
-  """Scalar-head score at each row's last valid token, float32 ``[B]`` (reward models)."""
+                    kernels: KernelsConfig = KernelsConfig(), start: int = 0) -> jax.Array:
+  """One float32 score per row ``[B]`` (reward models): the scalar head at the row's last real
+  token (``cfg.score_pool="last"``), or its mean over the real tokens from column ``start``
+  on, i.e. the response (``"mean"``)."""
   scores_BL = token_scores(params, tokens_BL, mask_BL, cfg=cfg, kernels=kernels)
+  if cfg.score_pool == "mean":
+    pool_BL = mask_BL.astype(bool) & (jnp.arange(mask_BL.shape[1]) >= start)
+    return jnp.sum(jnp.where(pool_BL, scores_BL, 0.0), axis=1) / jnp.maximum(
+        jnp.sum(pool_BL, axis=1), 1)
   return jnp.take_along_axis(scores_BL, last_valid_index(mask_BL)[:, None], axis=1)[:, 0]
 
 

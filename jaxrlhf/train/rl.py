@@ -130,7 +130,8 @@ class RLStage(Stage):
     for kind, name, w in self.device_sources:
       if kind == "model":
         s = M.sequence_scores(frozen["reward"], ro["tokens"], ro["mask"],
-                              cfg=self.model_cfg("reward"), kernels=self.cfg.kernels)
+                              cfg=self.model_cfg("reward"), kernels=self.cfg.kernels,
+                              start=self.P)
       else:
         s = RW.RULES[name](response, ro["response_mask"], jnp.repeat(batch["answer"], self.n, 0),
                            jnp.repeat(batch["answer_mask"], self.n, 0), eos_id=self.tok.eos_id)
@@ -146,7 +147,7 @@ class RLStage(Stage):
     keep &= keep_eos
     if rcfg.guard:
       g = M.sequence_scores(frozen["guard"], ro["tokens"], ro["mask"],
-                            cfg=self.model_cfg("guard"), kernels=self.cfg.kernels)
+                            cfg=self.model_cfg("guard"), kernels=self.cfg.kernels, start=self.P)
       score, keep_guard, gm = RW.apply_guard(score, jax.nn.sigmoid(g),
                                              threshold=rcfg.guard_threshold,
                                              action=rcfg.guard_action, penalty=rcfg.guard_penalty)
@@ -189,7 +190,9 @@ class RLStage(Stage):
     state = state.replace(step=state.step + 1,
                           extras={**state.extras, "kl": new_kl, "reward_stats": stats})
     lengths = ro["lengths"].astype(jnp.float32)
+    # The raw score's statistics win over the normaliser's (which describe the normalised one).
     metrics = {
+        **norm_metrics, **upd_metrics,
         "reward/mean": jnp.mean(jnp.where(jnp.isfinite(raw), raw, 0.0)),
         "reward/std": jnp.std(jnp.where(jnp.isfinite(raw), raw, 0.0)),
         "reward/min": jnp.min(jnp.where(jnp.isfinite(raw), raw, jnp.inf)),
@@ -198,7 +201,7 @@ class RLStage(Stage):
         "response_length/mean": jnp.mean(lengths),
         "rollout/tokens": jnp.sum(lengths),
         "rollout/finished_frac": jnp.mean(ro["finished"].astype(jnp.float32)),
-        **norm_metrics, **upd_metrics, "skips/total": state.extras["skips/total"],
+        "skips/total": state.extras["skips/total"],
     }
     return state, metrics
 

@@ -25,7 +25,7 @@ class RMStage(Stage):
     def pair_scores(params, b):
       tokens = jnp.concatenate([b["chosen"], b["rejected"]])
       mask = jnp.concatenate([b["chosen_mask"], b["rejected_mask"]])
-      s = M.sequence_scores(params, tokens, mask, cfg=cfg, kernels=kernels)
+      s = M.sequence_scores(params, tokens, mask, cfg=cfg, kernels=kernels, start=self.P)
       n = b["chosen"].shape[0]
       return s[:n], s[n:]
 

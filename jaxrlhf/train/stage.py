@@ -133,19 +133,22 @@ class Stage:
   # -- shared helpers -----------------------------------------------------------------------
   def role_params(self, roles: dict, role: str, key: jax.Array, *, head: str,
                   frozen: bool = False) -> dict:
-    """Parameters for ``role``: from an earlier stage when present, else a conversion of the
-    policy's backbone (a scalar head on an SFT model), else a fresh sharded init."""
+    """Parameters for ``role``, from the first that applies: an earlier stage's result for
+    this role; the policy's weights for the reference; the role's own Hugging Face directory;
+    the reward model's backbone for the value model, or the policy's for a scalar role (a
+    new scalar head on an SFT model), when the shapes agree; else a fresh sharded init."""
     cfg = self.cfg.role_model(role)
     rules = FROZEN_PARAM_RULES if frozen else PARAM_RULES
     shardings = M.param_shardings(cfg, self.mesh, head, rules)
     source = roles.get(role)
-    if source is None and role in ("reference",):
+    if source is None and role == "reference":
       source = roles.get("policy")
-    if source is None and head == "scalar" and cfg == self.cfg.model and "policy" in roles:
-      source = roles["policy"]
-    if source is None and role == "value" and "reward" in roles and (
-        self.cfg.role_model("reward") == cfg):
-      source = roles["reward"]
+    if source is None and not cfg.hf_path:
+      donors = (["reward"] if role == "value" else []) + (["policy"] if head == "scalar" else [])
+      for donor in donors:
+        if donor in roles and same_backbone(self.cfg.role_model(donor), cfg):
+          source = roles[donor]
+          break
     if source is None:
       # A Hugging Face directory (model.hf_path / reward_model.hf_path ...) or a random init.
       return hf.load_or_init(cfg, self.mesh, key, head, rules)
@@ -153,6 +156,12 @@ class Stage:
 
   def model_cfg(self, role: str) -> ModelConfig:
     return self.cfg.role_model(role)
+
+
+def same_backbone(a: ModelConfig, b: ModelConfig) -> bool:
+  """Whether two model configs have parameters of the same shapes (head aside)."""
+  return M.param_shapes(a, "scalar") == M.param_shapes(b, "scalar") and (
+      a.param_dtype == b.param_dtype)
 
 
 def convert_head(params: dict, cfg: ModelConfig, head: str) -> dict:
