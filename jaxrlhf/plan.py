@@ -35,6 +35,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import Optional
@@ -463,17 +464,17 @@ def _plan_phases(stage, state, frozen, batch, read, one_program: bool, step_fn):
   phased = step_fn if not one_program else PhasedStep(stage, state, frozen, batch)
   timed = phased.timed or one_program
   held = tree_bytes(state) + tree_bytes(frozen) + tree_bytes(batch)
+  rollout_bytes = 0  # the rollout so far also stays on the device between phases
   out = []
 
   def add(label, fn, args, runs):
     compiled, secs = _compile(fn, *args)
-    out.append(read(label, compiled, secs, runs=runs, held=held + ro_bytes[0]))
+    out.append(read(label, compiled, secs, runs=runs, held=held + rollout_bytes))
     return compiled
 
-  ro_bytes = [0]
   c = add("generate", phased.gen, (state, batch), not one_program)
   _, ro = _abstract_outputs(phased.gen, c, state, batch)
-  ro_bytes[0] = tree_bytes(ro)
+  rollout_bytes = tree_bytes(ro)
   host = None
   if stage.host_sources:
     rows = ro["tokens"].shape[0]
@@ -484,15 +485,15 @@ def _plan_phases(stage, state, frozen, batch, read, one_program: bool, step_fn):
   runs = not one_program
   c = add("reference", phased.ref, (frozen, ro), runs)
   ro = {**ro, **_abstract_outputs(phased.ref, c, frozen, ro)}
-  ro_bytes[0] = tree_bytes(ro)
+  rollout_bytes = tree_bytes(ro)
   c = add("reward", phased.rew, (frozen, batch, ro, host), runs)
   scored, _ = _abstract_outputs(phased.rew, c, frozen, batch, ro, host)
   ro = {**ro, **scored}
-  ro_bytes[0] = tree_bytes(ro)
+  rollout_bytes = tree_bytes(ro)
   if stage.uses_value:
     c = add("values", phased.val, (state, ro), runs)
     ro = {**ro, **_abstract_outputs(phased.val, c, state, ro)}
-    ro_bytes[0] = tree_bytes(ro)
+    rollout_bytes = tree_bytes(ro)
   add("update", phased.upd, (state, frozen, batch, ro), runs)
   return out
 
@@ -520,13 +521,13 @@ class Plan:
     return all(s.peak.peak_bytes_per_device <= self.usable_bytes for s in self.stages)
 
   @property
-  def main(self) -> StagePlan:
+  def final_stage(self) -> StagePlan:
     """The stage the top-level step figures describe: the experiment's last."""
     return self.stages[-1]
 
   @property
   def usd_per_step(self) -> float:
-    return self.main.est_step_seconds * self.devices * self.accelerator.usd_per_hour / 3600
+    return self.final_stage.est_step_seconds * self.devices * self.accelerator.usd_per_hour / 3600
 
   @property
   def gpu_hours(self) -> float:
@@ -557,7 +558,6 @@ class Plan:
 def describe_buffer(desc: str, cfg: Optional[ExperimentConfig]) -> str:
   """Names a temporary from its shape: layer-stacked hidden states are the inputs each layer
   saves for the backward pass; a 5-D layer-stacked bf16 array is a KV cache."""
-  import re
   m = re.match(r"(\w+)\[([\d,]*)\]", desc)
   if not m or cfg is None:
     return desc
@@ -632,7 +632,7 @@ def to_json(plan: Plan) -> dict:
   """The plan.json document (schema in docs/plan.md)."""
   acc = plan.accelerator
   what, size, fix = plan.largest_consumer()
-  main = plan.main
+  main = plan.final_stage
   progs = []
   for s in plan.stages:
     for p in s.programs:
@@ -926,13 +926,13 @@ def compare(accelerator: str = "h100", workdir: str = "runs/compare70b", search:
       smallest = (found.devices, found.mesh) if found is not None else None
     seed = SEED_70B.get(cfg.name, ("-",) * 4)
     rows.append({
-        "experiment": cfg.name, "models_in_memory": len(p.main.models_in_memory),
-        "models": p.main.models_in_memory, "devices": p.devices, "mesh": p.mesh,
+        "experiment": cfg.name, "models_in_memory": len(p.final_stage.models_in_memory),
+        "models": p.final_stage.models_in_memory, "devices": p.devices, "mesh": p.mesh,
         "peak_bytes_per_device": max(s.peak.peak_bytes_per_device for s in p.stages),
         "fits": p.fits, "min_devices": smallest[0] if smallest else None,
         "min_mesh": smallest[1] if smallest else None, "searched": search,
-        "est_step_seconds": p.main.est_step_seconds, "gpu_hours_per_run": p.gpu_hours,
-        "usd_per_run": p.usd_per_run, "steps": p.main.steps,
+        "est_step_seconds": p.final_stage.est_step_seconds, "gpu_hours_per_run": p.gpu_hours,
+        "usd_per_run": p.usd_per_run, "steps": p.final_stage.steps,
         "seed": dict(zip(("models_in_memory", "min_gpus", "memory_per_gpu", "gpu_hours"),
                          seed))})
   print(format_compare(rows, acc))
