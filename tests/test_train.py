@@ -60,3 +60,20 @@ def test_step_on_dp2_tp2_equals_single_device(name):
     np.testing.assert_allclose(m2[0][k], m1[0][k], rtol=2e-4, atol=2e-5, err_msg=k)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5),
                jax.device_get(s2.params), jax.device_get(s1.params))
+
+
+def test_optimizer_moments_are_sharded_like_their_parameters():
+  cfg = config()
+  m = mesh(fsdp=2, tp=2)
+  stage = stage_class("ppo")(cfg, m, DataSource(cfg.data, cfg.seed))
+  state, _ = stage.init(jax.random.key(0), {})
+  abstract, _ = stage.abstract_init()
+  for role in ("policy", "value"):
+    p_sh = jax.tree.map(lambda x: x.sharding.spec, state.params[role])
+    adam = state.opt_state[role][1][0]  # chain(clip, adamw): adamw's ScaleByAdamState
+    for moment in (adam.mu, adam.nu):
+      assert jax.tree.map(lambda x: x.sharding.spec, moment) == p_sh
+    # The abstract state the planner and checkpoint restore use agrees with the real one.
+    assert jax.tree.map(lambda x: x.sharding.spec, abstract.opt_state[role]) == jax.tree.map(
+        lambda x: x.sharding.spec, state.opt_state[role])
+  assert state.params["policy"]["layers"]["w_up"].sharding.spec[1] == "fsdp"

@@ -12,6 +12,8 @@ import numpy as np
 import optax
 
 from jaxrlhf.config import OptimizerConfig
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from jaxrlhf.mesh import batch_sharding
 
 
@@ -144,14 +146,35 @@ def jit_step(fn, mesh, state, frozen, batch, *, donate: bool = True):
                  out_shardings=(state_sh, None), donate_argnums=(0,) if donate else ())
 
 
-def init_state(mesh, params: dict, optimizers: dict, key: jax.Array, extras: dict) -> TrainState:
-  """A TrainState whose optimizer states are created on the mesh next to their parameters."""
+def state_shardings(mesh, optimizers: dict, abstract_state: TrainState, param_shardings: dict):
+  """Shardings of a whole TrainState: each optimizer moment exactly like its parameter (so
+  Adam's states stay as distributed as the weights), everything else replicated."""
+  rep = NamedSharding(mesh, P())
+  opt = {role: optax.tree_map_params(optimizers[role], lambda _, sh: sh,
+                                     abstract_state.opt_state[role], param_shardings[role],
+                                     transform_non_params=lambda _: rep)
+         for role in abstract_state.opt_state}
+  return TrainState(step=rep, rng=rep, params=param_shardings, opt_state=opt,
+                    extras=jax.tree.map(lambda _: rep, abstract_state.extras))
+
+
+def make_state_fn(optimizers: dict, extras: dict):
+  """``(params, key) -> TrainState`` with fresh optimizer states."""
   def make(params, key):
     opt_state = {role: optimizers[role].init(p) for role, p in params.items()}
     return TrainState(step=jnp.zeros((), jnp.int32), rng=key, params=params,
                       opt_state=opt_state, extras=extras)
+  return make
+
+
+def init_state(mesh, params: dict, optimizers: dict, key: jax.Array, extras: dict) -> TrainState:
+  """A TrainState whose optimizer states are created on the mesh, sharded like their
+  parameters."""
+  make = make_state_fn(optimizers, extras)
+  abstract = jax.eval_shape(make, params, key)
+  shardings = state_shardings(mesh, optimizers, abstract, shardings_of(params))
   with jax.set_mesh(mesh):
-    return jax.jit(make)(params, key)
+    return jax.jit(make, out_shardings=shardings)(params, key)
 
 
 def metrics_to_host(metrics: dict) -> dict[str, float]:

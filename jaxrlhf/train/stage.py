@@ -16,7 +16,7 @@ from jaxrlhf.config import ConfigError, ExperimentConfig, ModelConfig
 from jaxrlhf.data import DataSource
 from jaxrlhf.mesh import FROZEN_PARAM_RULES, PARAM_RULES, batch_sharding, replicated
 from jaxrlhf.train.common import (TrainState, init_state, jit_step, make_optimizer,
-                                  skip_counters)
+                                  make_state_fn, shardings_of, skip_counters, state_shardings)
 
 
 class Stage:
@@ -95,17 +95,11 @@ class Stage:
     params = {r: role(r, h, PARAM_RULES) for r, h in self.trainable.items()}
     frozen = {r: role(r, h, FROZEN_PARAM_RULES) for r, h in self.frozen().items()}
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated(self.mesh))
-
-    def make(params, key):
-      opt_state = {r: self.opt[r].init(p) for r, p in params.items()}
-      return TrainState(step=jnp.zeros((), jnp.int32), rng=key, params=params,
-                        opt_state=opt_state, extras=self.initial_extras())
-
-    with jax.set_mesh(self.mesh):
-      compiled = jax.jit(make).lower(params, key).compile()
+    make = make_state_fn(self.opt, self.initial_extras())
     shapes = jax.eval_shape(make, params, key)
+    shardings = state_shardings(self.mesh, self.opt, shapes, shardings_of(params))
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         shapes, compiled.output_shardings)
+                         shapes, shardings)
     return state, frozen
 
   def abstract_batch(self) -> dict:
