@@ -153,39 +153,6 @@ def dtype_bytes(name: str) -> int:
   return {"float32": 4, "bfloat16": 2, "float16": 2}[name]
 
 
-# --------------------------------------------------------------- optimizer-state shardings
-
-
-def shard_optimizer_like_params(stage, state):
-  """Gives every parameter-shaped optimizer-state leaf its parameter's sharding.
-
-  The trainer builds optimizer states with ``optax.init`` inside ``jit`` without output
-  shardings, and XLA replicates zeros that depend on nothing, so Adam's moments come out
-  fully replicated on every device.  We plan the sharded layout (what the trainer should
-  do) and return how many bytes per device the replicated layout would add, so the report
-  can say so.  Returns ``(state, extra_bytes_if_replicated)``.
-  """
-  import jax
-  import optax
-  extra = 0
-  new_opt = {}
-  is_struct = lambda x: isinstance(x, jax.ShapeDtypeStruct)
-  for role, opt_state in state.opt_state.items():
-    params = state.params[role]
-
-    def fix(s, p):
-      nonlocal extra
-      if not (is_struct(s) and s.shape == p.shape) or s.sharding == p.sharding:
-        return s
-      new = jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding)
-      extra += leaf_bytes(s) - leaf_bytes(new)
-      return new
-
-    new_opt[role] = optax.tree_map_params(stage.opt[role], fix, opt_state, params,
-                                          transform_non_params=lambda s: s, is_leaf=is_struct)
-  return state.replace(opt_state=new_opt), max(extra, 0)
-
-
 # ----------------------------------------------------------------------------- workload
 
 
@@ -374,7 +341,6 @@ class StagePlan:
   est_step_seconds: float
   tokens_per_step: float
   consumers: dict[str, int]  # resident bytes per device by what they are
-  replicated_optimizer_bytes: int  # what the trainer's replicated Adam moments would add
   models_in_memory: list[str]
 
   @property
@@ -405,7 +371,6 @@ def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True
   node_size, node_bw = node_of(acc.name)
   stage = stage_class(name)(cfg, mesh, DataSource(cfg.data, cfg.seed))
   state, frozen = stage.abstract_init()
-  state, replicated_extra = shard_optimizer_like_params(stage, state)
   batch = stage.abstract_batch()
   work = workload(stage, sizes)
   sixteen_bit = any(dtype_bytes(cfg.role_model(r).compute_dtype) == 2
@@ -453,7 +418,7 @@ def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True
   return StagePlan(stage=name, steps=stage.steps, mode=mode, programs=programs,
                    est_step_seconds=step_seconds, tokens_per_step=tokens,
                    consumers=_consumers(state, frozen, batch),
-                   replicated_optimizer_bytes=replicated_extra, models_in_memory=models)
+                   models_in_memory=models)
 
 
 def _plan_phases(stage, state, frozen, batch, read, one_program: bool, step_fn):
@@ -654,8 +619,7 @@ def to_json(plan: Plan) -> dict:
                   "est_step_seconds": s.est_step_seconds,
                   "tokens_per_s": s.tokens_per_step / s.est_step_seconds
                   if s.est_step_seconds > 0 else math.nan,
-                  "models_in_memory": s.models_in_memory, "consumers": s.consumers,
-                  "replicated_optimizer_bytes": s.replicated_optimizer_bytes}
+                  "models_in_memory": s.models_in_memory, "consumers": s.consumers}
                  for s in plan.stages],
       "cost": {"usd_per_hour_per_device": acc.usd_per_hour, "gpu_hours_per_run": plan.gpu_hours,
                "usd_per_run": plan.usd_per_run, "runs_per_month": plan.runs_per_month,
@@ -704,10 +668,6 @@ def format_plan(plan: Plan) -> str:
                    f" across nodes per step); gathered once per step it would take about "
                    f"{_secs(without)} ({_secs(s.est_step_seconds - gen.est_seconds + without)} "
                    f"per step)")
-    if s.replicated_optimizer_bytes:
-      lines.append(f"note: the trainer's init replicates optimizer moments "
-                   f"(+{_bytes(s.replicated_optimizer_bytes)}/device as the code stands); "
-                   f"planned sharded like their parameters")
   what, size, fix = plan.largest_consumer()
   peak = max(s.peak.peak_bytes_per_device for s in plan.stages)
   if plan.fits:
