@@ -1,6 +1,5 @@
 """GRPO on 2-digit addition from a short SFT, rule reward (exact match); CPU, minutes."""
 
-import dataclasses
 
 from experiments.tiny_ppo import ADDITION, GREEDY_LEN, TINY, TINY_SFT
 from jaxrlhf.config import ExperimentConfig, GRPOConfig, OptimizerConfig, RewardConfig

@@ -4,7 +4,7 @@ SFT is deliberately stopped early (about a third of held-out sums right) so that
 only by the learned reward model, has room to show its own improvement.
 """
 
-from jaxrlhf.config import (DataConfig, ExperimentConfig, ModelConfig, OptimizerConfig,
+from jaxrlhf.config import (DataConfig, ExperimentConfig, KLConfig, ModelConfig, OptimizerConfig,
                             PPOConfig, RewardConfig, RMConfig, RolloutConfig, SFTConfig)
 from jaxrlhf.registry import register
 
@@ -15,7 +15,7 @@ TINY = ModelConfig(vocab_size=48, d_model=128, n_layers=4, n_heads=4, n_kv_heads
 ADDITION = DataConfig(task="addition", digits=2, max_prompt_len=8, max_response_len=5,
                       eval_size=256)
 GREEDY_LEN = RolloutConfig(max_new_tokens=5)
-TINY_SFT = SFTConfig(steps=280, batch_size=128, eval_every=70,
+TINY_SFT = SFTConfig(steps=240, batch_size=128, eval_every=60,
                      optim=OptimizerConfig(lr=3e-3, warmup_steps=10, schedule="cosine"))
 
 
@@ -28,7 +28,8 @@ def build():
       rm=RMConfig(steps=200, batch_size=64, eval_every=50,
                   optim=OptimizerConfig(lr=1e-3, warmup_steps=10, schedule="cosine")),
       ppo=PPOConfig(steps=100, batch_size=32, eval_every=20,
+                    kl=KLConfig(coef=0.1),
                     reward=RewardConfig(sources=("model", "rule:exact_match"),
-                                        weights=(0.5, 1.0), normalize="batch"),
-                    optim=OptimizerConfig(lr=3e-4, warmup_steps=5, schedule="constant"),
-                    value_optim=OptimizerConfig(lr=3e-4, warmup_steps=5, schedule="constant")))
+                                        weights=(0.2, 1.0), normalize="batch"),
+                    optim=OptimizerConfig(lr=5e-5, warmup_steps=5, schedule="constant"),
+                    value_optim=OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant")))

@@ -2,12 +2,10 @@
 
 import io
 import json
-import math
 import os
 import subprocess
 import sys
 
-import pytest
 
 from jaxrlhf import report
 from jaxrlhf.config import LoggingConfig

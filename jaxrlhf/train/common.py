@@ -111,6 +111,19 @@ def apply_update(params, opt_state, grads, loss, optimizer: optax.GradientTransf
   return keep(new_params, params), keep(new_opt, opt_state), finite, grad_norm
 
 
+def update_role(state: "TrainState", role: str, loss_fn, batch: dict, n_micro: int,
+                optimizer: optax.GradientTransformation):
+  """One training step of a single role: accumulate gradients over ``n_micro`` micro-batches,
+  apply them (or skip a non-finite step), advance the step.  Returns ``(state, metrics)``."""
+  loss, grads, aux = accumulate_grads(loss_fn, state.params[role], batch, n_micro)
+  params, opt_state, finite, gnorm = apply_update(state.params[role], state.opt_state[role],
+                                                  grads, loss, optimizer)
+  extras = count_skip(state.extras, finite)
+  state = state.replace(step=state.step + 1, params={**state.params, role: params},
+                        opt_state={**state.opt_state, role: opt_state}, extras=extras)
+  return state, {"loss": loss, "grad_norm": gnorm, **aux, "skips/total": extras["skips/total"]}
+
+
 def count_skip(extras: dict, finite: jax.Array) -> dict:
   """Updates the consecutive / total skipped-step counters in ``extras``."""
   consecutive = jnp.where(finite, 0, extras["skips/consecutive"] + 1)

@@ -9,7 +9,7 @@ import numpy as np
 
 from jaxrlhf import model as M
 from jaxrlhf.algorithms import dpo_loss
-from jaxrlhf.train.common import accumulate_grads, apply_update, count_skip, put_batch
+from jaxrlhf.train.common import put_batch, update_role
 from jaxrlhf.train.evaluate import ExactMatchEval, pair_batches
 from jaxrlhf.train.stage import Stage
 
@@ -95,15 +95,7 @@ class DPOStage(Stage):
                                label_smoothing=self.scfg.label_smoothing)
       return loss / n_micro, metrics
 
-    loss, grads, aux = accumulate_grads(loss_fn, state.params["policy"], mb, n_micro)
-    params, opt_state, finite, gnorm = apply_update(state.params["policy"],
-                                                    state.opt_state["policy"], grads, loss,
-                                                    self.opt["policy"])
-    state = state.replace(step=state.step + 1, params={"policy": params},
-                          opt_state={"policy": opt_state},
-                          extras=count_skip(state.extras, finite))
-    return state, {"loss": loss, "grad_norm": gnorm, **aux,
-                   "skips/total": state.extras["skips/total"]}
+    return update_role(state, "policy", loss_fn, mb, n_micro, self.opt["policy"])
 
   def evaluate(self, state, frozen):
     if self._eval_pairs is None:

@@ -3,11 +3,9 @@ per-token rewards, GAE, clipped policy and value losses — one program per step
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
+from jaxrlhf import model as M
 from jaxrlhf.algorithms import aggregate, gae, kl_estimate, kl_shaped_rewards, value_loss, whiten
 from jaxrlhf.config import ConfigError
-from jaxrlhf import model as M
 from jaxrlhf.train.rl import RLStage
 
 

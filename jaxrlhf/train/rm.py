@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jaxrlhf import model as M
 from jaxrlhf.algorithms import bradley_terry_loss
-from jaxrlhf.train.common import accumulate_grads, apply_update, count_skip
+from jaxrlhf.train.common import update_role
 from jaxrlhf.train.evaluate import pair_batches
 from jaxrlhf.train.stage import Stage
 
@@ -45,15 +45,7 @@ class RMStage(Stage):
       loss, metrics = bradley_terry_loss(*self.pair_scores(params, mb))
       return loss / n_micro, metrics
 
-    loss, grads, aux = accumulate_grads(loss_fn, state.params["reward"], batch, n_micro)
-    params, opt_state, finite, gnorm = apply_update(state.params["reward"],
-                                                    state.opt_state["reward"], grads, loss,
-                                                    self.opt["reward"])
-    state = state.replace(step=state.step + 1, params={"reward": params},
-                          opt_state={"reward": opt_state},
-                          extras=count_skip(state.extras, finite))
-    return state, {"loss": loss, "grad_norm": gnorm, **aux,
-                   "skips/total": state.extras["skips/total"]}
+    return update_role(state, "reward", loss_fn, batch, n_micro, self.opt["reward"])
 
   def evaluate(self, state, frozen):
     if self._eval_pairs is None:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jaxrlhf import model as M
 from jaxrlhf.algorithms import sft_loss
-from jaxrlhf.train.common import TrainState, accumulate_grads, apply_update, count_skip
+from jaxrlhf.train.common import TrainState, update_role
 from jaxrlhf.train.evaluate import ExactMatchEval
 from jaxrlhf.train.stage import Stage
 
@@ -39,16 +39,8 @@ class SFTStage(Stage):
       return sft_loss(logp, mb["target"], denom=denom)
 
     mb = {"tokens": batch["tokens"], "mask": batch["mask"], "target": target}
-    loss, grads, aux = accumulate_grads(loss_fn, state.params["policy"], mb,
-                                        self.scfg.optim.grad_accum)
-    params, opt_state, finite, gnorm = apply_update(state.params["policy"],
-                                                    state.opt_state["policy"], grads, loss,
-                                                    self.opt["policy"])
-    state = state.replace(step=state.step + 1, params={"policy": params},
-                          opt_state={"policy": opt_state},
-                          extras=count_skip(state.extras, finite))
-    return state, {"loss": loss, "grad_norm": gnorm, **aux,
-                   "skips/total": state.extras["skips/total"]}
+    return update_role(state, "policy", loss_fn, mb, self.scfg.optim.grad_accum,
+                       self.opt["policy"])
 
   def evaluate(self, state, frozen):
     return self.evaluator(state.params["policy"])
