@@ -14,4 +14,4 @@ def build():
       stages=("sft", "grpo"), model=TINY, data=ADDITION, rollout=GREEDY_LEN, sft=TINY_SFT,
       grpo=GRPOConfig(steps=60, batch_size=16, num_samples=8, eval_every=20,
                       reward=RewardConfig(sources=("rule:exact_match",)),
-                      optim=OptimizerConfig(lr=3e-4, warmup_steps=5, schedule="constant")))
+                      optim=OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant")))

@@ -4,6 +4,8 @@ SFT is deliberately stopped early (about a third of held-out sums right) so that
 only by the learned reward model, has room to show its own improvement.
 """
 
+import dataclasses
+
 from jaxrlhf.config import (DataConfig, ExperimentConfig, KLConfig, ModelConfig, OptimizerConfig,
                             PPOConfig, RewardConfig, RMConfig, RolloutConfig, SFTConfig)
 from jaxrlhf.registry import register
@@ -15,8 +17,8 @@ TINY = ModelConfig(vocab_size=48, d_model=128, n_layers=4, n_heads=4, n_kv_heads
 ADDITION = DataConfig(task="addition", digits=2, max_prompt_len=8, max_response_len=5,
                       eval_size=256)
 GREEDY_LEN = RolloutConfig(max_new_tokens=5)
-TINY_SFT = SFTConfig(steps=240, batch_size=128, eval_every=60,
-                     optim=OptimizerConfig(lr=3e-3, warmup_steps=10, schedule="cosine"))
+TINY_SFT = SFTConfig(steps=200, batch_size=128, eval_every=50,
+                     optim=OptimizerConfig(lr=3e-3, warmup_steps=10, schedule="constant"))
 
 
 @register("tiny_ppo")
@@ -25,8 +27,10 @@ def build():
       name="tiny_ppo",
       description="SFT, reward model, then PPO (4 models) on 2-digit addition; CPU, minutes",
       stages=("sft", "rm", "ppo"), model=TINY, data=ADDITION, rollout=GREEDY_LEN, sft=TINY_SFT,
-      rm=RMConfig(steps=200, batch_size=64, eval_every=50,
-                  optim=OptimizerConfig(lr=1e-3, warmup_steps=10, schedule="cosine")),
+      # Mean-pooled scores: each response token is judged where it stands (see ModelConfig).
+      reward_model=dataclasses.replace(TINY, score_pool="mean"),
+      rm=RMConfig(steps=400, batch_size=64, eval_every=100,
+                  optim=OptimizerConfig(lr=5e-4, warmup_steps=10, schedule="cosine")),
       ppo=PPOConfig(steps=100, batch_size=32, eval_every=20,
                     kl=KLConfig(coef=0.1),
                     reward=RewardConfig(sources=("model", "rule:exact_match"),
