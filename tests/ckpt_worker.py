@@ -15,9 +15,12 @@ a stop signal arrives.
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=4").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if __name__ == "__main__":
+  # Only as the tests' subprocess: importing this module (test_resume does) must not change
+  # the device count of the test process itself.
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=4").strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
