@@ -77,3 +77,19 @@ def test_optimizer_moments_are_sharded_like_their_parameters():
     assert jax.tree.map(lambda x: x.sharding.spec, abstract.opt_state[role]) == jax.tree.map(
         lambda x: x.sharding.spec, state.opt_state[role])
   assert state.params["policy"]["layers"]["w_up"].sharding.spec[1] == "fsdp"
+
+
+def test_grpo_with_a_host_reward_splits_in_two_programs_and_matches_the_rule():
+  """The same exact-match reward as a host Python function (decoded text, two programs around
+  the host call) and as a jittable rule (one program) gives the same step."""
+  rule = config()
+  host = dataclasses.replace(rule, grpo=dataclasses.replace(
+      rule.grpo, reward=RewardConfig(sources=("host:exact_match",))))
+  stage_r, s_r, _, m_r = run_steps(rule, "grpo", mesh(), steps=2)
+  stage_h, s_h, _, m_h = run_steps(host, "grpo", mesh(), steps=2)
+  for a, b in zip(m_r, m_h):
+    for k in ("reward/mean", "loss", "kl/mean"):
+      np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert "time/phase/host_reward_s" in b and "time/phase/host_reward_s" not in a
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6),
+               jax.device_get(s_h.params), jax.device_get(s_r.params))
