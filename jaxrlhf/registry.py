@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from jaxrlhf.config import ConfigError, ExperimentConfig
@@ -31,10 +32,7 @@ def get(name: str) -> ExperimentConfig:
   if name not in _REGISTRY:
     raise ConfigError(f"unknown experiment {name!r}; valid: {', '.join(sorted(_REGISTRY))}")
   cfg = _REGISTRY[name]()
-  if cfg.name != name:
-    import dataclasses
-    cfg = dataclasses.replace(cfg, name=name)
-  return cfg
+  return cfg if cfg.name == name else dataclasses.replace(cfg, name=name)
 
 
 def _load():
