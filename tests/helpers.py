@@ -1,4 +1,8 @@
-"""Small shared helpers for tests: tiny configs and meshes."""
+"""Small shared helpers for tests: tiny configs, meshes, and worker-process event logs."""
+
+import json
+import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -22,3 +26,26 @@ def ragged_batch(key, batch, length, vocab, min_len=2):
   lens = jax.random.randint(k2, (batch,), min_len, length + 1)
   mask = jnp.arange(length)[None, :] >= (length - lens)[:, None]
   return jnp.where(mask, tokens, 0), mask
+
+
+def read_events(path):
+  """The JSON-lines events a worker subprocess logged so far (none if the file is missing)."""
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def wait_for_event(proc, log_path, event, timeout, describe):
+  """The first ``event`` the worker ``proc`` logged to ``log_path``; if it exits or ``timeout``
+  seconds pass first, kills it and fails with ``describe()`` (e.g. its output's tail)."""
+  t0 = time.time()
+  while time.time() - t0 < timeout:
+    hits = [e for e in read_events(log_path) if e["event"] == event]
+    if hits:
+      return hits[0]
+    if proc.poll() is not None:
+      break
+    time.sleep(0.05)
+  proc.kill()
+  raise AssertionError(f"worker never logged {event!r}; rc={proc.poll()}; {describe()}")

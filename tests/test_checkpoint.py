@@ -25,7 +25,7 @@ from jaxrlhf import checkpoint as C
 from jaxrlhf import model as M
 from jaxrlhf.config import CheckpointConfig, ConfigError, ExperimentConfig, LoggingConfig, to_dict
 from jaxrlhf.mesh import replicated
-from helpers import TINY, mesh
+from helpers import TINY, mesh, read_events, wait_for_event
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -369,23 +369,11 @@ class Worker:
         cwd=ROOT, env=env)
 
   def events(self):
-    if not os.path.exists(self.log):
-      return []
-    with open(self.log) as f:
-      return [json.loads(line) for line in f if line.strip()]
+    return read_events(self.log)
 
   def wait_for(self, event, timeout=240):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-      hits = [e for e in self.events() if e["event"] == event]
-      if hits:
-        return hits[0]
-      if self.proc.poll() is not None:
-        break
-      time.sleep(0.05)
-    self.proc.kill()
-    raise AssertionError(f"worker never logged {event!r}; rc={self.proc.poll()}; stderr tail:\n"
-                         + open(self.err.name).read()[-3000:])
+    return wait_for_event(self.proc, self.log, event, timeout,
+                          lambda: "stderr tail:\n" + open(self.err.name).read()[-3000:])
 
   def finish(self, timeout=240):
     try:

@@ -8,20 +8,18 @@ compiles.  States are compared by restoring the checkpoints in this process (ont
 this process's devices, as any resume would).
 """
 
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import mesh
+from helpers import mesh, read_events, wait_for_event
 from jaxrlhf import checkpoint as C
 from jaxrlhf.config import to_dict
 from jaxrlhf.data import DataSource
@@ -64,23 +62,11 @@ class Worker:
       return f.read()
 
   def events(self):
-    if not os.path.exists(self.log):
-      return []
-    with open(self.log) as f:
-      return [json.loads(line) for line in f if line.strip()]
+    return read_events(self.log)
 
   def wait_for(self, event, timeout=300):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-      hits = [e for e in self.events() if e["event"] == event]
-      if hits:
-        return hits[0]
-      if self.proc.poll() is not None:
-        break
-      time.sleep(0.05)
-    self.proc.kill()
-    raise AssertionError(f"worker never logged {event!r}; rc={self.proc.poll()}; output:\n"
-                         + self.output()[-4000:])
+    return wait_for_event(self.proc, self.log, event, timeout,
+                          lambda: "output:\n" + self.output()[-4000:])
 
   def finish(self, expect_rc=0, timeout=300):
     try:
