@@ -1,7 +1,7 @@
 """The default experiment: SFT -> reward model -> PPO on 2-digit addition, on a laptop CPU.
 
-SFT is deliberately stopped early (about a third of held-out sums right) so that PPO, driven
-only by the learned reward model, has room to show its own improvement.
+SFT is deliberately stopped early (about half of the held-out sums right) so that PPO has
+room to show its own improvement.
 """
 
 import dataclasses
@@ -21,15 +21,20 @@ TINY_SFT = SFTConfig(steps=200, batch_size=128, eval_every=50,
                      optim=OptimizerConfig(lr=3e-3, warmup_steps=10, schedule="constant"))
 
 
+# The default's own SFT runs longer (about half the held-out sums right): the reward model
+# starts from this backbone, and judging sums needs one that can nearly do them.
+PPO_SFT = dataclasses.replace(TINY_SFT, steps=300)
+
+
 @register("tiny_ppo")
 def build():
   return ExperimentConfig(
       name="tiny_ppo",
       description="SFT, reward model, then PPO (4 models) on 2-digit addition; CPU, minutes",
-      stages=("sft", "rm", "ppo"), model=TINY, data=ADDITION, rollout=GREEDY_LEN, sft=TINY_SFT,
+      stages=("sft", "rm", "ppo"), model=TINY, data=ADDITION, rollout=GREEDY_LEN, sft=PPO_SFT,
       # Mean-pooled scores: each response token is judged where it stands (see ModelConfig).
       reward_model=dataclasses.replace(TINY, score_pool="mean"),
-      rm=RMConfig(steps=400, batch_size=64, eval_every=100,
+      rm=RMConfig(steps=800, batch_size=64, eval_every=100,
                   optim=OptimizerConfig(lr=5e-4, warmup_steps=10, schedule="cosine")),
       ppo=PPOConfig(steps=100, batch_size=32, eval_every=20,
                     kl=KLConfig(coef=0.1),
