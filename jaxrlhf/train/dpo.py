@@ -11,7 +11,7 @@ from jaxrlhf import model as M
 from jaxrlhf.algorithms import dpo_loss
 from jaxrlhf.train.common import put_batch, update_role
 from jaxrlhf.train.evaluate import ExactMatchEval, pair_batches
-from jaxrlhf.train.stage import Stage
+from jaxrlhf.train.stage import Stage, stack_pairs
 
 
 class DPOStage(Stage):
@@ -25,11 +25,9 @@ class DPOStage(Stage):
 
     def seq_logps(params, b):
       """Summed response log-probs of chosen and rejected: two ``[B]`` arrays."""
-      tokens = jnp.concatenate([b["chosen"], b["rejected"]])
-      mask = jnp.concatenate([b["chosen_mask"], b["rejected_mask"]])
-      target = jnp.concatenate([b["chosen_loss_mask"], b["rejected_loss_mask"]])[:, 1:]
+      tokens, mask, loss_mask = stack_pairs(b)
       logp, _ = M.token_logprobs(params, tokens, mask, cfg=cfg, start=1, kernels=kernels)
-      s = jnp.sum(jnp.where(target, logp, 0.0), axis=-1)
+      s = jnp.sum(jnp.where(loss_mask[:, 1:], logp, 0.0), axis=-1)
       n = b["chosen"].shape[0]
       return s[:n], s[n:]
 

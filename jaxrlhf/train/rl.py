@@ -212,10 +212,11 @@ class RLStage(Stage):
     rows = data["tokens"].shape[0]
     n_mb = scfg.num_minibatches
     rng, k = jax.random.split(state.rng)
-    perms = jnp.stack([jax.random.permutation(jax.random.fold_in(k, e), rows)
-                       for e in range(scfg.ppo_epochs)])
     if n_mb == 1 and scfg.ppo_epochs == 1:
-      perms = jnp.arange(rows)[None]  # keep row order: no gather of the batch
+      perms = jnp.arange(rows)[None]  # one pass over the whole batch: no shuffle, no gather
+    else:
+      perms = jnp.stack([jax.random.permutation(jax.random.fold_in(k, e), rows)
+                         for e in range(scfg.ppo_epochs)])
 
     def minibatches(perm):
       return jax.tree.map(lambda x: x[perm].reshape((n_mb, rows // n_mb) + x.shape[1:]), data)
@@ -317,7 +318,8 @@ class PhasedStep:
     s = stage
     self.timed = stage.cfg.logging.phase_timing
     state_sh = shardings_of(state)
-    self.gen = jax.jit(s.phase_generate, out_shardings=(state_sh, None))
+    # Generation returns the state with a new RNG key: donate the old one (no parameter copy).
+    self.gen = jax.jit(s.phase_generate, out_shardings=(state_sh, None), donate_argnums=(0,))
     self.ref = jax.jit(s.phase_reference)
     self.rew = jax.jit(s.phase_reward)
     self.val = jax.jit(s.phase_values)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from jaxrlhf import model as M
 from jaxrlhf.algorithms import bradley_terry_loss
 from jaxrlhf.train.common import update_role
 from jaxrlhf.train.evaluate import pair_batches
-from jaxrlhf.train.stage import Stage
+from jaxrlhf.train.stage import Stage, stack_pairs
 
 
 class RMStage(Stage):
@@ -23,8 +22,7 @@ class RMStage(Stage):
     kernels = self.cfg.kernels
 
     def pair_scores(params, b):
-      tokens = jnp.concatenate([b["chosen"], b["rejected"]])
-      mask = jnp.concatenate([b["chosen_mask"], b["rejected_mask"]])
+      tokens, mask, _ = stack_pairs(b)
       s = M.sequence_scores(params, tokens, mask, cfg=cfg, kernels=kernels, start=self.P)
       n = b["chosen"].shape[0]
       return s[:n], s[n:]

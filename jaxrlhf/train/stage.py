@@ -152,6 +152,13 @@ class Stage:
     return self.cfg.role_model(role)
 
 
+def stack_pairs(b: dict):
+  """``(tokens, mask, loss_mask)`` with every chosen row then every rejected row, so one forward
+  pass scores both sides of each preference pair; split results with ``[:n]`` / ``[n:]``."""
+  return tuple(jnp.concatenate([b[f"chosen{s}"], b[f"rejected{s}"]])
+               for s in ("", "_mask", "_loss_mask"))
+
+
 def same_backbone(a: ModelConfig, b: ModelConfig) -> bool:
   """Whether two model configs have parameters of the same shapes (head aside)."""
   return M.param_shapes(a, "scalar") == M.param_shapes(b, "scalar") and (
