@@ -336,7 +336,7 @@ class ExperimentConfig:
   description: str = ""
   seed: int = 0
   # The stages run in order; each later stage starts from the earlier stages' results.
-  stages: tuple[str, ...] = ("sft",)
+  stages: tuple[Stage, ...] = ("sft",)
   model: ModelConfig = ModelConfig()
   # Reward / value / guard models; None means "same shape as model".
   reward_model: Optional[ModelConfig] = None
@@ -395,8 +395,12 @@ def _parse_value(text: str, tp, where: str):
     raise ConfigError(f"{where}: {text!r} is not valid; choose {_type_name(tp)}")
   if origin is tuple:
     item = args[0]
-    parts = [p for p in text.split(",") if p.strip() != ""]
-    return tuple(_parse_value(p.strip(), item, where) for p in parts)
+    # Accept `a,b`, `(a,b)` and `["a", "b"]`: the brackets and quotes people type from habit.
+    body = text.strip()
+    if body[:1] + body[-1:] in ("()", "[]"):
+      body = body[1:-1]
+    parts = [p.strip().strip("'\"") for p in body.split(",") if p.strip() != ""]
+    return tuple(_parse_value(p, item, where) for p in parts)
   if tp is bool:
     low = text.strip().lower()
     if low in ("1", "true", "yes", "on"):

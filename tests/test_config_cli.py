@@ -12,11 +12,13 @@ from jaxrlhf.config import ConfigError, ExperimentConfig, apply_overrides, diff,
 def test_overrides_parse_by_type():
   cfg = apply_overrides(ExperimentConfig(), [
       "ppo.kl.coef=0.25", "ppo.kl.estimator=k3", "model.tie_embeddings=true",
-      "rollout.stop_token_ids=3,5", "mesh.tp=2", "reward_model.d_model=64"])
+      "rollout.stop_token_ids=3,5", "mesh.tp=2", "reward_model.d_model=64",
+      'stages=("sft", "rm")'])
   assert cfg.ppo.kl.coef == 0.25 and cfg.ppo.kl.estimator == "k3"
   assert cfg.model.tie_embeddings is True
   assert cfg.rollout.stop_token_ids == (3, 5)
   assert cfg.mesh.tp == 2
+  assert cfg.stages == ("sft", "rm")  # brackets and quotes as typed from habit
   # An unset optional model section starts from the main model's shape.
   assert cfg.reward_model.d_model == 64 and cfg.reward_model.n_layers == cfg.model.n_layers
 
@@ -28,6 +30,7 @@ def test_overrides_parse_by_type():
     ("model.n_layers=2.5", "model.n_layers: '2.5' is not an int"),
     ("ppo.kl=3", "'ppo.kl' is a section"),
     ("ppo", "needs the form FIELD=VALUE"),
+    ("stages=sft,rl", "stages: 'rl' is not valid; choose one of 'sft', 'rm'"),
 ])
 def test_override_errors_name_the_fix(override, message):
   with pytest.raises(ConfigError, match=None) as info:
