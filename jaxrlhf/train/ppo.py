@@ -29,18 +29,31 @@ class PPOStage(RLStage):
       adv = whiten(adv, update_mask)
     return adv, {"values": ro["values"], "returns": returns}
 
-  def losses(self, params, mb, *, denom, n_seq, kl_coef):
+  def policy_loss(self, params, mb, *, denom, n_seq, kl_coef):
+    """The policy's share of the loss (clipped surrogate, entropy, KL when placed in the
+    loss); needs ``params["policy"]`` only.  The actor pool of a disaggregated run trains on
+    this alone."""
     scfg = self.scfg
-    logp, pol_loss, metrics = self.policy_terms(params, mb, denom=denom, n_seq=n_seq)
-    mask = mb["resp_mask"]
-    v = M.token_scores(params["value"], mb["tokens"], mb["mask"], cfg=self.model_cfg("value"),
-                       kernels=self.cfg.kernels)[:, self.P - 1:self.P - 1 + self.N]
-    vl, vm = value_loss(v, mb["values"], mb["returns"], mask, clip=scfg.value_clip,
-                        agg="token_mean", denom=denom)
-    loss = pol_loss + scfg.vf_coef * vl
+    logp, loss, metrics = self.policy_terms(params, mb, denom=denom, n_seq=n_seq)
     if scfg.kl.placement == "loss":
       kl = kl_estimate(logp, mb["ref_logp"], estimator=scfg.kl.estimator,
                        clamp_logr=scfg.kl.clamp_logr, clamp_kl=scfg.kl.clamp_kl)
-      loss = loss + kl_coef * aggregate(kl, mask, mode="token_mean", denom=denom)
-    metrics.update({"value/loss": vl, "value/explained_variance": vm["explained_variance"]})
+      loss = loss + kl_coef * aggregate(kl, mb["resp_mask"], mode="token_mean", denom=denom)
     return loss, metrics
+
+  def value_loss_terms(self, params, mb, *, denom):
+    """The value model's share (``vf_coef`` x clipped value loss); needs ``params["value"]``
+    only.  The critic pool of a disaggregated run trains on this alone."""
+    scfg = self.scfg
+    v = M.token_scores(params["value"], mb["tokens"], mb["mask"], cfg=self.model_cfg("value"),
+                       kernels=self.cfg.kernels)[:, self.P - 1:self.P - 1 + self.N]
+    vl, vm = value_loss(v, mb["values"], mb["returns"], mb["resp_mask"], clip=scfg.value_clip,
+                        agg="token_mean", denom=denom)
+    return scfg.vf_coef * vl, {"value/loss": vl,
+                               "value/explained_variance": vm["explained_variance"]}
+
+  def losses(self, params, mb, *, denom, n_seq, kl_coef):
+    # The two shares touch disjoint parameters, so their sum's gradients are each share's own.
+    pol, metrics = self.policy_loss(params, mb, denom=denom, n_seq=n_seq, kl_coef=kl_coef)
+    val, vmetrics = self.value_loss_terms(params, mb, denom=denom)
+    return pol + val, {**metrics, **vmetrics}
