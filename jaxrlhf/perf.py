@@ -11,6 +11,8 @@
   ``WORKDIR/profile`` (open it in TensorBoard's profile plugin or Perfetto).
 * :func:`memory_in_use`: device memory, or the process's resident memory where the backend
   keeps no statistics (the CPU).
+* :func:`enable_compilation_cache`: compiled programs kept on disk between runs, so only the
+  first run of a configuration pays for compilation.
 
 Two facts about XLA's cost analysis shape this module (checked with jax 0.10):
 it reports the cost *per device* for a sharded (SPMD) program, so MFU divides by one device's
@@ -258,6 +260,41 @@ class ProfileWindow:
   def close(self):
     if self.active:
       self._stop()
+
+
+# -------------------------------------------------------------------- compilation cache
+
+COMPILATION_CACHE_ENV = "JAXRLHF_COMPILATION_CACHE"
+DEFAULT_COMPILATION_CACHE = "~/.cache/jaxrlhf/xla"
+
+
+def enable_compilation_cache(path: Optional[str] = None) -> Optional[str]:
+  """Turns on jax's persistent compilation cache; returns its directory (None: off).
+
+  ``path`` defaults to ``$JAXRLHF_COMPILATION_CACHE``, else ``~/.cache/jaxrlhf/xla``; ``off``
+  (or ``none``, ``0``, empty) turns it off.  A directory the user gave jax directly
+  (``JAX_COMPILATION_CACHE_DIR``) wins.  Every program is cached, however small or quickly
+  compiled: a training step is a handful of programs and each one skipped counts.  The cache
+  is trusted code: keep it private to the user.
+  """
+  current = jax.config.jax_compilation_cache_dir
+  if current:
+    return current
+  if path is None:
+    path = os.environ.get(COMPILATION_CACHE_ENV, DEFAULT_COMPILATION_CACHE)
+  if path.strip().lower() in ("", "off", "none", "0", "false"):
+    return None
+  path = os.path.abspath(os.path.expanduser(path))
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(f"{COMPILATION_CACHE_ENV}={path}: cannot create the compilation cache "
+                      f"directory ({e.strerror}); point it at a writable directory or set "
+                      f"it to 'off'") from None
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  return path
 
 
 # ------------------------------------------------------------------------------- memory

@@ -1,0 +1,353 @@
+"""The benchmark suite: GRPO, DPO and PPO steps of the real trainer on fixed workloads, against
+this machine's measured matmul rate (issue 11).
+
+    python -m benchmarks.suite                            # all three workloads
+    python -m benchmarks.suite --workloads=grpo --steps=20 --out=bench.json
+
+Every workload runs in its own subprocess (so peak resident memory is that workload's alone):
+
+1. ``main``: set-up (config, data, parameters, train state), the first step including
+   compilation (with an empty persistent compilation cache), a warm-up, then ``--steps`` timed
+   steps of the one-program step the trainer runs by default (batch on the host -> step ->
+   metrics on the host), peak RSS, and the fp32 matmul rate measured in the same process.
+2. ``phases``: the same step as separately-jitted, separately-timed phases
+   (``logging.phase_timing``; for DPO, the reference log-probs and the update as two programs),
+   median seconds per phase.  Separate because the one-program step is what is timed above.
+3. ``warm``: a fresh process with the compilation cache the ``main`` run filled: what the
+   first step costs on every run after the first (``--no_warm`` skips it).
+
+The compute floor of a workload is its model FLOPs per step (:func:`jaxrlhf.train.work.
+step_flops`: matmuls only, generation at full length) over the matmul rate; ``floor / step``
+is the fraction of it a step reaches (1.0 would be every matmul at the rate of a large plain
+``jnp.dot`` and nothing else costing time).
+
+The workloads (exactly as issue 11 fixes them): a Llama-shaped policy of 4 layers, d_model 256,
+4 heads of 64 (4 KV heads), SwiGLU 1024, vocabulary 512, untied, float32, N(0, 0.02) init and
+unit RMSNorm weights (4,458,752 parameters); GRPO 8 ``a+b=`` prompts x 4 samples, 32 new
+tokens, temperature 1, top-p 1, KL 0.04 to a reference scored every step, clip 0.2, one update;
+DPO 8 pairs of 64 + 64 tokens, sigmoid loss, beta 0.1, reference every step; PPO 32 prompts x 1
+sample, the GRPO reward and lengths, a value model copied from the policy with a scalar head,
+GAE, KL 0.04.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+WORKLOADS = ("grpo", "dpo", "ppo")
+PARAM_COUNT = 4_458_752
+
+
+# ---------------------------------------------------------------------------- workloads
+
+
+def model_config(**overrides):
+  from jaxrlhf.config import ModelConfig
+  base = ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4,
+                     head_dim=64, mlp_dim=1024, max_seq_len=128, tie_embeddings=False,
+                     param_dtype="float32", compute_dtype="float32", init_std=0.02)
+  return dataclasses.replace(base, **overrides)
+
+
+def workload_config(name: str, model=None, steps: int = 1000):
+  """The ExperimentConfig of workload ``name`` (``model``: another shape, for the GPU script)."""
+  from jaxrlhf.config import (DataConfig, DPOConfig, ExperimentConfig, GRPOConfig, KLConfig,
+                              MeshConfig, OptimizerConfig, PPOConfig, RewardConfig,
+                              RolloutConfig)
+  model = model or model_config()
+  optim = OptimizerConfig(lr=1e-5, warmup_steps=0, schedule="constant")  # AdamW, clip 1.0
+  rl_data = DataConfig(task="addition", digits=2, max_prompt_len=8, max_response_len=32)
+  rollout = RolloutConfig(max_new_tokens=32, temperature=1.0, top_k=0, top_p=1.0)
+  reward = RewardConfig(sources=("rule:exact_match",))
+  common = dict(name=f"bench_{name}", seed=0, stages=(name,), model=model,
+                mesh=MeshConfig(dp=-1))
+  if name == "grpo":
+    return ExperimentConfig(
+        **common, data=rl_data, rollout=rollout,
+        grpo=GRPOConfig(steps=steps, batch_size=8, num_samples=4, clip_low=0.2, clip_high=0.2,
+                        kl=KLConfig(coef=0.04, estimator="k3", placement="loss"),
+                        reward=reward, optim=optim))
+  if name == "ppo":
+    return ExperimentConfig(
+        **common, data=rl_data, rollout=rollout,
+        ppo=PPOConfig(steps=steps, batch_size=32, num_samples=1, clip_low=0.2, clip_high=0.2,
+                      kl=KLConfig(coef=0.04, estimator="k1", placement="reward"),
+                      reward=reward, optim=optim, value_optim=optim))
+  if name == "dpo":
+    return ExperimentConfig(
+        **common, data=DataConfig(task="addition", digits=2, max_prompt_len=64,
+                                  max_response_len=64),
+        dpo=DPOConfig(steps=steps, batch_size=8, beta=0.1, loss="sigmoid", reference="step",
+                      optim=optim))
+  raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def matmul_rate(m: int, k: int, n: int, repeats: int = 7) -> float:
+  """fp32 FLOP/s of a jitted ``[m,k] @ [k,n]`` on the default device, best of ``repeats``."""
+  import jax
+  import jax.numpy as jnp
+  a = jnp.full((m, k), 0.5, jnp.float32)
+  b = jnp.full((k, n), 0.25, jnp.float32)
+  f = jax.jit(jnp.dot)
+  jax.block_until_ready(f(a, b))
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(a, b))
+    best = min(best, time.perf_counter() - t0)
+  return 2.0 * m * k * n / best
+
+
+def rates() -> dict:
+  """The matmul rates the floor is measured against: a large square product (the machine's
+  ceiling) and the update's widest matmul at this workload's size (GRPO: 32 rows x 40
+  tokens against the SwiGLU weights).  The floor uses the larger of the two."""
+  square = matmul_rate(1024, 1024, 1024)
+  shaped = matmul_rate(1280, 256, 1024)
+  return {"matmul_1024_flops_per_s": square, "matmul_1280x256x1024_flops_per_s": shaped,
+          "matmul_flops_per_s": max(square, shaped)}
+
+
+def peak_rss_bytes() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # KiB on Linux
+
+
+def _median_min_max(xs):
+  return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def build(name: str, model=None):
+  """(cfg, mesh, stage, state, frozen) of workload ``name``: the policy initialised once and
+  handed to the stage as an earlier stage's result, so the reference (and PPO's value model,
+  with a fresh scalar head) start as copies of it."""
+  import jax
+  from jaxrlhf import model as M
+  from jaxrlhf.data import DataSource
+  from jaxrlhf.mesh import make_mesh
+  from jaxrlhf.train.pipeline import stage_class
+  cfg = workload_config(name, model)
+  mesh = make_mesh(cfg.mesh)
+  stage = stage_class(name)(cfg, mesh, DataSource(cfg.data, cfg.seed))
+  policy = jax.jit(lambda k: M.init_params(cfg.model, k))(jax.random.key(cfg.seed))
+  n_params = sum(x.size for x in jax.tree.leaves(policy))
+  if model is None and n_params != PARAM_COUNT:
+    raise AssertionError(f"the workload's policy has {n_params} parameters, not {PARAM_COUNT}")
+  state, frozen = stage.init(jax.random.key(cfg.seed + 1), {"policy": policy})
+  del policy
+  jax.block_until_ready((state, frozen))
+  return cfg, mesh, stage, state, frozen, n_params
+
+
+def _step(stage, mesh, fn, state, frozen, step):
+  """One training step as the loop runs it: host batch -> device -> step -> metrics on host."""
+  import jax
+  from jaxrlhf.train.common import metrics_to_host, put_batch
+  batch = put_batch(mesh, stage.batch(step))
+  with jax.set_mesh(mesh):
+    fn = fn or stage.make_step_fn(state, frozen, batch)
+    state, metrics = fn(state, frozen, batch)
+    metrics = metrics_to_host(metrics)
+  return fn, state, metrics
+
+
+def worker_main(name: str, steps: int, warmup: int, model=None) -> dict:
+  """Set-up, first step, steady steps and peak memory of the one-program step."""
+  from jaxrlhf.train.work import step_flops
+  t0 = time.perf_counter()
+  cfg, mesh, stage, state, frozen, n_params = build(name, model)
+  setup = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  fn, state, m = _step(stage, mesh, None, state, frozen, 0)
+  first = time.perf_counter() - t0
+  for s in range(1, warmup + 1):
+    fn, state, m = _step(stage, mesh, fn, state, frozen, s)
+  r = rates()
+  times, tokens = [], []
+  for s in range(warmup + 1, warmup + 1 + steps):
+    t0 = time.perf_counter()
+    fn, state, m = _step(stage, mesh, fn, state, frozen, s)
+    times.append(time.perf_counter() - t0)
+    tokens.append(m.get("rollout/tokens", 0.0))
+  r2 = rates()  # again after the steps: the cores are shared, keep the better figure
+  rate = max(r["matmul_flops_per_s"], r2["matmul_flops_per_s"])
+  flops = step_flops(stage)
+  total = float(sum(flops.values()))
+  step = _median_min_max(times)
+  out = {"workload": name, "params": n_params, "setup_s": setup, "first_step_s": first,
+         "step_s": step, "flops_per_step": total, "flops_by_phase": flops,
+         **{k: max(r[k], r2[k]) for k in r}, "matmul_flops_per_s": rate,
+         "floor_s": total / rate, "floor_fraction": total / rate / step["median"],
+         "model_flops_per_s": total / step["median"],
+         "mfu": total / step["median"] / rate, "peak_rss_bytes": peak_rss_bytes()}
+  if any(tokens):
+    out["generated_tokens_per_step"] = statistics.median(tokens)
+    out["generated_tokens_per_s"] = statistics.median(tokens) / step["median"]
+  del cfg
+  return out
+
+
+def _collect_phases(per: dict, metrics: dict):
+  for k, v in metrics.items():
+    if k == "time/step_s":
+      per.setdefault("step", []).append(v)
+    elif k.startswith("time/phase/"):
+      per.setdefault(k[len("time/phase/"):-len("_s")], []).append(v)
+
+
+def worker_phases(name: str, steps: int, model=None) -> dict:
+  """Median seconds of each phase, the phases run as separately-jitted programs."""
+  import jax
+  from jaxrlhf.perf import PhaseTimer
+  from jaxrlhf.train.common import put_batch
+  cfg, mesh, stage, state, frozen, _ = build(name, model)
+  if name in ("grpo", "ppo"):
+    stage.cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging,
+                                                                     phase_timing=True))
+    fn, per = None, {}
+    for s in range(steps + 1):
+      fn, state, m = _step(stage, mesh, fn, state, frozen, s)
+      if s:
+        _collect_phases(per, m)
+  else:
+    # DPO's step is one program; its phases are the reference log-probs (what
+    # ``dpo.reference=cache`` computes ahead) and the update given them.
+    ref = jax.jit(stage.seq_logps)
+    timer, upd, per = PhaseTimer(), None, {}
+    for s in range(steps + 1):
+      batch = put_batch(mesh, stage.batch(s))
+      with jax.set_mesh(mesh):
+        timer.start_step()
+        rc, rr = timer.run("reference", ref, frozen["reference"], batch)
+        batch = {**batch, "ref_chosen": rc, "ref_rejected": rr}
+        upd = upd or stage.make_step_fn(state, frozen, batch)
+        state, _ = timer.run("update", upd, state, frozen, batch)
+        m = timer.end_step()
+      if s:
+        _collect_phases(per, m)
+  return {"phases_s": {k: statistics.median(v) for k, v in per.items()}}
+
+
+def worker_warm(name: str, model=None) -> dict:
+  t0 = time.perf_counter()
+  _, mesh, stage, state, frozen, _ = build(name, model)
+  setup = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  _step(stage, mesh, None, state, frozen, 0)
+  return {"warm_setup_s": setup, "warm_first_step_s": time.perf_counter() - t0}
+
+
+# ------------------------------------------------------------------------------ driving
+
+
+def run_worker(mode: str, name: str, args, cache_dir: str) -> dict:
+  """Runs one measurement in a fresh Python process; its JSON result."""
+  with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+    path = f.name
+  cmd = [sys.executable, "-m", "benchmarks.suite", f"--_worker={mode}:{name}",
+         f"--steps={args.steps}", f"--warmup={args.warmup}", f"--phase_steps={args.phase_steps}",
+         f"--_result={path}"]
+  env = {**os.environ, "JAXRLHF_COMPILATION_CACHE": cache_dir}
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run(cmd, env=env, cwd=root)
+  if proc.returncode:
+    raise RuntimeError(f"benchmark worker {mode}:{name} failed (exit {proc.returncode})")
+  with open(path) as f:
+    out = json.load(f)
+  os.unlink(path)
+  return out
+
+
+def report(r: dict) -> str:
+  mib = r["peak_rss_bytes"] / 2**20
+  s = r["step_s"]
+  lines = [
+      f"== {r['workload']} ({r['params']:,} parameters)",
+      f"  setup                  {r['setup_s']:8.2f} s",
+      f"  first step (cold)      {r['first_step_s']:8.2f} s   incl. compilation, empty cache",
+  ]
+  if "warm_first_step_s" in r:
+    lines.append(f"  first step (warm)      {r['warm_first_step_s']:8.2f} s   compiled programs "
+                 f"from the disk cache (set-up {r['warm_setup_s']:.2f} s)")
+  lines += [
+      f"  steady step            {s['median']:8.4f} s   median of {s['n']} "
+      f"(min {s['min']:.4f}, max {s['max']:.4f})",
+      f"  model FLOPs / step     {r['flops_per_step'] / 1e9:8.2f} G    "
+      + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in r["flops_by_phase"].items()),
+      f"  matmul rate (fp32)     {r['matmul_flops_per_s'] / 1e9:8.1f} GFLOP/s (1024^3: "
+      f"{r['matmul_1024_flops_per_s'] / 1e9:.1f}, 1280x256x1024: "
+      f"{r['matmul_1280x256x1024_flops_per_s'] / 1e9:.1f})",
+      f"  compute floor          {r['floor_s']:8.4f} s   step reaches {100 * r['floor_fraction']:.0f}%"
+      f" of it ({r['model_flops_per_s'] / 1e9:.1f} GFLOP/s)",
+  ]
+  if "generated_tokens_per_s" in r:
+    lines.append(f"  generated tokens/s     {r['generated_tokens_per_s']:8.0f}     "
+                 f"({r['generated_tokens_per_step']:.0f} per step)")
+  if "phases_s" in r:
+    ph = r["phases_s"]
+    lines.append("  phases (separate jits) " + ", ".join(
+        f"{k} {v:.4f}" for k, v in ph.items() if k != "step") + f"; step {ph['step']:.4f} s")
+  lines.append(f"  peak resident memory   {mib:8.0f} MiB")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--workloads", default=",".join(WORKLOADS))
+  parser.add_argument("--steps", type=int, default=15, help="timed steps after warm-up")
+  parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
+  parser.add_argument("--phase_steps", type=int, default=5,
+                      help="phase-timed steps (0: skip the phase breakdown)")
+  parser.add_argument("--no_warm", action="store_true",
+                      help="skip the first-step-with-a-warm-cache measurement")
+  parser.add_argument("--out", default="", help="write the results as JSON here")
+  parser.add_argument("--_worker", default="", help=argparse.SUPPRESS)
+  parser.add_argument("--_result", default="", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+
+  if args._worker:
+    from jaxrlhf.perf import enable_compilation_cache
+    enable_compilation_cache()
+    mode, name = args._worker.split(":")
+    out = {"main": lambda: worker_main(name, args.steps, args.warmup),
+           "phases": lambda: worker_phases(name, args.phase_steps),
+           "warm": lambda: worker_warm(name)}[mode]()
+    with open(args._result, "w") as f:
+      json.dump(out, f)
+    return out
+
+  names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+  bad = [w for w in names if w not in WORKLOADS]
+  if bad:
+    parser.error(f"--workloads: unknown {bad}; choose from {','.join(WORKLOADS)}")
+  results = {}
+  for name in names:
+    # A fresh cache directory per workload: the cold first step compiles everything.
+    with tempfile.TemporaryDirectory(prefix=f"bench_{name}_xla_") as cache:
+      r = run_worker("main", name, args, cache)
+      if not args.no_warm:
+        r.update(run_worker("warm", name, args, cache))
+      if args.phase_steps > 0:
+        r.update(run_worker("phases", name, args, cache))
+    results[name] = r
+    print(report(r), flush=True)
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(results, f, indent=2)
+    print(f"wrote {args.out}")
+  return results
+
+
+if __name__ == "__main__":
+  main()
