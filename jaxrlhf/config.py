@@ -324,6 +324,31 @@ class PlanConfig:
   runs_per_month: float = 1.0
 
 
+@dataclasses.dataclass(frozen=True)
+class PoolsConfig:
+  """Disaggregated RL (``--role=actor|critic|all``, docs/pools.md): an actor pool (generation,
+  reference, policy update) and a critic pool (reward, guard, value) exchanging batches
+  through Redis streams.  The Redis password comes from ``JAXRLHF_REDIS_PASSWORD`` only, so it
+  never lands in a saved config."""
+
+  mode: Literal["sync", "async"] = "sync"
+  # async: rollouts the actor may generate ahead of its updates (policy-version lag bound).
+  max_staleness: int = 1
+  # Unread messages a stream may hold before its producer waits (back-pressure).
+  max_queue: int = 4
+  # > 0: decoupled PPO for stale rollouts, ratio to the current policy times the importance
+  # weight current/behaviour truncated at this value; 0: the ratio uses behaviour log-probs.
+  is_correction: float = 0.0
+  # redis://HOST:PORT/DB; empty: $JAXRLHF_REDIS_URL, else redis://127.0.0.1:6379/0.
+  redis_url: str = ""
+  # Stream key prefix; empty: "jaxrlhf:EXPERIMENT".
+  namespace: str = ""
+  # How long a pool keeps retrying an unreachable Redis (with back-off) before giving up.
+  redis_wait_s: float = 300.0
+  # How long a pool waits for the other pool's next message before giving up.
+  peer_wait_s: float = 1800.0
+
+
 # ------------------------------------------------------------------------------ experiment
 
 
@@ -355,6 +380,7 @@ class ExperimentConfig:
   logging: LoggingConfig = LoggingConfig()
   kernels: KernelsConfig = KernelsConfig()
   plan: PlanConfig = PlanConfig()
+  pools: PoolsConfig = PoolsConfig()
 
   def role_model(self, role: str) -> ModelConfig:
     """The model config of a role: policy, reference, reward, value or guard."""
