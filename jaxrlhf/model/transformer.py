@@ -150,15 +150,29 @@ _REMAT_POLICIES = {
 }
 
 
+def _matmul(x_BTI, w):
+  """``x [B, T, ...in] @ w [...in, ...out] -> [B, T, ...out]`` as one 2-D matmul over the
+  ``B*T`` rows.  The same product as an einsum with the batch dimensions kept apart, but its
+  weight gradient contracts one row dimension instead of two: with two, XLA's CPU backend
+  transposes the ``[B*T, F]`` output gradient through a slow strided copy (2x the MLP's
+  backward time at the benchmark shape, benchmarks/NOTES.md)."""
+  b, t = x_BTI.shape[:2]
+  n_in = x_BTI.ndim - 2
+  out_shape = w.shape[n_in:]
+  x2 = x_BTI.reshape(b * t, -1)
+  y = jnp.dot(x2, w.reshape(x2.shape[1], -1))
+  return y.reshape((b, t) + out_shape)
+
+
 def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, positions_BT, kv_mask, q_offset,
            cache_kv):
   """One decoder layer.  ``cache_kv`` is (k, v) of this layer's cache or None."""
   cdt = _dtype(cfg.compute_dtype)
   lp = jax.tree.map(lambda p: p.astype(cdt), lp)
   x = rms_norm(h_BTD, lp["attn_norm"], cfg.norm_eps)
-  q = jnp.einsum("btd,dhk->bthk", x, lp["wq"])
-  k = jnp.einsum("btd,dhk->bthk", x, lp["wk"])
-  v = jnp.einsum("btd,dhk->bthk", x, lp["wv"])
+  q = _matmul(x, lp["wq"])
+  k = _matmul(x, lp["wk"])
+  v = _matmul(x, lp["wv"])
   if cfg.qkv_bias:
     q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
   q = constrain(rope(q, positions_BT, cfg.rope_theta), ("batch", "seq", "heads", "head_dim"))
@@ -172,12 +186,12 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, positions_BT, kv_mask, q
   else:
     k_all, v_all, new_kv = k, v, None
   o = attention(q, k_all, v_all, kv_mask, q_offset, impl=attn_impl)
-  h_BTD = h_BTD + constrain(jnp.einsum("bthk,hkd->btd", o, lp["wo"]), ("batch", "seq", "embed"))
+  h_BTD = h_BTD + constrain(_matmul(o, lp["wo"]), ("batch", "seq", "embed"))
   x = rms_norm(h_BTD, lp["mlp_norm"], cfg.norm_eps)
-  gate = jnp.einsum("btd,df->btf", x, lp["w_gate"])
-  up = jnp.einsum("btd,df->btf", x, lp["w_up"])
+  gate = _matmul(x, lp["w_gate"])
+  up = _matmul(x, lp["w_up"])
   act = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-  h_BTD = h_BTD + jnp.einsum("btf,fd->btd", act, lp["w_down"])
+  h_BTD = h_BTD + _matmul(act, lp["w_down"])
   return constrain(h_BTD, ("batch", "seq", "embed")), new_kv
 
 
