@@ -35,7 +35,7 @@ def build():
       # Mean-pooled scores: each response token is judged where it stands (see ModelConfig).
       reward_model=dataclasses.replace(TINY, score_pool="mean"),
       rm=RMConfig(steps=800, batch_size=64, eval_every=100,
-                  optim=OptimizerConfig(lr=5e-4, warmup_steps=10, schedule="cosine")),
+                  optim=OptimizerConfig(lr=1e-3, warmup_steps=10, schedule="cosine")),
       ppo=PPOConfig(steps=100, batch_size=32, eval_every=20,
                     kl=KLConfig(coef=0.1),
                     reward=RewardConfig(sources=("model", "rule:exact_match"),
