@@ -3,7 +3,8 @@
 Parameters are a dict of arrays; :func:`param_axes` gives the parallel tree of logical axes
 (see :mod:`jaxrlhf.mesh`).  Layers are stacked on a leading ``layers`` axis and scanned.
 Two heads share the backbone: ``"lm"`` (unembedding to the vocabulary: policy, reference) and
-``"scalar"`` (one score per token: reward, value, guard).
+``"scalar"`` (one score per token: reward, value, guard), or both at once, ``"lm+scalar"`` (a PPO
+policy whose backbone the value head shares).
 
 Attention is causal by *slot* (position in the padded array or KV cache) and masked by
 validity, so left-padded prompts work; rotary positions are passed explicitly.  With a
@@ -24,7 +25,7 @@ from jaxrlhf.config import ModelConfig
 from jaxrlhf.mesh import constrain
 from kernels.attention import attention
 
-HEADS = ("lm", "scalar")
+HEADS = ("lm", "scalar", "lm+scalar")
 
 
 def _dtype(name: str):
@@ -52,9 +53,9 @@ def param_axes(cfg: ModelConfig, head: str = "lm") -> dict:
     layers.update(bq=("layers", "heads", "head_dim"), bk=("layers", "kv_heads", "head_dim"),
                   bv=("layers", "kv_heads", "head_dim"))
   axes = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("embed",)}
-  if head == "lm" and not cfg.tie_embeddings:
+  if head in ("lm", "lm+scalar") and not cfg.tie_embeddings:
     axes["unembed"] = ("embed", "vocab")
-  if head == "scalar":
+  if head in ("scalar", "lm+scalar"):
     axes["score"] = {"w": ("embed",), "b": ()}
   return axes
 

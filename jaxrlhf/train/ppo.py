@@ -15,10 +15,18 @@ class PPOStage(RLStage):
   uses_value = True
 
   def __init__(self, cfg, mesh, data):
+    if cfg.ppo.shared_backbone:
+      # One model, two heads: the value head reads the policy's own hidden states, and the
+      # value loss trains the shared backbone too (with ppo.optim; ppo.value_optim is unused).
+      if cfg.value_model is not None and cfg.value_model != cfg.model:
+        raise ConfigError("ppo.shared_backbone=true: the value head sits on the policy, so "
+                          "value_model must be unset (or equal to model); drop the "
+                          "value_model settings or set ppo.shared_backbone=false")
+      self.trainable = {"policy": "lm+scalar"}
     super().__init__(cfg, mesh, data)
-    if self.scfg.shared_backbone:
-      raise ConfigError("ppo.shared_backbone=true is not supported yet; use separate policy "
-                        "and value models (the default)")
+
+  def value_params(self, params):
+    return params["policy"] if self.scfg.shared_backbone else params["value"]
 
   def advantages(self, ro, score, kl_tok, kl_coef, update_mask):
     scfg = self.scfg
@@ -43,9 +51,10 @@ class PPOStage(RLStage):
 
   def value_loss_terms(self, params, mb, *, denom):
     """The value model's share (``vf_coef`` x clipped value loss); needs ``params["value"]``
-    only.  The critic pool of a disaggregated run trains on this alone."""
+    only (``params["policy"]`` with a shared backbone).  The critic pool of a disaggregated run trains on this alone."""
     scfg = self.scfg
-    v = M.token_scores(params["value"], mb["tokens"], mb["mask"], cfg=self.model_cfg("value"),
+    v = M.token_scores(self.value_params(params), mb["tokens"], mb["mask"],
+                       cfg=self.model_cfg("value"),
                        kernels=self.cfg.kernels)[:, self.P - 1:self.P - 1 + self.N]
     vl, vm = value_loss(v, mb["values"], mb["returns"], mb["resp_mask"], clip=scfg.value_clip,
                         agg="token_mean", denom=denom)
@@ -53,7 +62,9 @@ class PPOStage(RLStage):
                                "value/explained_variance": vm["explained_variance"]}
 
   def losses(self, params, mb, *, denom, n_seq, kl_coef):
-    # The two shares touch disjoint parameters, so their sum's gradients are each share's own.
+    # Separate models: the two shares touch disjoint parameters, so their sum's gradients are
+    # each share's own.  A shared backbone gets both shares' gradients; the two forward passes
+    # over the same parameters and tokens are one computation after XLA's CSE.
     pol, metrics = self.policy_loss(params, mb, denom=denom, n_seq=n_seq, kl_coef=kl_coef)
     val, vmetrics = self.value_loss_terms(params, mb, denom=denom)
     return pol + val, {**metrics, **vmetrics}

@@ -98,6 +98,10 @@ class RLStage(Stage):
   def evaluate(self, state, frozen):
     return self.evaluator(state.params["policy"])
 
+  def value_params(self, params):
+    """The parameters the value head reads (PPO overrides this for a shared backbone)."""
+    return params["value"]
+
   def outputs(self, state, frozen):
     out = {"policy": state.params["policy"]}
     if "value" in state.params:
@@ -158,7 +162,7 @@ class RLStage(Stage):
   def phase_values(self, state, ro):
     if not self.uses_value:
       return {}
-    v = M.token_scores(state.params["value"], ro["tokens"], ro["mask"],
+    v = M.token_scores(self.value_params(state.params), ro["tokens"], ro["mask"],
                        cfg=self.model_cfg("value"), kernels=self.cfg.kernels)
     # The value of the state *before* each response token.
     return {"values": v[:, self.P - 1:self.P - 1 + self.N]}

@@ -145,7 +145,9 @@ class Stage:
           break
     if source is None:
       # A Hugging Face directory (model.hf_path / reward_model.hf_path ...) or a random init.
-      return hf.load_or_init(cfg, self.mesh, key, head, rules)
+      if head != "lm+scalar":
+        return hf.load_or_init(cfg, self.mesh, key, head, rules)
+      source = hf.load_or_init(cfg, self.mesh, key, "lm", rules)  # + a zero value head below
     return jax.device_put(convert_head(source, cfg, head), shardings)
 
   def model_cfg(self, role: str) -> ModelConfig:
@@ -166,17 +168,19 @@ def same_backbone(a: ModelConfig, b: ModelConfig) -> bool:
 
 
 def convert_head(params: dict, cfg: ModelConfig, head: str) -> dict:
-  """The same backbone with the requested head: an LM model gets a zero-initialised scalar
-  head (``score``), a scalar model keeps its own; copies so the source stays usable."""
+  """The same backbone with the requested head(s): ``"lm"`` keeps or restores the unembedding,
+  ``"scalar"`` keeps the model's score head or adds a zero-initialised one, ``"lm+scalar"``
+  (a policy sharing its backbone with the value head) does both.  Copies, so the source stays
+  usable."""
   out = {k: v for k, v in params.items() if k not in ("unembed", "score")}
   out = jax.tree.map(jnp.copy, out)
-  if head == "scalar":
+  if head in ("scalar", "lm+scalar"):
     if "score" in params:
       out["score"] = jax.tree.map(jnp.copy, params["score"])
     else:
       dtype = params["embed"].dtype
       out["score"] = {"w": jnp.zeros((cfg.d_model,), dtype), "b": jnp.zeros((), dtype)}
-  else:
+  if head in ("lm", "lm+scalar"):
     if "unembed" in params:
       out["unembed"] = jnp.copy(params["unembed"])
     elif not cfg.tie_embeddings:
