@@ -167,7 +167,9 @@ def _matmul(x_BTI, w):
 
 def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, positions_BT, kv_mask, q_offset,
            cache_kv):
-  """One decoder layer.  ``cache_kv`` is (k, v) of this layer's cache or None."""
+  """One decoder layer.  ``cache_kv`` is None or ``(k_LBSKD, v_LBSKD, layer)``: the *whole*
+  cache and this layer's index; the new keys/values are written into it in place (one slot
+  range of one layer) and it is returned whole."""
   cdt = _dtype(cfg.compute_dtype)
   lp = jax.tree.map(lambda p: p.astype(cdt), lp)
   x = rms_norm(h_BTD, lp["attn_norm"], cfg.norm_eps)
@@ -180,10 +182,13 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, positions_BT, kv_mask, q
   k = constrain(rope(k, positions_BT, cfg.rope_theta), ("batch", "seq", "kv_heads", "head_dim"))
   v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
   if cache_kv is not None:
-    ck, cv = cache_kv
-    ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), q_offset, axis=1)
-    cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), q_offset, axis=1)
-    k_all, v_all, new_kv = ck, cv, (ck, cv)
+    ck, cv, li = cache_kv
+    at = (li, 0, q_offset, 0, 0)
+    ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype)[None], at)
+    cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype)[None], at)
+    k_all = jax.lax.dynamic_index_in_dim(ck, li, 0, keepdims=False)
+    v_all = jax.lax.dynamic_index_in_dim(cv, li, 0, keepdims=False)
+    new_kv = (ck, cv)
   else:
     k_all, v_all, new_kv = k, v, None
   o = attention(q, k_all, v_all, kv_mask, q_offset, impl=attn_impl)
@@ -217,27 +222,25 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
   if cfg.remat != "none":
     layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], static_argnums=())
 
-  def step(h, xs):
-    lp, ckv = xs
-    h, new_kv = layer(h, lp, positions_BT, kv_mask, q_offset, ckv)
-    return h, new_kv
+  # The cache rides in the loop's carry and each layer writes its new slots into it in place:
+  # as a scanned input/output it would be rebuilt ([L, B, S, K, Dh] copied) at every decode step.
+  def step(carry, xs):
+    h, kv = carry
+    lp, li = xs
+    h, kv = layer(h, lp, positions_BT, kv_mask, q_offset, None if kv is None else (*kv, li))
+    return (h, kv), None
 
-  cache_xs = None if cache is None else (cache.k, cache.v)
+  kv = None if cache is None else (cache.k, cache.v)
   if cfg.scan_layers:
-    h, new_kv = jax.lax.scan(step, h, (params["layers"], cache_xs))
+    (h, kv), _ = jax.lax.scan(step, (h, kv), (params["layers"], jnp.arange(cfg.n_layers)))
   else:
-    outs = []
     for i in range(cfg.n_layers):
       lp = jax.tree.map(lambda p: p[i], params["layers"])
-      ckv = None if cache is None else (cache.k[i], cache.v[i])
-      h, kv = step(h, (lp, ckv))
-      outs.append(kv)
-    new_kv = None if cache is None else (jnp.stack([o[0] for o in outs]),
-                                         jnp.stack([o[1] for o in outs]))
+      (h, kv), _ = step((h, kv), (lp, i))
   h = rms_norm(h, params["final_norm"].astype(cdt), cfg.norm_eps)
   new_cache = None
   if cache is not None:
-    new_cache = KVCache(k=new_kv[0], v=new_kv[1], mask=kv_mask,
+    new_cache = KVCache(k=kv[0], v=kv[1], mask=kv_mask,
                         index=cache.index + tokens_BT.shape[1])
   return h, new_cache
 
