@@ -42,6 +42,14 @@ _COORD = flags.DEFINE_string("coordinator_address", None,
                              "Multi-process: host:port of process 0 (enables jax.distributed).")
 _NPROC = flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes.")
 _PID = flags.DEFINE_integer("process_id", None, "Multi-process: this process's id.")
+_ROLE = flags.DEFINE_string(
+    "role", None, "Disaggregated PPO (docs/pools.md): actor | critic (one pool, talking to the "
+    "other through Redis) | all (both pools and, if none is configured, a loopback Redis).")
+_REDIS_URL = flags.DEFINE_string(
+    "redis_url", "", "Redis for --role: redis://HOST:PORT/DB (default $JAXRLHF_REDIS_URL, else "
+    "127.0.0.1:6379); the password comes from $JAXRLHF_REDIS_PASSWORD.")
+_POOL_EVENTS = flags.DEFINE_string("pool_events", "",
+                                   "--role: append what the pool did (JSON lines) to this file.")
 
 
 def resolve_config(experiment: str, overrides, steps=None, mesh=None, devices=None,
@@ -93,9 +101,17 @@ def _run(argv) -> int:
     from jaxrlhf import plan  # lazy: planning sets up simulated devices before jax starts
     return plan.main(cfg, workdir, search=_PLAN_SEARCH.value)
 
+  if _ROLE.value == "all":
+    from jaxrlhf.pools import run as pools_run
+    return pools_run.run_all(cfg, workdir, sys.argv, _REDIS_URL.value)
   from jaxrlhf import distributed
   if distributed.wanted(cfg.distributed):
     distributed.initialize(cfg.distributed)
+  if _ROLE.value:
+    from jaxrlhf.pools import run as pools_run
+    if _ROLE.value not in pools_run.ROLES:
+      raise ConfigError(f"--role={_ROLE.value!r}: use one of {', '.join(pools_run.ROLES)}")
+    return pools_run.run_role(cfg, workdir, _ROLE.value, _REDIS_URL.value, _POOL_EVENTS.value)
   from jaxrlhf.train import pipeline
   return pipeline.run(cfg, workdir, resume=_RESUME.value, profile_steps=_PROFILE.value)
 

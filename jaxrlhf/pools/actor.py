@@ -1,0 +1,228 @@
+"""The actor pool: generation, reference log-probs and the policy update.
+
+Per batch id ``b`` (the RL step): generate with the current policy, add reference log-probs,
+publish the rollout (``policy_version`` = updates applied so far), then — once the critic's
+advantages for ``b`` arrive — apply the policy share of the PPO update
+(:meth:`PPOStage.policy_loss`, the colocated minibatch scan :meth:`RLStage._epochs`).
+
+With ``pools.mode=sync`` the actor waits for the advantages of ``b`` before generating
+``b + 1``: the same computation as the colocated step.  With ``async`` it generates up to
+``max_staleness`` batches ahead, so the critic scores ``b`` while the actor generates
+``b + 1``; the PPO ratio then uses the behaviour policy's log-probs, or with
+``pools.is_correction = c > 0`` the current policy's with the truncated importance weight
+``min(pi_current / pi_behaviour, c)`` on the advantages (decoupled PPO).
+
+Restart: the checkpoint holds the state after update ``done`` and ``published``; rollouts
+published after it are read back from the stream (their generation's RNG step replayed), and
+scores of batches the checkpoint covers are skipped — no batch lost or applied twice.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf import checkpoint as ckpt
+from jaxrlhf import model as M
+from jaxrlhf.algorithms import kl_estimate, update_kl_controller
+from jaxrlhf.config import ExperimentConfig, to_dict
+from jaxrlhf.data import DataSource
+from jaxrlhf.metrics import MetricsWriter
+from jaxrlhf.pools import common as C
+from jaxrlhf.pools import wire
+from jaxrlhf.pools.store import Inbox, Store
+from jaxrlhf.train.common import put_batch, shardings_of
+from jaxrlhf.train.ppo import PPOStage
+
+ROLE = "actor"
+
+
+class ActorStage(PPOStage):
+  """PPO whose update trains the policy alone (the value model lives in the critic pool)."""
+
+  def losses(self, params, mb, *, denom, n_seq, kl_coef):
+    return self.policy_loss(params, mb, denom=denom, n_seq=n_seq, kl_coef=kl_coef)
+
+  def actor_update(self, state, ro, adv, valid):
+    """The policy half of ``RLStage.phase_update`` given the critic's advantages."""
+    scfg, cap = self.scfg, self.cfg.pools.is_correction
+    resp_mask = ro["response_mask"]
+    kl_tok = kl_estimate(ro["old_logp"], ro["ref_logp"], estimator=scfg.kl.estimator,
+                         clamp_logr=scfg.kl.clamp_logr, clamp_kl=scfg.kl.clamp_kl)
+    kl_tok = jnp.where(resp_mask, kl_tok, 0.0)
+    kl_coef = state.extras["kl"].coef
+    update_mask = resp_mask & valid[:, None]
+    old, extra = ro["old_logp"], {}
+    if cap > 0:
+      # Decoupled PPO: trust region around the current policy, importance weight for the lag.
+      prox, _ = M.token_logprobs(state.params["policy"], ro["tokens"], ro["mask"],
+                                 cfg=self.model_cfg("policy"), start=self.P,
+                                 kernels=self.cfg.kernels)
+      prox = jax.lax.stop_gradient(prox)
+      w = jnp.where(update_mask, jnp.minimum(jnp.exp(prox - old), cap), 0.0)
+      adv = adv * w
+      n = jnp.maximum(jnp.sum(update_mask), 1)
+      extra = {"pools/is_weight_mean": jnp.sum(w) / n,
+               "pools/is_truncated_frac": jnp.sum(update_mask & (jnp.exp(prox - old) > cap)) / n}
+      old = prox
+    data = {"tokens": ro["tokens"], "mask": ro["mask"], "resp_mask": update_mask,
+            "old_logp": old, "ref_logp": ro["ref_logp"], "adv": adv,
+            "rollout_logp": ro["old_logp"]}
+    state, metrics = self._epochs(state, data, kl_coef)
+    seq_kl = jnp.sum(kl_tok, axis=-1)
+    new_kl = update_kl_controller(state.extras["kl"], jnp.mean(seq_kl), resp_mask.shape[0],
+                                  target=scfg.kl.target, horizon=scfg.kl.horizon,
+                                  adaptive=scfg.kl.adaptive)
+    state = state.replace(step=state.step + 1, extras={**state.extras, "kl": new_kl})
+    lengths = ro["lengths"].astype(jnp.float32)
+    metrics = {**metrics, **extra, "loss/policy": metrics.pop("loss"),
+               "kl/mean": jnp.mean(seq_kl), "kl/coef": kl_coef,
+               "response_length/mean": jnp.mean(lengths), "rollout/tokens": jnp.sum(lengths),
+               "rollout/finished_frac": jnp.mean(ro["finished"].astype(jnp.float32)),
+               "skips/total": state.extras["skips/total"]}
+    return state, metrics
+
+
+def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: dict, *,
+              events=None, log=print, should_stop=lambda: False, consumer: str = "actor-0",
+              writer=None) -> dict:
+  """Trains the policy of ``cfg``'s PPO stage against a critic pool; returns the last
+  metrics (with the final held-out evaluation)."""
+  C.check_config(cfg)
+  events = events or C.EventLog(None)
+  stage = ActorStage(cfg, mesh, DataSource(cfg.data, cfg.seed))
+  pcfg, steps, ahead = cfg.pools, stage.steps, C.staleness(cfg)
+  frozen_roles = [r for r in stage.frozen() if r == "reference"]
+  state, frozen = C.init_roles(stage, C.stage_key(cfg), roles, ["policy"], frozen_roles,
+                               {k: v for k, v in stage.initial_extras().items()
+                                if k != "reward_stats"})
+  where = C.pool_dir(workdir, ROLE)
+  writer = writer or MetricsWriter(where, cfg.logging, {f"{C.STAGE}.{ROLE}": steps})
+  name = f"{C.STAGE}.{ROLE}"
+  with ckpt.Checkpointer(ckpt.checkpoint_dir(workdir, name), cfg.checkpoint, to_dict(cfg)) as ck:
+    point = ck.resume(C.abstract_of(state), "latest", cfg)
+    if point is not None:
+      state, extra = point.state, point.extra
+      run, done, published = extra["run"], extra["done"], extra["published"]
+      start_eval = extra.get("start_eval", {})
+      log(f"actor: resumed run {run} after update {done} ({published} rollouts published)")
+      events(event="resumed", done=done, published=published, run=run)
+    else:
+      run, done, published = uuid.uuid4().hex[:12], 0, 0
+      start_eval = stage.evaluate(state, frozen)
+      # Saved before anything is published: a restart always finds this run's id.
+      ck.save_now(0, state, {"run": run, "done": 0, "published": 0, "start_eval": start_eval})
+      ck.wait()
+      events(event="started", run=run)
+    streams = C.Streams(C.namespace(cfg), run)
+    store.set_str(streams.run_key, run)
+    ro_stream, ro_index = streams.stream("rollouts"), streams.index("rollouts")
+    store.ensure_group(ro_stream, C.GROUP["rollouts"])
+    ro_schema = C.rollout_schema(stage)
+    inbox = Inbox(store, streams.stream("scores"), streams.index("scores"), C.GROUP["scores"],
+                  consumer, kind="scores", run=run, schema=C.scores_schema(stage), log=log,
+                  event=events)
+    state_sh = shardings_of(state)
+    gen = jax.jit(stage.phase_generate, out_shardings=(state_sh, None), donate_argnums=(0,))
+    ref = jax.jit(stage.phase_reference)
+    upd = jax.jit(stage.actor_update, out_shardings=(state_sh, None), donate_argnums=(0,))
+    skip_gen = jax.jit(lambda s: s.replace(rng=jax.random.split(s.rng)[0]),
+                       out_shardings=state_sh, donate_argnums=(0,))
+
+    def extra_of():
+      return {"run": run, "done": done, "published": published, "start_eval": start_eval,
+              "stage": name}
+
+    inflight: dict = {}  # batch id -> (rollout on device, policy version)
+    # Rollouts the checkpoint's state had already published: read back, not regenerated.
+    for b in range(done, published):
+      got = store.get(ro_stream, ro_index, b)
+      if got is None:
+        raise RuntimeError(f"actor: rollout {b} was published before the restart but is gone "
+                           f"from {ro_stream}; the store lost data (Redis without persistence?)")
+      msg = wire.decode(got[1], kind="rollout", run=run, schema=ro_schema)
+      inflight[b] = (C.to_device(mesh, msg.arrays), msg.policy_version)
+    last: dict = {}
+    t_prev = time.perf_counter()
+    with jax.set_mesh(mesh):
+      while done < steps:
+        if should_stop():
+          break
+        t_gen = 0.0
+        while published < steps and published - done <= ahead:
+          b = published
+          t0 = time.perf_counter()
+          got = store.get(ro_stream, ro_index, b)
+          if got is not None:
+            # Published by this run before a restart (after its checkpoint): reuse it, and
+            # take the RNG step its generation took so the run goes on as if uninterrupted.
+            msg = wire.decode(got[1], kind="rollout", run=run, schema=ro_schema)
+            state = skip_gen(state)
+            ro = C.to_device(mesh, msg.arrays)
+            version = msg.policy_version
+            log(f"actor: rollout {b} was published before the restart; reusing it")
+            events(event="reused", batch=b)
+          else:
+            state, ro = gen(state, put_batch(mesh, stage.batch(b)))
+            ro.update(ref(frozen, ro))
+            arrays = {**C.to_host(ro), "perm_key": jax.device_get(C.keys_of(state))}
+            version = done
+            msg = wire.Message(kind="rollout", run=run, batch=b, step=done,
+                               policy_version=version, producer=consumer,
+                               meta={"kl_coef": C.scalar(state.extras["kl"].coef)},
+                               arrays=arrays)
+            store.publish(ro_stream, ro_index, b, wire.encode(msg), group=C.GROUP["rollouts"],
+                          max_queue=pcfg.max_queue, should_stop=should_stop,
+                          wait_s=pcfg.peer_wait_s)
+            events(event="published", batch=b, policy_version=version)
+          inflight[b] = (ro, version)
+          published += 1
+          t_gen += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        scores = inbox.take(done, timeout=pcfg.peer_wait_s, should_stop=should_stop)
+        if scores is None:
+          break
+        t_wait = time.perf_counter() - t0
+        ro, version = inflight.pop(done)
+        lag = done - version
+        if lag > ahead:  # cannot happen by construction; a guard against a broken restart
+          raise RuntimeError(f"actor: rollout {done} is {lag} updates stale (limit {ahead})")
+        t0 = time.perf_counter()
+        state, metrics = upd(state, ro, jnp.asarray(scores.arrays["adv"]),
+                             jnp.asarray(scores.arrays["valid"]))
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        t_upd = time.perf_counter() - t0
+        done += 1
+        now = time.perf_counter()
+        events(event="applied", batch=done - 1, policy_version=version, scores_batch=scores.batch)
+        metrics.update({"time/step_s": now - t_prev, "time/actor/generate_s": t_gen,
+                        "time/actor/wait_s": t_wait, "time/actor/update_s": t_upd,
+                        "pools/staleness": float(lag),
+                        **{f"critic/{k}": v for k, v in scores.meta.items()}})
+        t_prev = now
+        if stage.eval_every and (done % stage.eval_every == 0 or done == steps):
+          metrics.update(stage.evaluate(state, frozen))
+        writer.write(name, done, metrics)
+        last = metrics
+        saved = ck.maybe_save(done, state, extra_of(), metrics, force=done == steps)
+        if saved:
+          ck.wait()
+          inbox.ack_through(done - 1)
+          store.trim(ro_stream, ro_index, C.GROUP["rollouts"],
+                     keep_from=store.entry_of(ro_index, done))
+    if should_stop():
+      ck.save_now(done, state, extra_of(), last)
+      ck.wait()
+      inbox.ack_through(done - 1)
+  if done == steps and "eval/accuracy" not in last:
+    last.update(stage.evaluate(state, frozen))
+  if done == steps:
+    ckpt.save_stage_result(workdir, name, {"policy": state.params["policy"]},
+                           {"summary": {name: {k: v for k, v in last.items()
+                                               if k.startswith("eval/")}},
+                            "start_eval": start_eval, "steps": steps})
+    events(event="finished", done=done)
+  return {**last, "start_eval": start_eval, "state": state, "done": done}

@@ -1,0 +1,350 @@
+"""The rollout store: Redis streams between the actor and critic pools.
+
+Each direction is one stream (``NS:RUN:rollouts`` actor -> critic, ``NS:RUN:scores`` critic ->
+actor) read through a consumer group, plus an index hash (batch id -> entry id):
+
+* publishing is idempotent: a Lua script adds the entry only if the index has no entry for
+  that batch id (a restarted producer that publishes batch ``b`` again is a no-op), so a
+  batch id names exactly one entry, and foreign entries (``XADD *`` by someone else) cannot
+  break the producer;
+* back-pressure: the producer waits while the group's unread count (``lag``) is at
+  ``max_queue``;
+* acknowledgements: a consumer acks an entry only once a checkpoint that includes its effect
+  is on disk (:meth:`Inbox.ack_through`); a consumer that dies re-reads its own pending
+  entries on restart (and ``XAUTOCLAIM`` takes over those of a consumer gone for good), and
+  skips batch ids its checkpoint already covers — exactly-once per batch id;
+* retention: entries are trimmed (``XTRIM MINID``) only below both the group's oldest unacked
+  entry and what the producer may still need to read back (the actor re-reads rollouts it
+  published when it restarts);
+* an unreachable Redis is retried with exponential back-off and one line per attempt, up to
+  ``redis_wait_s``, then :class:`Unreachable` says what to check.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import time
+import urllib.parse
+from typing import Callable, Optional
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from jaxrlhf.config import ConfigError
+from jaxrlhf.pools import wire
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+URL_ENV, PASSWORD_ENV = "JAXRLHF_REDIS_URL", "JAXRLHF_REDIS_PASSWORD"
+
+# KEYS: stream, index.  ARGV: batch id, then field/value pairs.  Returns {added, entry id}.
+_PUBLISH = """
+local have = redis.call('HGET', KEYS[2], ARGV[1])
+if have then return {0, have} end
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+redis.call('HSET', KEYS[2], ARGV[1], id)
+return {1, id}
+"""
+
+
+class Unreachable(RuntimeError):
+  """Redis stayed unreachable for longer than ``pools.redis_wait_s``."""
+
+
+class PeerTimeout(RuntimeError):
+  """The other pool sent nothing for longer than ``pools.peer_wait_s``."""
+
+
+# ---------------------------------------------------------------------------- addressing
+
+
+def settings(url: str = "") -> tuple[str, Optional[str]]:
+  """``(url, password)``: the flag/config URL, else ``$JAXRLHF_REDIS_URL``, else loopback;
+  the password from ``$JAXRLHF_REDIS_PASSWORD`` only.  Refuses unsafe addresses."""
+  url = url or os.environ.get(URL_ENV, "") or DEFAULT_URL
+  password = os.environ.get(PASSWORD_ENV) or None
+  check_address(url, password)
+  return url, password
+
+
+def is_loopback(host: str) -> bool:
+  if host in ("localhost",):
+    return True
+  try:
+    return ipaddress.ip_address(host).is_loopback
+  except ValueError:
+    return False
+
+
+def check_address(url: str, password: Optional[str]) -> None:
+  """ConfigError for a URL that is not redis:// / rediss:// / unix://, that carries a
+  password (URLs end up in logs and saved configs), or that points off this machine without a
+  password."""
+  parsed = urllib.parse.urlparse(url)
+  if parsed.scheme not in ("redis", "rediss", "unix"):
+    raise ConfigError(f"redis url {url!r}: use redis://HOST:PORT/DB (or rediss://, unix://)")
+  if parsed.password:
+    raise ConfigError(f"redis url {parsed.scheme}://{parsed.hostname}:{parsed.port}: do not put "
+                      f"the password in the URL; set ${PASSWORD_ENV} instead")
+  if parsed.scheme != "unix" and not is_loopback(parsed.hostname or "") and not password:
+    raise ConfigError(
+        f"redis url {url!r} is not on this machine (loopback) and no password is set; rollouts "
+        f"and weights-derived data would cross the network unauthenticated. Set "
+        f"${PASSWORD_ENV} (and requirepass on the server), or use redis://127.0.0.1:PORT")
+
+
+def entry_key(entry_id) -> tuple[int, int]:
+  """A stream entry id ``MS-SEQ`` as a comparable pair."""
+  if isinstance(entry_id, bytes):
+    entry_id = entry_id.decode()
+  ms, _, seq = entry_id.partition("-")
+  return int(ms), int(seq or 0)
+
+
+# ------------------------------------------------------------------------------- the store
+
+
+class Store:
+  """One Redis connection with retry-with-back-off around every call."""
+
+  def __init__(self, url: str, password: Optional[str] = None, *, wait_s: float = 300.0,
+               log: Callable[[str], None] = print, socket_timeout: float = 5.0,
+               claim_idle_ms: int = 60_000):
+    check_address(url, password)
+    parsed = urllib.parse.urlparse(url)
+    self.where = (parsed.path if parsed.scheme == "unix"
+                  else f"{parsed.hostname}:{parsed.port or 6379}")
+    self.wait_s = wait_s
+    self.log = log
+    self.claim_idle_ms = claim_idle_ms
+    # Our own retry loop below (with its messages) replaces redis-py's silent one.
+    self.r = redis.Redis.from_url(url, password=password, socket_timeout=socket_timeout,
+                                  socket_connect_timeout=socket_timeout,
+                                  retry=Retry(NoBackoff(), 0))
+    self._publish = self.r.register_script(_PUBLISH)
+    self.interrupted = False  # a call failed and was retried since the flag was last cleared
+
+  def call(self, what: str, fn, *args, **kwargs):
+    t0 = time.monotonic()
+    delay, attempts = 0.1, 0
+    while True:
+      try:
+        out = fn(*args, **kwargs)
+      except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as e:
+        attempts += 1
+        waited = time.monotonic() - t0
+        if waited >= self.wait_s:
+          raise Unreachable(
+              f"redis at {self.where} has been unreachable for {waited:.0f}s ({what}: "
+              f"{type(e).__name__}: {e}). Start redis-server there, or point --redis_url / "
+              f"${URL_ENV} at a running one (${PASSWORD_ENV} if it needs a password); "
+              f"pools.redis_wait_s sets how long to keep retrying") from None
+        self.log(f"pools: redis at {self.where} unreachable ({type(e).__name__}: {e}); "
+                 f"{what}: retry {attempts} in {delay:.1f}s ({waited:.1f}s of "
+                 f"{self.wait_s:.0f}s waited)")
+        self.interrupted = True
+        time.sleep(delay)
+        delay = min(delay * 2, 5.0)
+        continue
+      if attempts:
+        self.log(f"pools: redis at {self.where} reachable again after "
+                 f"{time.monotonic() - t0:.1f}s; {what} done")
+      return out
+
+  # ---------------------------------------------------------------------------- small ops
+  def get_str(self, key: str) -> Optional[str]:
+    v = self.call("GET", self.r.get, key)
+    return None if v is None else v.decode()
+
+  def set_str(self, key: str, value: str) -> None:
+    self.call("SET", self.r.set, key, value)
+
+  def ensure_group(self, stream: str, group: str) -> None:
+    """Creates the consumer group (from the stream's start) and the stream if missing."""
+    try:
+      self.call("XGROUP CREATE", self.r.xgroup_create, stream, group, id="0", mkstream=True)
+    except redis.ResponseError as e:
+      if "BUSYGROUP" not in str(e):
+        raise
+
+  def group_info(self, stream: str, group: str) -> dict:
+    for g in self.call("XINFO GROUPS", self.r.xinfo_groups, stream):
+      name = g.get("name")
+      if (name.decode() if isinstance(name, bytes) else name) == group:
+        return g
+    return {}
+
+  def lag(self, stream: str, group: str) -> int:
+    """Entries the group has not read yet."""
+    g = self.group_info(stream, group)
+    if g.get("lag") is not None:
+      return int(g["lag"])
+    # Redis cannot tell after some deletions: count what lies after the last delivered entry.
+    last = g.get("last-delivered-id", b"0-0")
+    last = last.decode() if isinstance(last, bytes) else last
+    return len(self.call("XRANGE", self.r.xrange, stream, min="(" + last, max="+"))
+
+  # ------------------------------------------------------------------------------ produce
+  def publish(self, stream: str, index: str, batch: int, fields: dict, *, group: str,
+              max_queue: int, should_stop: Callable[[], bool] = lambda: False,
+              wait_s: float = 1e9) -> bool:
+    """Adds ``fields`` as batch ``batch`` once (returns False if that batch id is already
+    there), after waiting until the group has fewer than ``max_queue`` unread entries."""
+    t0 = time.monotonic()
+    said = False
+    while self.lag(stream, group) >= max_queue:
+      if should_stop():
+        return False
+      if time.monotonic() - t0 > wait_s:
+        raise PeerTimeout(f"{stream}: {max_queue} entries have stayed unread for {wait_s:.0f}s; "
+                          f"is the consumer ({group}) running?")
+      if not said:
+        self.log(f"pools: {stream} holds {max_queue} unread entries (pools.max_queue); waiting "
+                 f"for {group}")
+        said = True
+      time.sleep(0.02)
+    args = [str(batch)]
+    for k, v in fields.items():
+      args += [k, v]
+    added, _ = self.call("publish", self._publish, keys=[stream, index], args=args)
+    return bool(added)
+
+  def entry_of(self, index: str, batch: int) -> Optional[bytes]:
+    return self.call("HGET", self.r.hget, index, str(batch))
+
+  def get(self, stream: str, index: str, batch: int):
+    """``(entry id, fields)`` of batch ``batch``, or None if it was never published (or is
+    trimmed)."""
+    entry = self.entry_of(index, batch)
+    if entry is None:
+      return None
+    got = self.call("XRANGE", self.r.xrange, stream, min=entry, max=entry)
+    return (entry, got[0][1]) if got else None
+
+  def trim(self, stream: str, index: str, group: str, keep_from: Optional[bytes] = None) -> None:
+    """Drops entries every reader is done with: below the group's oldest unacked (or past its
+    last delivered) entry and below ``keep_from`` (an entry the producer may re-read)."""
+    g = self.group_info(stream, group)
+    if not g:
+      return
+    if int(g.get("pending", 0)):
+      info = self.call("XPENDING", self.r.xpending, stream, group)
+      bound = entry_key(info["min"])
+    else:
+      ms, seq = entry_key(g.get("last-delivered-id", b"0-0"))
+      bound = (ms, seq + 1)
+    if keep_from is not None:
+      bound = min(bound, entry_key(keep_from))
+    if bound <= (0, 1):
+      return
+    self.call("XTRIM", self.r.xtrim, stream, minid=f"{bound[0]}-{bound[1]}", approximate=False)
+    old = [b for b, e in self.call("HGETALL", self.r.hgetall, index).items()
+           if entry_key(e) < bound]
+    if old:
+      self.call("HDEL", self.r.hdel, index, *old)
+
+  # ------------------------------------------------------------------------------ consume
+  def read(self, stream: str, group: str, consumer: str, *, pending: bool, count: int = 16,
+           block_ms: int = 100) -> list:
+    """``[(entry id, fields)]``: with ``pending``, first this consumer's delivered-but-unacked
+    entries and those other consumers left idle for ``claim_idle_ms``; then new entries
+    (blocking up to ``block_ms``)."""
+    out = []
+    try:
+      if pending:
+        for _, entries in self.call("XREADGROUP", self.r.xreadgroup, group, consumer,
+                                    {stream: "0"}, count=10_000) or []:
+          out += entries
+        claimed = self.call("XAUTOCLAIM", self.r.xautoclaim, stream, group, consumer,
+                            self.claim_idle_ms, start_id="0-0", count=1000)
+        out += claimed[1]
+      for _, entries in self.call("XREADGROUP", self.r.xreadgroup, group, consumer,
+                                  {stream: ">"}, count=count, block=block_ms) or []:
+        out += entries
+    except redis.ResponseError as e:
+      if "NOGROUP" not in str(e):
+        raise
+      # Redis lost its data (restarted without persistence?) or someone deleted the stream.
+      self.log(f"pools: {stream} lost its consumer group {group} ({e}); recreating it. Redis "
+               "needs appendonly persistence for a run to survive a Redis restart")
+      self.ensure_group(stream, group)
+    return out
+
+  def ack(self, stream: str, group: str, *entries) -> None:
+    if entries:
+      self.call("XACK", self.r.xack, stream, group, *entries)
+
+
+class Inbox:
+  """Exactly-once, in-order delivery of one stream's batches to a pool.
+
+  :meth:`take` returns the message of batch ``b`` (buffering later ones, dropping and acking
+  malformed or foreign entries with a logged reason); :meth:`ack_through` acks what a
+  checkpoint now covers.  A batch id below the pool's position is one its checkpoint already
+  includes: it is acked, never applied again.
+  """
+
+  def __init__(self, store: Store, stream: str, index: str, group: str, consumer: str, *,
+               kind: str, run: str, schema: dict, log: Callable[[str], None] = print,
+               event: Callable[..., None] = lambda **e: None):
+    self.store, self.stream, self.index, self.group = store, stream, index, group
+    self.consumer, self.kind, self.run, self.schema = consumer, kind, run, schema
+    self.log, self.event = log, event
+    self.buffer: dict = {}  # batch -> (entry id, Message)
+    self.unacked: dict = {}  # entry id -> batch, taken (or covered) but not yet acked
+    self._reread = True  # the first read collects entries delivered before a restart
+    store.ensure_group(stream, group)
+
+  def _reject(self, entry, why: str) -> None:
+    self.log(f"pools: rejected {self.stream} entry {entry.decode()}: {why}")
+    self.event(event="rejected", stream=self.stream, entry=entry.decode(), reason=why)
+    self.store.ack(self.stream, self.group, entry)
+
+  def _accept(self, entry, fields, position: int) -> None:
+    if entry in self.unacked or any(e == entry for e, _ in self.buffer.values()):
+      return  # re-read of an entry we already hold
+    try:
+      msg = wire.decode(fields, kind=self.kind, run=self.run, schema=self.schema)
+    except wire.WireError as e:
+      return self._reject(entry, str(e))
+    registered = self.store.entry_of(self.index, msg.batch)
+    if registered is not None and registered != entry:
+      return self._reject(entry, f"batch {msg.batch} is entry {registered.decode()}, not this "
+                                 "one (a duplicate or forged entry)")
+    if msg.batch < position:
+      # Its effect is in the restored state already: ack with the next checkpoint.
+      self.log(f"pools: {self.stream} batch {msg.batch} already applied (position {position}); "
+               "skipped")
+      self.event(event="duplicate", stream=self.stream, batch=msg.batch)
+      self.unacked[entry] = msg.batch
+      return
+    self.buffer[msg.batch] = (entry, msg)
+
+  def take(self, batch: int, *, timeout: float, should_stop: Callable[[], bool] = lambda: False,
+           idle: Callable[[], None] = lambda: None):
+    """The message of ``batch``; None if ``should_stop()`` says stop first."""
+    t0 = time.monotonic()
+    while batch not in self.buffer:
+      if should_stop():
+        return None
+      if time.monotonic() - t0 > timeout:
+        raise PeerTimeout(f"no {self.kind} for batch {batch} on {self.stream} for {timeout:.0f}s;"
+                          f" is the other pool running? (pools.peer_wait_s)")
+      reread = self._reread or self.store.interrupted
+      self._reread = False
+      self.store.interrupted = False
+      for entry, fields in self.store.read(self.stream, self.group, self.consumer,
+                                           pending=reread):
+        self._accept(entry, fields, batch)
+      idle()
+    entry, msg = self.buffer.pop(batch)
+    self.unacked[entry] = batch
+    return msg
+
+  def ack_through(self, batch: int) -> None:
+    """Acks every taken entry of batch id <= ``batch`` (a checkpoint now covers them)."""
+    done = [e for e, b in self.unacked.items() if b <= batch]
+    self.store.ack(self.stream, self.group, *done)
+    for e in done:
+      del self.unacked[e]
