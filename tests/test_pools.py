@@ -21,12 +21,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from helpers import mesh  # noqa: E402
-from redis_helpers import RedisServer  # noqa: E402
+from redis_helpers import RedisServer, free_port  # noqa: E402
 from jaxrlhf.config import (CheckpointConfig, ConfigError, LoggingConfig,  # noqa: E402
                             MeshConfig, PoolsConfig)
 from jaxrlhf.mesh import make_mesh  # noqa: E402
 from jaxrlhf.pools import store as S  # noqa: E402
 from jaxrlhf.pools import wire  # noqa: E402
+from jaxrlhf.pools.store import Inbox  # noqa: E402
 from jaxrlhf.pools.actor import run_actor  # noqa: E402
 from jaxrlhf.pools.critic import run_critic  # noqa: E402
 from jaxrlhf.data import DataSource  # noqa: E402
@@ -136,3 +137,112 @@ def test_sync_pools_match_colocated_ppo(redis_url, tmp_path):
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **tol),
                jax.device_get(critic["state"].params["value"]),
                jax.device_get(state.params["value"]))
+
+
+# ------------------------------------------------------------------ wire, store, security
+
+
+def _msg(batch=0, run="r1", **arrays):
+  arrays = arrays or {"x": np.arange(6, dtype=np.float32).reshape(2, 3),
+                      "m": np.array([True, False])}
+  return wire.Message(kind="scores", run=run, batch=batch, step=batch, policy_version=batch,
+                      producer="test", meta={"a": 1.5}, arrays=arrays)
+
+
+SCHEMA = {"x": ((2, 3), "float32"), "m": ((2,), "bool")}
+
+
+def test_wire_round_trip_and_rejections():
+  fields = wire.encode(_msg(batch=3))
+  got = wire.decode(fields, kind="scores", run="r1", schema=SCHEMA)
+  assert got.batch == 3 and got.meta == {"a": 1.5}
+  np.testing.assert_array_equal(got.arrays["x"], np.arange(6).reshape(2, 3))
+  assert b"pickle" not in fields[b"h"] and all(k == b"h" or k.startswith(b"a:") for k in fields)
+
+  def reason(f, **kw):
+    with pytest.raises(wire.WireError) as e:
+      wire.decode(f, **{"kind": "scores", "run": "r1", "schema": SCHEMA, **kw})
+    return str(e.value)
+
+  assert "foreign" in reason(fields, run="other")
+  assert "'rollout'" in reason(fields, kind="rollout")
+  assert "magic" in reason({b"h": b'{"magic": "x"}'})
+  assert "not JSON" in reason({b"h": b"\x80\x04pickle"})
+  assert "no header" in reason({b"payload": b"1"})
+  assert "bytes for" in reason({**fields, b"a:x": fields[b"a:x"][:-4]})
+  bad = _msg(x=np.zeros((3, 2), np.float32), m=np.array([True, False]))
+  assert "this run uses" in reason(wire.encode(bad))
+  with pytest.raises(wire.WireError, match="dtype"):
+    wire.encode(_msg(x=np.zeros(2, np.complex64)))
+
+
+def test_redis_address_rules(monkeypatch):
+  monkeypatch.delenv(S.PASSWORD_ENV, raising=False)
+  monkeypatch.delenv(S.URL_ENV, raising=False)
+  assert S.settings("") == (S.DEFAULT_URL, None)
+  with pytest.raises(ConfigError, match="JAXRLHF_REDIS_PASSWORD"):
+    S.settings("redis://10.1.2.3:6379/0")
+  with pytest.raises(ConfigError, match="not in the URL|do not put"):
+    S.settings("redis://:hunter2@127.0.0.1:6379/0")
+  monkeypatch.setenv(S.PASSWORD_ENV, "s3cret")
+  assert S.settings("redis://10.1.2.3:6379/0") == ("redis://10.1.2.3:6379/0", "s3cret")
+  monkeypatch.setenv(S.URL_ENV, "redis://127.0.0.2:7000/1")
+  assert S.settings("")[0] == "redis://127.0.0.2:7000/1"
+
+
+def test_inbox_rejects_malformed_and_foreign_entries_and_publish_is_idempotent(redis_url):
+  logs, events = [], []
+  store = S.Store(redis_url, wait_s=5, log=logs.append)
+  stream, index = "t:run:scores", "t:run:scores:index"
+  inbox = Inbox(store, stream, index, "actor", "actor-0", kind="scores", run="r1",
+                schema=SCHEMA, log=logs.append, event=lambda **e: events.append(e))
+  raw = redis_lib.Redis.from_url(redis_url)
+  raw.xadd(stream, {"junk": "1"})  # not ours at all
+  raw.xadd(stream, wire.encode(_msg(batch=0, run="someone-else")))  # foreign run
+  raw.xadd(stream, {**wire.encode(_msg(batch=0)), b"a:x": b"\x00" * 5})  # truncated array
+  raw.xadd(stream, wire.encode(_msg(batch=0)))  # right shape, but not published: forged
+  assert store.publish(stream, index, 0, wire.encode(_msg(batch=0)), group="actor",
+                       max_queue=10)
+  assert not store.publish(stream, index, 0, wire.encode(_msg(batch=0)), group="actor",
+                           max_queue=10)  # a restarted producer: no second entry for batch 0
+  assert store.publish(stream, index, 1, wire.encode(_msg(batch=1)), group="actor",
+                       max_queue=10)
+  assert inbox.take(0, timeout=10).batch == 0
+  assert inbox.take(1, timeout=10).batch == 1
+  reasons = [e["reason"] for e in events if e["event"] == "rejected"]
+  assert len(reasons) == 4, reasons
+  assert any("no header" in r for r in reasons) and any("foreign" in r for r in reasons)
+  assert any("bytes for" in r for r in reasons) and any("forged" in r for r in reasons)
+  assert sum("rejected" in line for line in logs) == 4
+  # Rejected entries are acked at once; taken ones when a checkpoint covers them.
+  assert raw.xpending(stream, "actor")["pending"] == 2
+  inbox.ack_through(1)
+  assert raw.xpending(stream, "actor")["pending"] == 0
+  store.trim(stream, index, "actor")
+  assert raw.xlen(stream) == 0 and raw.hlen(index) == 0
+
+
+def test_publish_waits_while_the_queue_is_full(redis_url):
+  logs = []
+  store = S.Store(redis_url, wait_s=5, log=logs.append)
+  stream, index = "t:bp", "t:bp:index"
+  store.ensure_group(stream, "critic")
+  for b in range(2):
+    assert store.publish(stream, index, b, wire.encode(_msg(batch=b)), group="critic",
+                         max_queue=2)
+  with pytest.raises(S.PeerTimeout, match="unread"):
+    store.publish(stream, index, 2, wire.encode(_msg(batch=2)), group="critic", max_queue=2,
+                  wait_s=0.5)
+  assert any("max_queue" in line for line in logs)
+  store.read(stream, "critic", "c", pending=False)  # the consumer reads one -> room again
+  assert store.publish(stream, index, 2, wire.encode(_msg(batch=2)), group="critic",
+                       max_queue=2, wait_s=5)
+
+
+def test_unreachable_redis_is_retried_then_explained():
+  logs = []
+  store = S.Store(f"redis://127.0.0.1:{free_port()}/0", wait_s=1.0, log=logs.append,
+                  socket_timeout=0.2)
+  with pytest.raises(S.Unreachable, match="Start redis-server"):
+    store.get_str("x")
+  assert len(logs) >= 3 and "retry" in logs[0] and "unreachable" in logs[0]
