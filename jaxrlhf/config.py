@@ -33,6 +33,15 @@ class ModelConfig:
   mlp_dim: int = 512
   max_seq_len: int = 256
   rope_theta: float = 10000.0
+  # Rotary frequency scaling of long-context checkpoints: "none"; "linear" (every frequency
+  # divided by rope_factor); "llama3" (Llama 3.1+: wavelengths longer than
+  # rope_original_max_len / rope_low_freq_factor divided by rope_factor, those shorter than
+  # rope_original_max_len / rope_high_freq_factor kept, a smooth ramp between).
+  rope_scaling: Literal["none", "linear", "llama3"] = "none"
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 8192
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   # Qwen2-style biases on the q/k/v projections.

@@ -15,9 +15,10 @@ import pytest
 from helpers import mesh
 from jaxrlhf import model as M
 from jaxrlhf import registry
-from jaxrlhf.config import apply_overrides
+from jaxrlhf.config import ModelConfig, apply_overrides
 from jaxrlhf.mesh import FROZEN_PARAM_RULES, PARAM_RULES
 from jaxrlhf.model import hf
+from jaxrlhf.model.transformer import rope, rope_frequencies
 
 ASSETS = os.path.join(os.path.dirname(__file__), "assets", "hf")
 GOLDEN = np.load(os.path.join(ASSETS, "golden.npz"))
@@ -53,12 +54,33 @@ def _assert_same_params(a, b):
 # ------------------------------------------------------------------------- golden parity
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "llama31"])
 def test_golden_logits_match_transformers(name):
   cfg = hf.config_from_hf(_asset(name))
   params = hf.load_hf(_asset(name), cfg, mesh())
   assert params["embed"].dtype == jnp.float32  # mistral is stored in bfloat16
   _assert_golden(_outputs(params, cfg), name)
+
+
+def test_llama3_rope_scaling_is_read_and_matters():
+  cfg = hf.config_from_hf(_asset("llama31"))
+  assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_len) == ("llama3", 8.0, 8)
+  assert cfg.rope_theta == 500000.0
+  params = hf.load_hf(_asset("llama31"), cfg, mesh())
+  # The same weights with the scaling ignored are far from transformers' logits: the golden
+  # test above can tell.
+  plain = _outputs(params, dataclasses.replace(cfg, rope_scaling="none"))
+  assert np.abs(plain[MASK] - GOLDEN["llama31/logits"][MASK]).max() > 100 * ATOL
+
+
+def test_linear_rope_scaling_is_position_interpolation():
+  """Linear scaling by f at position p is the unscaled rotation at position p / f."""
+  base = ModelConfig(head_dim=16, rope_theta=10000.0)
+  x = jax.random.normal(jax.random.key(0), (1, 4, 2, 16))
+  pos = jnp.array([[0, 3, 6, 9]])
+  scaled = rope(x, pos, rope_frequencies(
+      dataclasses.replace(base, rope_scaling="linear", rope_factor=3.0)))
+  np.testing.assert_allclose(scaled, rope(x, pos / 3.0, rope_frequencies(base)), atol=1e-5)
 
 
 def test_config_mapping_of_each_family():
@@ -155,12 +177,15 @@ def _outputs_traced(params, cfg):
 
 
 @pytest.mark.parametrize("name,head,tp", [("llama", "lm", 1), ("qwen2", "lm", 4),
-                                          ("mistral", "lm", 1), ("llama_rm", "scalar", 1)])
+                                          ("mistral", "lm", 1), ("llama_rm", "scalar", 1),
+                                          ("llama31", "lm", 1)])
 def test_export_round_trip_is_identical(tmp_path, name, head, tp):
   cfg = hf.config_from_hf(_asset(name), tp=tp)
   params = hf.load_hf(_asset(name), cfg, mesh(), head)
   out = hf.export_hf(params, cfg, str(tmp_path / "out"), head=head, max_shard_size="64KB")
-  back = hf.load_hf(out, hf.config_from_hf(out, tp=tp), mesh(), head)
+  back_cfg = hf.config_from_hf(out, tp=tp)
+  assert dataclasses.replace(back_cfg, hf_path="") == dataclasses.replace(cfg, hf_path="")
+  back = hf.load_hf(out, back_cfg, mesh(), head)
   _assert_same_params(back, params)
   config = json.load(open(os.path.join(out, "config.json")))
   source = json.load(open(os.path.join(_asset(name), "config.json")))
@@ -193,7 +218,8 @@ def test_export_without_a_source_config_and_a_score_bias(tmp_path):
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="needs PyTorch (transformers' models)")
-@pytest.mark.parametrize("name,tp", [("llama", 1), ("qwen2", 4), ("llama_rm", 1)])
+@pytest.mark.parametrize("name,tp", [("llama", 1), ("qwen2", 4), ("llama_rm", 1),
+                                     ("llama31", 1)])
 def test_transformers_loads_the_export(tmp_path, name, tp):
   import torch
   import transformers
@@ -247,11 +273,11 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     hf.config_from_hf(str(tmp_path))
 
 
-def test_rope_scaling_is_refused(tmp_path):
+def test_unsupported_rope_scaling_is_refused(tmp_path):
   path = _copy("llama", tmp_path, config={"rope_parameters": {
-      "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-      "high_freq_factor": 4.0, "original_max_position_embeddings": 32}})
-  with pytest.raises(hf.HFError, match="rope_type 'llama3'"):
+      "rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
+      "original_max_position_embeddings": 32}})
+  with pytest.raises(hf.HFError, match="rope_type 'yarn'.*supported: default, linear, llama3"):
     hf.config_from_hf(path)
 
 

@@ -187,14 +187,17 @@ def _check_family(path: str, raw: dict) -> str:
   return model_type
 
 
-def _rope(hf) -> tuple[float, str]:
-  """(theta, rope type) from either transformers' v5 ``rope_parameters`` or v4 fields."""
+def _rope(hf) -> dict:
+  """The rotary settings (theta, type and scaling parameters) from either transformers' v5
+  ``rope_parameters`` or the v4 ``rope_theta`` + ``rope_scaling`` fields."""
   params = getattr(hf, "rope_parameters", None)
   if isinstance(params, dict) and "rope_theta" in params:
-    return float(params["rope_theta"]), str(params.get("rope_type", "default"))
-  scaling = getattr(hf, "rope_scaling", None) or {}
-  kind = scaling.get("rope_type", scaling.get("type", "default"))
-  return float(getattr(hf, "rope_theta", 10000.0)), str(kind)
+    out = dict(params)
+  else:
+    out = dict(getattr(hf, "rope_scaling", None) or {})
+    out["rope_theta"] = getattr(hf, "rope_theta", 10000.0)
+  out["rope_type"] = str(out.get("rope_type", out.get("type", "default")))
+  return out
 
 
 def config_from_hf(path: str, base: Optional[ModelConfig] = None, *, tp: int = 1) -> ModelConfig:
@@ -219,10 +222,19 @@ def config_from_hf(path: str, base: Optional[ModelConfig] = None, *, tp: int = 1
   if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
     raise HFError(f"{where}: attention_bias / mlp_bias are not supported (this model has "
                   "biases on q/k/v only, as Qwen2 does)")
-  theta, rope_type = _rope(hf)
-  if rope_type != "default":
-    raise HFError(f"{where}: rope_type {rope_type!r} (rope scaling) is not supported; only the "
-                  "default rotary embedding is implemented (jaxrlhf.model.transformer.rope)")
+  rope = _rope(hf)
+  rope_type = rope["rope_type"]
+  scaling = {"rope_scaling": "none"}
+  if rope_type in ("linear", "llama3"):
+    scaling = {"rope_scaling": rope_type, "rope_factor": float(rope["factor"])}
+  if rope_type == "llama3":
+    scaling.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
+                   rope_high_freq_factor=float(rope["high_freq_factor"]),
+                   rope_original_max_len=int(rope["original_max_position_embeddings"]))
+  elif rope_type not in ("default", "linear"):
+    raise HFError(f"{where}: rope_type {rope_type!r} (rope scaling) is not supported; "
+                  "supported: default, linear, llama3 (jaxrlhf.model.transformer."
+                  "rope_frequencies)")
   if model_type == "qwen2" and getattr(hf, "use_sliding_window", False):
     raise HFError(f"{where}: use_sliding_window=true is not supported; set it to false")
   n_heads = hf.num_attention_heads
@@ -238,7 +250,8 @@ def config_from_hf(path: str, base: Optional[ModelConfig] = None, *, tp: int = 1
       base, vocab_size=padded, unpadded_vocab_size=vocab if padded != vocab else 0,
       d_model=hf.hidden_size, n_layers=hf.num_hidden_layers, n_heads=n_heads,
       n_kv_heads=getattr(hf, "num_key_value_heads", None) or n_heads, head_dim=head_dim,
-      mlp_dim=hf.intermediate_size, max_seq_len=max_len, rope_theta=theta,
+      mlp_dim=hf.intermediate_size, max_seq_len=max_len,
+      rope_theta=float(rope["rope_theta"]), **scaling,
       norm_eps=float(hf.rms_norm_eps), tie_embeddings=bool(getattr(hf, "tie_word_embeddings",
                                                                     False)),
       qkv_bias=model_type == "qwen2", hf_path=path)
@@ -251,7 +264,9 @@ def resolve_hf_config(cfg: ModelConfig, tp: int = 1) -> ModelConfig:
 
 # Fields that must agree between a ModelConfig and the checkpoint it loads.
 _ARCH_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim",
-                "rope_theta", "norm_eps", "tie_embeddings", "qkv_bias")
+                "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+                "rope_high_freq_factor", "rope_original_max_len", "norm_eps", "tie_embeddings",
+                "qkv_bias")
 
 
 def _check_config(path: str, cfg: ModelConfig, head: str):
@@ -549,11 +564,19 @@ def _export_config(cfg: ModelConfig, head: str, source: str, dtype: str, score_b
   if model_type == "mistral":
     kwargs["sliding_window"] = raw.get("sliding_window")
   major = int(transformers.__version__.split(".")[0])
+  scaling = {}
+  if cfg.rope_scaling != "none":
+    scaling = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_factor}
+  if cfg.rope_scaling == "llama3":
+    scaling.update(low_freq_factor=cfg.rope_low_freq_factor,
+                   high_freq_factor=cfg.rope_high_freq_factor,
+                   original_max_position_embeddings=cfg.rope_original_max_len)
   if major >= 5:
-    kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta, **scaling}
     kwargs["dtype"] = dtype
   else:
     kwargs["rope_theta"] = cfg.rope_theta
+    kwargs["rope_scaling"] = scaling or None
     kwargs["torch_dtype"] = dtype
   family = FAMILIES[model_type]
   if head == "scalar":

@@ -20,6 +20,7 @@ from typing import Optional
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrlhf.config import ModelConfig
 from jaxrlhf.mesh import constrain
@@ -131,10 +132,31 @@ def rms_norm(x, w, eps):
   return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x_BTHD, positions_BT, theta: float):
-  """Rotary embedding, half-split convention (as Hugging Face Llama)."""
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+  """The rotary inverse frequencies ``[head_dim / 2]``, with the checkpoint's scaling (see
+  ``ModelConfig.rope_scaling``); computed in float64 numpy so they match the reference
+  implementations bit for bit before the cast."""
+  d = cfg.head_dim
+  inv = cfg.rope_theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+  if cfg.rope_scaling == "linear":
+    inv = inv / cfg.rope_factor
+  elif cfg.rope_scaling == "llama3":
+    wavelen = 2 * np.pi / inv
+    low_wavelen = cfg.rope_original_max_len / cfg.rope_low_freq_factor
+    high_wavelen = cfg.rope_original_max_len / cfg.rope_high_freq_factor
+    # 0 at the long-wavelength end (fully scaled), 1 at the short end (kept as is).
+    ramp = (cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor) / (
+        cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+    smooth = (1 - ramp) * inv / cfg.rope_factor + ramp * inv
+    inv = np.where(wavelen > low_wavelen, inv / cfg.rope_factor,
+                   np.where(wavelen < high_wavelen, inv, smooth))
+  return jnp.asarray(inv, jnp.float32)
+
+
+def rope(x_BTHD, positions_BT, inv_freq):
+  """Rotary embedding, half-split convention (as Hugging Face Llama); ``inv_freq`` from
+  :func:`rope_frequencies`."""
   d = x_BTHD.shape[-1]
-  inv_freq = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
   ang = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B,T,D/2]
   cos = jnp.cos(ang)[:, :, None, :]
   sin = jnp.sin(ang)[:, :, None, :]
@@ -178,8 +200,9 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, positions_BT, kv_mask, q
   v = _matmul(x, lp["wv"])
   if cfg.qkv_bias:
     q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-  q = constrain(rope(q, positions_BT, cfg.rope_theta), ("batch", "seq", "heads", "head_dim"))
-  k = constrain(rope(k, positions_BT, cfg.rope_theta), ("batch", "seq", "kv_heads", "head_dim"))
+  inv_freq = rope_frequencies(cfg)
+  q = constrain(rope(q, positions_BT, inv_freq), ("batch", "seq", "heads", "head_dim"))
+  k = constrain(rope(k, positions_BT, inv_freq), ("batch", "seq", "kv_heads", "head_dim"))
   v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
   if cache_kv is not None:
     ck, cv, li = cache_kv

@@ -16,6 +16,7 @@ positions).  What each asset exercises:
              sharded into several files with model.safetensors.index.json
   mistral    stored in bfloat16, sliding window, rope_theta 1e6
   llama_rm   LlamaForSequenceClassification (num_labels=1): a reward model with score.weight
+  llama31    Llama 3.1 rotary scaling (rope_type llama3)
 
 The golden file ``golden.npz`` holds ``tokens``, ``mask``, ``positions`` and, per asset,
 ``NAME/logits`` (float32 ``[B, T, V]``, or ``[B, T]`` scores for llama_rm).
@@ -52,6 +53,13 @@ ASSETS = {
     "llama_rm": (transformers.LlamaConfig, transformers.LlamaForSequenceClassification,
                  dict(COMMON, vocab_size=100, head_dim=16, num_hidden_layers=1, num_labels=1),
                  torch.float32, None),
+    # Llama 3.1-style rotary scaling; the original context (8) is shorter than the test rows
+    # (12), so a model that ignored the scaling would be far off.
+    "llama31": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                dict(COMMON, vocab_size=100, head_dim=16, rope_parameters=dict(
+                    rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position_embeddings=8)),
+                torch.float32, None),
 }
 
 
