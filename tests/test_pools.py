@@ -23,7 +23,8 @@ sys.path.insert(0, HERE)
 from helpers import mesh  # noqa: E402
 from redis_helpers import RedisServer, free_port  # noqa: E402
 from jaxrlhf.config import (CheckpointConfig, ConfigError, LoggingConfig,  # noqa: E402
-                            MeshConfig, PoolsConfig)
+                            KLConfig, MeshConfig, OptimizerConfig, PoolsConfig, PPOConfig,
+                            RewardConfig)
 from jaxrlhf.mesh import make_mesh  # noqa: E402
 from jaxrlhf.pools import store as S  # noqa: E402
 from jaxrlhf.pools import wire  # noqa: E402
@@ -246,3 +247,37 @@ def test_unreachable_redis_is_retried_then_explained():
   with pytest.raises(S.Unreachable, match="Start redis-server"):
     store.get_str("x")
   assert len(logs) >= 3 and "retry" in logs[0] and "unreachable" in logs[0]
+
+
+# ------------------------------------------------------------------------------ async mode
+
+
+def test_async_pools_overlap_generation_with_scoring_and_learn(redis_url, tmp_path):
+  from test_learning import FAST, _sft_policy
+  _, sft_state, _ = _sft_policy(40)
+  steps = 16
+  cfg = pools_config(steps=steps, mode="async", max_staleness=1)
+  cfg = dataclasses.replace(
+      cfg, data=dataclasses.replace(cfg.data, eval_size=64),
+      ppo=PPOConfig(steps=steps, batch_size=32, eval_every=0, value_optim=FAST,
+                    optim=OptimizerConfig(lr=2e-3, warmup_steps=0, schedule="constant"),
+                    kl=KLConfig(coef=0.01), reward=RewardConfig(sources=("rule:token_accuracy",))))
+  actor, critic, recs, _ = run_pools(cfg, redis_url, tmp_path,
+                                     roles={"policy": sft_state.params["policy"]})
+  a, c = recs["actor"].by_step, recs["critic"].by_step
+  # One step off: every update after the first uses a rollout of the previous policy.
+  assert [a[s]["pools/staleness"] for s in range(1, steps + 1)] == [0.0] + [1.0] * (steps - 1)
+  # Overlap: a step takes less than the actor's and the critic's work one after the other.
+  steady = range(4, steps + 1)
+  step_s = np.median([a[s]["time/step_s"] for s in steady])
+  serial = np.median([a[s]["time/actor/generate_s"] + a[s]["time/actor/update_s"]
+                      + c[s]["time/critic/score_s"] + c[s]["time/critic/update_s"]
+                      for s in steady])
+  print(f"async step {step_s:.3f}s vs actor+critic phases {serial:.3f}s")
+  assert step_s < serial, (step_s, serial)
+  start, end = actor["start_eval"]["eval/accuracy"], actor["eval/accuracy"]
+  print(f"held-out exact match {start:.3f} -> {end:.3f}")
+  assert end > start + 0.02, (start, end)
+  r_first = np.mean([c[s]["reward/mean"] for s in range(1, 5)])
+  r_last = np.mean([c[s]["reward/mean"] for s in range(steps - 3, steps + 1)])
+  assert r_last > r_first, (r_first, r_last)
