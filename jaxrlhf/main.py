@@ -48,6 +48,12 @@ _ROLE = flags.DEFINE_string(
 _REDIS_URL = flags.DEFINE_string(
     "redis_url", "", "Redis for --role: redis://HOST:PORT/DB (default $JAXRLHF_REDIS_URL, else "
     "127.0.0.1:6379); the password comes from $JAXRLHF_REDIS_PASSWORD.")
+_CRITIC_DEVICES = flags.DEFINE_integer(
+    "critic_devices", None, "--plan --role=all: the critic pool's device count (default "
+    "--devices); --devices is the actor's.")
+_CRITIC_ACCELERATOR = flags.DEFINE_string(
+    "critic_accelerator", None, "--plan --role=all: the critic pool's accelerator (default "
+    "--accelerator).")
 _POOL_EVENTS = flags.DEFINE_string("pool_events", "",
                                    "--role: append what the pool did (JSON lines) to this file.")
 
@@ -97,6 +103,12 @@ def _run(argv) -> int:
     return 0
   workdir = _WORKDIR.value or os.path.join("runs", cfg.name)
 
+  if _PLAN.value and _ROLE.value:
+    from jaxrlhf.pools import plan as pools_plan
+    print(pools_plan.format_pipeline(pools_plan.plan_pools(
+        cfg, cfg.plan.devices, cfg.plan.accelerator, _CRITIC_DEVICES.value or cfg.plan.devices,
+        _CRITIC_ACCELERATOR.value or cfg.plan.accelerator)))
+    return 0
   if _PLAN.value or _PLAN_SEARCH.value:
     from jaxrlhf import plan  # lazy: planning sets up simulated devices before jax starts
     return plan.main(cfg, workdir, search=_PLAN_SEARCH.value)

@@ -281,3 +281,29 @@ def test_async_pools_overlap_generation_with_scoring_and_learn(redis_url, tmp_pa
   r_first = np.mean([c[s]["reward/mean"] for s in range(1, 5)])
   r_last = np.mean([c[s]["reward/mean"] for s in range(steps - 3, steps + 1)])
   assert r_last > r_first, (r_first, r_last)
+
+
+# ------------------------------------------------------------------------------- planning
+
+
+def test_plan_each_pool_on_its_own_cluster():
+  from jaxrlhf import registry
+  from jaxrlhf.config import apply_overrides
+  from jaxrlhf.pools.plan import plan_pools
+  cfg = registry.get("ppo70b")
+  sync = plan_pools(cfg, 32, "h100", 8, "h100")
+  asyn = plan_pools(apply_overrides(cfg, ["pools.mode=async"]), 32, "h100", 8, "h100")
+  # The slower pool bounds the asynchronous step; the synchronous one also waits for scoring.
+  assert asyn.step_seconds == max(asyn.actor.seconds, asyn.critic.seconds)
+  assert sync.step_seconds > asyn.step_seconds and asyn.bound == "actor"
+  assert set(sync.actor.phases) == {"generate", "reference", "update_policy"}
+  assert set(sync.critic.phases) == {"reward", "values", "update_value"}
+  assert asyn.usd_per_hour == pytest.approx(40 * 3.0, rel=0.5)  # 40 H100s at ~$3/h
+  assert asyn.usd_per_step == pytest.approx(asyn.step_seconds * asyn.usd_per_hour / 3600)
+  # More critic devices do not help an actor-bound pipeline; a bigger actor pool does.
+  assert plan_pools(cfg, 32, "h100", 16, "h100").step_seconds == pytest.approx(
+      sync.step_seconds, rel=0.2)
+  assert plan_pools(cfg, 64, "h100", 8, "h100").step_seconds < sync.step_seconds
+  # Each pool is planned on its own accelerator.
+  mixed = plan_pools(cfg, 32, "h100", 8, "b200")
+  assert mixed.critic.accelerator.name == "b200" and mixed.critic.seconds < sync.critic.seconds
