@@ -110,14 +110,16 @@ def matmul_rate(m: int, k: int, n: int, repeats: int = 7) -> float:
   return 2.0 * m * k * n / best
 
 
-def rates() -> dict:
+SQUARE, SHAPED = (1024, 1024, 1024), (1280, 256, 1024)
+
+
+def rates(repeats: int = 7) -> dict:
   """The matmul rates the floor is measured against: a large square product (the machine's
-  ceiling) and the update's widest matmul at this workload's size (GRPO: 32 rows x 40
-  tokens against the SwiGLU weights).  The floor uses the larger of the two."""
-  square = matmul_rate(1024, 1024, 1024)
-  shaped = matmul_rate(1280, 256, 1024)
-  return {"matmul_1024_flops_per_s": square, "matmul_1280x256x1024_flops_per_s": shaped,
-          "matmul_flops_per_s": max(square, shaped)}
+  fp32 rate, as :func:`jaxrlhf.hardware.measure_cpu_peak_flops` measures it for
+  ``perf/mfu``) and the update's widest matmul at the workload's size (32 rows x 40 tokens
+  against the SwiGLU weights)."""
+  return {"square": matmul_rate(*SQUARE, repeats=repeats),
+          "shaped": matmul_rate(*SHAPED, repeats=repeats)}
 
 
 def peak_rss_bytes() -> float:
@@ -128,21 +130,22 @@ def _median_min_max(xs):
   return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def build(name: str, model=None):
-  """(cfg, mesh, stage, state, frozen) of workload ``name``: the policy initialised once and
-  handed to the stage as an earlier stage's result, so the reference (and PPO's value model,
-  with a fresh scalar head) start as copies of it."""
+def build(name: str, model=None, cfg=None):
+  """(cfg, mesh, stage, state, frozen, n_params) of workload ``name`` (or of ``cfg``, a changed
+  copy of its config): the policy initialised once and handed to the stage as an earlier
+  stage's result, so the reference (and PPO's value model, with a fresh scalar head) start as
+  copies of it."""
   import jax
   from jaxrlhf import model as M
   from jaxrlhf.data import DataSource
   from jaxrlhf.mesh import make_mesh
   from jaxrlhf.train.pipeline import stage_class
-  cfg = workload_config(name, model)
+  cfg = cfg or workload_config(name, model)
   mesh = make_mesh(cfg.mesh)
   stage = stage_class(name)(cfg, mesh, DataSource(cfg.data, cfg.seed))
   policy = jax.jit(lambda k: M.init_params(cfg.model, k))(jax.random.key(cfg.seed))
   n_params = sum(x.size for x in jax.tree.leaves(policy))
-  if model is None and n_params != PARAM_COUNT:
+  if cfg.model == model_config() and n_params != PARAM_COUNT:
     raise AssertionError(f"the workload's policy has {n_params} parameters, not {PARAM_COUNT}")
   state, frozen = stage.init(jax.random.key(cfg.seed + 1), {"policy": policy})
   del policy
@@ -173,24 +176,34 @@ def worker_main(name: str, steps: int, warmup: int, model=None) -> dict:
   first = time.perf_counter() - t0
   for s in range(1, warmup + 1):
     fn, state, m = _step(stage, mesh, fn, state, frozen, s)
-  r = rates()
-  times, tokens = [], []
+  # The cores are shared: the matmul rate is measured between the timed steps (best of 2 of
+  # each shape after each step), so the floor moves with whatever else runs on the machine.
+  times, tokens, square, shaped = [], [], [], []
+  load = [os.getloadavg()[0]]
   for s in range(warmup + 1, warmup + 1 + steps):
     t0 = time.perf_counter()
     fn, state, m = _step(stage, mesh, fn, state, frozen, s)
     times.append(time.perf_counter() - t0)
     tokens.append(m.get("rollout/tokens", 0.0))
-  r2 = rates()  # again after the steps: the cores are shared, keep the better figure
-  rate = max(r["matmul_flops_per_s"], r2["matmul_flops_per_s"])
+    r = rates(repeats=2)
+    square.append(r["square"])
+    shaped.append(r["shaped"])
+  load.append(os.getloadavg()[0])
+  rate = statistics.median(square)
+  best = max(rate, statistics.median(shaped))
   flops = step_flops(stage)
   total = float(sum(flops.values()))
   step = _median_min_max(times)
   out = {"workload": name, "params": n_params, "setup_s": setup, "first_step_s": first,
          "step_s": step, "flops_per_step": total, "flops_by_phase": flops,
-         **{k: max(r[k], r2[k]) for k in r}, "matmul_flops_per_s": rate,
-         "floor_s": total / rate, "floor_fraction": total / rate / step["median"],
-         "model_flops_per_s": total / step["median"],
-         "mfu": total / step["median"] / rate, "peak_rss_bytes": peak_rss_bytes()}
+         "matmul_1024_flops_per_s": rate,
+         "matmul_1280x256x1024_flops_per_s": statistics.median(shaped),
+         "matmul_flops_per_s": rate, "floor_s": total / rate,
+         "floor_fraction": total / rate / step["median"],
+         "best_matmul_flops_per_s": best, "floor_at_best_s": total / best,
+         "floor_fraction_at_best": total / best / step["median"],
+         "model_flops_per_s": total / step["median"], "loadavg_1min": load,
+         "peak_rss_bytes": peak_rss_bytes()}
   if any(tokens):
     out["generated_tokens_per_step"] = statistics.median(tokens)
     out["generated_tokens_per_s"] = statistics.median(tokens) / step["median"]
@@ -206,12 +219,14 @@ def _collect_phases(per: dict, metrics: dict):
       per.setdefault(k[len("time/phase/"):-len("_s")], []).append(v)
 
 
-def worker_phases(name: str, steps: int, model=None) -> dict:
-  """Median seconds of each phase, the phases run as separately-jitted programs."""
+def worker_phases(name: str, steps: int, model=None, cfg=None) -> dict:
+  """Median seconds of each phase, the phases run as separately-jitted programs, and the
+  model FLOPs of each phase."""
   import jax
   from jaxrlhf.perf import PhaseTimer
   from jaxrlhf.train.common import put_batch
-  cfg, mesh, stage, state, frozen, _ = build(name, model)
+  from jaxrlhf.train.work import step_flops
+  cfg, mesh, stage, state, frozen, _ = build(name, model, cfg)
   if name in ("grpo", "ppo"):
     stage.cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging,
                                                                      phase_timing=True))
@@ -236,16 +251,23 @@ def worker_phases(name: str, steps: int, model=None) -> dict:
         m = timer.end_step()
       if s:
         _collect_phases(per, m)
-  return {"phases_s": {k: statistics.median(v) for k, v in per.items()}}
+  return {"phases_s": {k: statistics.median(v) for k, v in per.items()},
+          "phase_flops": step_flops(stage)}
 
 
-def worker_warm(name: str, model=None) -> dict:
+def worker_warm(name: str, model=None, steps: int = 3) -> dict:
+  """Set-up and first step with the compilation cache filled, then a few more steps: the
+  peak memory of a run that compiles nothing."""
   t0 = time.perf_counter()
   _, mesh, stage, state, frozen, _ = build(name, model)
   setup = time.perf_counter() - t0
   t0 = time.perf_counter()
-  _step(stage, mesh, None, state, frozen, 0)
-  return {"warm_setup_s": setup, "warm_first_step_s": time.perf_counter() - t0}
+  fn, state, _ = _step(stage, mesh, None, state, frozen, 0)
+  first = time.perf_counter() - t0
+  for s in range(1, steps + 1):
+    fn, state, _ = _step(stage, mesh, fn, state, frozen, s)
+  return {"warm_setup_s": setup, "warm_first_step_s": first,
+          "warm_peak_rss_bytes": peak_rss_bytes()}
 
 
 # ------------------------------------------------------------------------------ driving
@@ -285,11 +307,12 @@ def report(r: dict) -> str:
       f"(min {s['min']:.4f}, max {s['max']:.4f})",
       f"  model FLOPs / step     {r['flops_per_step'] / 1e9:8.2f} G    "
       + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in r["flops_by_phase"].items()),
-      f"  matmul rate (fp32)     {r['matmul_flops_per_s'] / 1e9:8.1f} GFLOP/s (1024^3: "
-      f"{r['matmul_1024_flops_per_s'] / 1e9:.1f}, 1280x256x1024: "
-      f"{r['matmul_1280x256x1024_flops_per_s'] / 1e9:.1f})",
-      f"  compute floor          {r['floor_s']:8.4f} s   step reaches {100 * r['floor_fraction']:.0f}%"
-      f" of it ({r['model_flops_per_s'] / 1e9:.1f} GFLOP/s)",
+      f"  matmul rate (fp32)     {r['matmul_flops_per_s'] / 1e9:8.1f} GFLOP/s (1024^3, median "
+      f"between steps; 1280x256x1024: {r['matmul_1280x256x1024_flops_per_s'] / 1e9:.1f}; "
+      f"load {r['loadavg_1min'][0]:.1f} -> {r['loadavg_1min'][1]:.1f})",
+      f"  compute floor          {r['floor_s']:8.4f} s   step reaches "
+      f"{100 * r['floor_fraction']:.0f}% of it ({r['model_flops_per_s'] / 1e9:.1f} GFLOP/s; "
+      f"{100 * r['floor_fraction_at_best']:.0f}% of the floor at the faster shape's rate)",
   ]
   if "generated_tokens_per_s" in r:
     lines.append(f"  generated tokens/s     {r['generated_tokens_per_s']:8.0f}     "
@@ -298,7 +321,9 @@ def report(r: dict) -> str:
     ph = r["phases_s"]
     lines.append("  phases (separate jits) " + ", ".join(
         f"{k} {v:.4f}" for k, v in ph.items() if k != "step") + f"; step {ph['step']:.4f} s")
-  lines.append(f"  peak resident memory   {mib:8.0f} MiB")
+  lines.append(f"  peak resident memory   {mib:8.0f} MiB" + (
+      f" (compiling); {r['warm_peak_rss_bytes'] / 2**20:.0f} MiB with the cache warm"
+      if "warm_peak_rss_bytes" in r else ""))
   return "\n".join(lines)
 
 

@@ -59,6 +59,9 @@ def run(cfg: ExperimentConfig, workdir: str, resume: str = "latest", profile_ste
   policy = ckpt.parse_resume(resume)
   quiet_library_logs()
   profiler = perf.ProfileWindow(profile_steps, workdir)  # a bad flag fails before any work
+  # Compiled programs persist on disk ($JAXRLHF_COMPILATION_CACHE, "off" to disable): every run
+  # of a configuration after the first skips compilation.
+  perf.enable_compilation_cache()
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(to_json(cfg))
