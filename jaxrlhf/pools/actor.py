@@ -25,10 +25,9 @@ import uuid
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf import checkpoint as ckpt
 from jaxrlhf import model as M
 from jaxrlhf.algorithms import kl_estimate, update_kl_controller
-from jaxrlhf.config import ExperimentConfig, to_dict
+from jaxrlhf.config import ExperimentConfig
 from jaxrlhf.data import DataSource
 from jaxrlhf.metrics import MetricsWriter
 from jaxrlhf.pools import common as C
@@ -102,7 +101,7 @@ def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: di
   where = C.pool_dir(workdir, ROLE)
   writer = writer or MetricsWriter(where, cfg.logging, {f"{C.STAGE}.{ROLE}": steps})
   name = f"{C.STAGE}.{ROLE}"
-  with ckpt.Checkpointer(ckpt.checkpoint_dir(workdir, name), cfg.checkpoint, to_dict(cfg)) as ck:
+  with C.PoolCheckpointer(workdir, ROLE, cfg) as ck:
     point = ck.resume(C.abstract_of(state), "latest", cfg)
     if point is not None:
       state, extra = point.state, point.extra
@@ -114,8 +113,8 @@ def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: di
       run, done, published = uuid.uuid4().hex[:12], 0, 0
       start_eval = stage.evaluate(state, frozen)
       # Saved before anything is published: a restart always finds this run's id.
-      ck.save_now(0, state, {"run": run, "done": 0, "published": 0, "start_eval": start_eval})
-      ck.wait()
+      ck.save(0, state, {"run": run, "done": 0, "published": 0, "start_eval": start_eval},
+              force=True)
       events(event="started", run=run)
     streams = C.Streams(C.namespace(cfg), run)
     store.set_str(streams.run_key, run)
@@ -207,22 +206,18 @@ def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: di
           metrics.update(stage.evaluate(state, frozen))
         writer.write(name, done, metrics)
         last = metrics
-        saved = ck.maybe_save(done, state, extra_of(), metrics, force=done == steps)
-        if saved:
-          ck.wait()
+        if ck.save(done, state, extra_of(), metrics, force=done == steps):
           inbox.ack_through(done - 1)
           store.trim(ro_stream, ro_index, C.GROUP["rollouts"],
                      keep_from=store.entry_of(ro_index, done))
     if should_stop():
-      ck.save_now(done, state, extra_of(), last)
-      ck.wait()
+      ck.save(done, state, extra_of(), last, force=True)
       inbox.ack_through(done - 1)
   if done == steps and "eval/accuracy" not in last:
     last.update(stage.evaluate(state, frozen))
   if done == steps:
-    ckpt.save_stage_result(workdir, name, {"policy": state.params["policy"]},
-                           {"summary": {name: {k: v for k, v in last.items()
-                                               if k.startswith("eval/")}},
-                            "start_eval": start_eval, "steps": steps})
+    C.save_result(workdir, ROLE, {"policy": state.params["policy"]},
+                  {"summary": {name: {k: v for k, v in last.items() if k.startswith("eval/")}},
+                   "start_eval": start_eval, "steps": steps})
     events(event="finished", done=done)
   return {**last, "start_eval": start_eval, "state": state, "done": done}

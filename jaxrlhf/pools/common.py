@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import time
 from typing import Callable, Optional
 
@@ -18,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.config import ConfigError, ExperimentConfig
+from jaxrlhf import checkpoint as ckpt
+from jaxrlhf.config import ConfigError, ExperimentConfig, to_dict
 from jaxrlhf.train.common import init_state, put_batch
 from jaxrlhf.train.ppo import PPOStage
 
@@ -159,3 +161,46 @@ def keys_of(state) -> jnp.ndarray:
   """The RNG key ``RLStage._epochs`` on ``state`` draws its minibatch permutations from (it
   splits it), as raw key data for the wire."""
   return jax.random.key_data(state.rng)
+
+
+# orbax keeps process-wide state that two checkpoint managers saving at the same moment from
+# two threads trip over; a pool is normally a process of its own, but tests run both pools
+# as threads of one process.
+_ORBAX = threading.Lock()
+
+
+class PoolCheckpointer:
+  """The pool's :class:`jaxrlhf.checkpoint.Checkpointer`; every save is complete on disk when
+  :meth:`save` returns (a pool acknowledges messages only then)."""
+
+  def __init__(self, workdir: str, role: str, cfg: ExperimentConfig):
+    with _ORBAX:
+      self.ck = ckpt.Checkpointer(ckpt.checkpoint_dir(workdir, f"{STAGE}.{role}"),
+                                  cfg.checkpoint, to_dict(cfg))
+    self.directory = self.ck.directory
+
+  def resume(self, abstract, policy, cfg):
+    with _ORBAX:
+      return self.ck.resume(abstract, policy, cfg)
+
+  def save(self, step: int, state, extra: dict, metrics=None, *, force: bool = False) -> bool:
+    with _ORBAX:
+      saved = self.ck.maybe_save(step, state, extra, metrics, force=force)
+      if saved:
+        self.ck.wait()
+      return saved
+
+  def close(self):
+    with _ORBAX:
+      self.ck.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def save_result(workdir: str, role: str, params: dict, metrics: dict) -> None:
+  with _ORBAX:
+    ckpt.save_stage_result(workdir, f"{STAGE}.{role}", params, metrics)

@@ -20,10 +20,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf import checkpoint as ckpt
 from jaxrlhf import rewards as RW
 from jaxrlhf.algorithms import kl_estimate
-from jaxrlhf.config import ExperimentConfig, to_dict
+from jaxrlhf.config import ExperimentConfig
 from jaxrlhf.data import DataSource
 from jaxrlhf.metrics import MetricsWriter
 from jaxrlhf.pools import common as C
@@ -113,7 +112,7 @@ def run_critic(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: d
                    lambda: store.get_str(run_key), pcfg.peer_wait_s, should_stop)
   if run is None:
     return {}
-  with ckpt.Checkpointer(ckpt.checkpoint_dir(workdir, name), cfg.checkpoint, to_dict(cfg)) as ck:
+  with C.PoolCheckpointer(workdir, ROLE, cfg) as ck:
     point = ck.resume(C.abstract_of(state), "latest", cfg)
     done = 0
     if point is not None and point.extra.get("run") != run:
@@ -187,16 +186,13 @@ def run_critic(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: d
         writer.write(name, done, metrics)
         last = metrics
         extra = {"run": run, "done": done, "stage": name}
-        if ck.maybe_save(done, state, extra, metrics, force=done == steps):
-          ck.wait()
+        if ck.save(done, state, extra, metrics, force=done == steps):
           inbox.ack_through(done - 1)
           store.trim(sc_stream, sc_index, C.GROUP["scores"])
     if should_stop() and done < steps:
-      ck.save_now(done, state, {"run": run, "done": done, "stage": name}, last)
-      ck.wait()
+      ck.save(done, state, {"run": run, "done": done, "stage": name}, last, force=True)
       inbox.ack_through(done - 1)
   if done == steps:
-    ckpt.save_stage_result(workdir, name, {"value": state.params["value"]},
-                           {"summary": {}, "steps": steps})
+    C.save_result(workdir, ROLE, {"value": state.params["value"]}, {"summary": {}, "steps": steps})
     events(event="finished", done=done)
   return {**last, "state": state, "done": done}

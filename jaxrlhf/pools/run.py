@@ -125,7 +125,14 @@ def run_all(cfg: ExperimentConfig, workdir: str, argv: list, redis_url: str = ""
     server, url = start_local_redis(tempfile.mkdtemp(prefix="redis-", dir=workdir))
     print(f"started redis-server at {url} (loopback)", flush=True)
   S.settings(url)
-  base = [a for a in argv[1:] if not a.startswith(("--role", "--redis_url"))]
+  base, skip = [], False
+  for a in argv[1:]:
+    if skip:
+      skip = False
+    elif a in ("--role", "--redis_url"):
+      skip = True  # "--flag value": drop the value too
+    elif not a.startswith(("--role=", "--redis_url=")):
+      base.append(a)
   env = {**os.environ, S.URL_ENV: url}
   procs = {}
   try:
