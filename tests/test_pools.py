@@ -307,3 +307,38 @@ def test_plan_each_pool_on_its_own_cluster():
   # Each pool is planned on its own accelerator.
   mixed = plan_pools(cfg, 32, "h100", 8, "b200")
   assert mixed.critic.accelerator.name == "b200" and mixed.critic.seconds < sync.critic.seconds
+
+
+def test_truncated_importance_correction_of_stale_rollouts():
+  """``pools.is_correction=c``: the ratio is taken to the current policy and advantages are
+  weighted by min(pi_current / pi_behaviour, c); a fresh rollout gets weight 1, a stale
+  one its truncated weight."""
+  from jaxrlhf.pools.actor import ActorStage
+  from jaxrlhf.pools.common import init_roles
+  m = mesh()
+
+  def setup(cap):
+    cfg = pools_config(steps=2, mode="async", is_correction=cap)
+    stage = ActorStage(cfg, m, DataSource(cfg.data, cfg.seed))
+    extras = {k: v for k, v in stage.initial_extras().items() if k != "reward_stats"}
+    state, frozen = init_roles(stage, stage_key(cfg), {}, ["policy"], ["reference"], extras)
+    return stage, state, frozen
+
+  stage, state, frozen = setup(2.0)
+  with jax.set_mesh(m):
+    state, ro = jax.jit(stage.phase_generate)(state, put_batch(m, stage.batch(0)))
+    ro.update(stage.phase_reference(frozen, ro))
+    rows = ro["tokens"].shape[0]
+    adv = jax.random.normal(jax.random.key(1), ro["old_logp"].shape)
+    valid = np.ones((rows,), bool)
+    upd = jax.jit(stage.actor_update)
+    _, mf = upd(state, ro, adv, valid)
+    _, stale = upd(state, {**ro, "old_logp": ro["old_logp"] - 1.0}, adv, valid)
+    _, ahead = upd(state, {**ro, "old_logp": ro["old_logp"] + 1.0}, adv, valid)
+  assert float(mf["pools/is_weight_mean"]) == pytest.approx(1.0, abs=1e-4)
+  # Behaviour log-probs 1 nat below the current policy's: weight e > 2, truncated to 2.
+  assert float(stale["pools/is_truncated_frac"]) == 1.0
+  assert float(stale["pools/is_weight_mean"]) == pytest.approx(2.0, rel=1e-5)
+  # 1 nat above: weight 1/e, kept as is.
+  assert float(ahead["pools/is_truncated_frac"]) == 0.0
+  assert float(ahead["pools/is_weight_mean"]) == pytest.approx(np.exp(-1.0), rel=1e-3)

@@ -77,7 +77,8 @@ class ActorStage(PPOStage):
                                   adaptive=scfg.kl.adaptive)
     state = state.replace(step=state.step + 1, extras={**state.extras, "kl": new_kl})
     lengths = ro["lengths"].astype(jnp.float32)
-    metrics = {**metrics, **extra, "loss/policy": metrics.pop("loss"),
+    policy_loss = metrics.pop("loss")  # the colocated "loss" is this plus the critic's share
+    metrics = {**metrics, **extra, "loss/policy": policy_loss,
                "kl/mean": jnp.mean(seq_kl), "kl/coef": kl_coef,
                "response_length/mean": jnp.mean(lengths), "rollout/tokens": jnp.sum(lengths),
                "rollout/finished_frac": jnp.mean(ro["finished"].astype(jnp.float32)),

@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 from jaxrlhf.config import ConfigError, ExperimentConfig
@@ -122,7 +121,10 @@ def run_all(cfg: ExperimentConfig, workdir: str, argv: list, redis_url: str = ""
   server = None
   os.makedirs(workdir, exist_ok=True)
   if not url:
-    server, url = start_local_redis(tempfile.mkdtemp(prefix="redis-", dir=workdir))
+    # In the workdir, so a rerun after a crash finds the streams the pools resume from.
+    where = os.path.join(workdir, "redis")
+    os.makedirs(where, exist_ok=True)
+    server, url = start_local_redis(where)
     print(f"started redis-server at {url} (loopback)", flush=True)
   S.settings(url)
   base, skip = [], False
