@@ -227,14 +227,23 @@ def worker_phases(name: str, steps: int, model=None, cfg=None) -> dict:
   from jaxrlhf.train.common import put_batch
   from jaxrlhf.train.work import step_flops
   cfg, mesh, stage, state, frozen, _ = build(name, model, cfg)
+  extra = {}
   if name in ("grpo", "ppo"):
+    # The one-program step (a second stage and state) alternates with the phased one in this
+    # process, so their ratio is not skewed by the load on the shared cores changing.
+    _, _, one, state1, frozen1, _ = build(name, model, cfg)
     stage.cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging,
                                                                      phase_timing=True))
-    fn, per = None, {}
+    fn, fn1, per, t1 = None, None, {}, []
     for s in range(steps + 1):
       fn, state, m = _step(stage, mesh, fn, state, frozen, s)
+      t0 = time.perf_counter()
+      fn1, state1, _ = _step(one, mesh, fn1, state1, frozen1, s)
       if s:
         _collect_phases(per, m)
+        t1.append(time.perf_counter() - t0)
+    extra = {"one_program_step_s": statistics.median(t1),
+             "phased_over_one_program": statistics.median(per["step"]) / statistics.median(t1)}
   else:
     # DPO's step is one program; its phases are the reference log-probs (what
     # ``dpo.reference=cache`` computes ahead) and the update given them.
@@ -252,7 +261,7 @@ def worker_phases(name: str, steps: int, model=None, cfg=None) -> dict:
       if s:
         _collect_phases(per, m)
   return {"phases_s": {k: statistics.median(v) for k, v in per.items()},
-          "phase_flops": step_flops(stage)}
+          "phase_flops": step_flops(stage), **extra}
 
 
 def worker_warm(name: str, model=None, steps: int = 3) -> dict:
@@ -320,7 +329,12 @@ def report(r: dict) -> str:
   if "phases_s" in r:
     ph = r["phases_s"]
     lines.append("  phases (separate jits) " + ", ".join(
-        f"{k} {v:.4f}" for k, v in ph.items() if k != "step") + f"; step {ph['step']:.4f} s")
+        f"{k} {v:.4f}" for k, v in ph.items() if k not in ("step", "other"))
+        + f"; step {ph['step']:.4f} s")
+  if "one_program_step_s" in r:
+    lines.append(f"  one program vs phases  {r['one_program_step_s']:8.4f} s   one-program step "
+                 f"alternating with the phased one: phased / one-program = "
+                 f"{r['phased_over_one_program']:.2f}x")
   lines.append(f"  peak resident memory   {mib:8.0f} MiB" + (
       f" (compiling); {r['warm_peak_rss_bytes'] / 2**20:.0f} MiB with the cache warm"
       if "warm_peak_rss_bytes" in r else ""))
