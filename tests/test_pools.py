@@ -202,6 +202,9 @@ def test_inbox_rejects_malformed_and_foreign_entries_and_publish_is_idempotent(r
   raw.xadd(stream, wire.encode(_msg(batch=0, run="someone-else")))  # foreign run
   raw.xadd(stream, {**wire.encode(_msg(batch=0)), b"a:x": b"\x00" * 5})  # truncated array
   raw.xadd(stream, wire.encode(_msg(batch=0)))  # right shape, but not published: forged
+  raw.xadd(stream, wire.encode(_msg(batch=1)))  # forged as well
+  with pytest.raises(S.PeerTimeout, match="batch 0"):  # all five read and dropped by now
+    inbox.take(0, timeout=0.5)
   assert store.publish(stream, index, 0, wire.encode(_msg(batch=0)), group="actor",
                        max_queue=10)
   assert not store.publish(stream, index, 0, wire.encode(_msg(batch=0)), group="actor",
@@ -211,10 +214,11 @@ def test_inbox_rejects_malformed_and_foreign_entries_and_publish_is_idempotent(r
   assert inbox.take(0, timeout=10).batch == 0
   assert inbox.take(1, timeout=10).batch == 1
   reasons = [e["reason"] for e in events if e["event"] == "rejected"]
-  assert len(reasons) == 4, reasons
+  assert len(reasons) == 5, reasons
   assert any("no header" in r for r in reasons) and any("foreign" in r for r in reasons)
   assert any("bytes for" in r for r in reasons) and any("forged" in r for r in reasons)
-  assert sum("rejected" in line for line in logs) == 4
+  assert sum("rejected" in line for line in logs) == 5
+  assert any("not published" in r for r in reasons)
   # Rejected entries are acked at once; taken ones when a checkpoint covers them.
   assert raw.xpending(stream, "actor")["pending"] == 2
   inbox.ack_through(1)

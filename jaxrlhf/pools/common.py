@@ -31,6 +31,10 @@ def check_config(cfg: ExperimentConfig) -> None:
   if not cfg.stages or cfg.stages[-1] != STAGE:
     raise ConfigError(f"--role=actor|critic runs the PPO stage in two pools; the experiment's "
                       f"stages are {list(cfg.stages)}: make 'ppo' the last stage")
+  host = [s for s in cfg.ppo.reward.sources if s.startswith("host:")]
+  if host:
+    raise ConfigError(f"ppo.reward.sources {host}: host (Python) rewards are not supported by "
+                      "the pools yet; use 'model' or 'rule:NAME' sources")
   p = cfg.pools
   if p.mode == "async" and p.max_staleness < 1:
     raise ConfigError(f"pools.max_staleness={p.max_staleness}: async mode needs >= 1 (the "

@@ -1,8 +1,8 @@
 """``python -m jaxrlhf.main --experiment=NAME --role=actor|critic|all``: one pool of a
 disaggregated PPO run, or (``all``) both on this machine.
 
-A pool is an ordinary JAX program on its own devices (its own mesh, ``jax.distributed`` for
-several hosts as in any run): the stages before PPO (SFT, reward model) must have finished in
+A pool is an ordinary JAX program on its own devices (its own mesh; one process per pool for
+now — several processes under ``jax.distributed`` are refused): the stages before PPO (SFT, reward model) must have finished in
 ``--workdir`` (``--role=all`` trains them first with the normal pipeline), then the actor and
 critic exchange batches through Redis.  ``--role=all`` also starts a loopback redis-server
 when no Redis is configured, and stops it at the end.
@@ -50,6 +50,11 @@ def run_role(cfg: ExperimentConfig, workdir: str, role: str, redis_url: str = ""
   from jaxrlhf.preemption import PreemptionHandler
   from jaxrlhf.train import pipeline
   C.check_config(cfg)
+  import jax
+  if jax.process_count() > 1:
+    raise ConfigError(f"--role={role} with {jax.process_count()} processes: a pool runs as one "
+                      "process (any number of local devices) for now; multi-host pools are not "
+                      "implemented (docs/pools.md)")
   url, password = S.settings(redis_url or cfg.pools.redis_url)
   pipeline.quiet_library_logs()
   os.makedirs(workdir, exist_ok=True)

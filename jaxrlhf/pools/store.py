@@ -308,10 +308,6 @@ class Inbox:
       msg = wire.decode(fields, kind=self.kind, run=self.run, schema=self.schema)
     except wire.WireError as e:
       return self._reject(entry, str(e))
-    registered = self.store.entry_of(self.index, msg.batch)
-    if registered is not None and registered != entry:
-      return self._reject(entry, f"batch {msg.batch} is entry {registered.decode()}, not this "
-                                 "one (a duplicate or forged entry)")
     if msg.batch < position:
       # Its effect is in the restored state already: ack with the next checkpoint.
       self.log(f"pools: {self.stream} batch {msg.batch} already applied (position {position}); "
@@ -319,6 +315,13 @@ class Inbox:
       self.event(event="duplicate", stream=self.stream, batch=msg.batch)
       self.unacked[entry] = msg.batch
       return
+    # Publishing adds the entry and its index line in one script, so a real entry is always
+    # the one the index names for its batch.
+    registered = self.store.entry_of(self.index, msg.batch)
+    if registered != entry:
+      where = registered.decode() if registered is not None else "not published"
+      return self._reject(entry, f"batch {msg.batch} is {where}, not this entry (a duplicate "
+                                 "or forged entry)")
     self.buffer[msg.batch] = (entry, msg)
 
   def take(self, batch: int, *, timeout: float, should_stop: Callable[[], bool] = lambda: False,
