@@ -70,13 +70,18 @@ def run_role(cfg: ExperimentConfig, workdir: str, role: str, redis_url: str = ""
     from jaxrlhf.pools.actor import run_actor as fn
   else:
     from jaxrlhf.pools.critic import run_critic as fn
+  from jaxrlhf.metrics import MetricsWriter
+  writer = MetricsWriter(C.pool_dir(workdir, role), cfg.logging,
+                         {f"{C.STAGE}.{role}": cfg.ppo.steps})
   try:
     with PreemptionHandler() as stop:
       out = fn(cfg, workdir, store, mesh, roles, events=events, log=log,
-               should_stop=stop.should_stop)
+               should_stop=stop.should_stop, writer=writer)
   except (S.Unreachable, S.PeerTimeout) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     return 1
+  finally:
+    writer.close()
   if role == "actor" and "eval/accuracy" in out:
     start = out.get("start_eval", {}).get("eval/accuracy")
     print(f"actor: held-out exact match {start if start is not None else float('nan'):.3f} -> "
@@ -140,7 +145,8 @@ def run_all(cfg: ExperimentConfig, workdir: str, argv: list, redis_url: str = ""
       skip = True  # "--flag value": drop the value too
     elif not a.startswith(("--role=", "--redis_url=")):
       base.append(a)
-  env = {**os.environ, S.URL_ENV: url}
+  # Two processes on one machine's accelerators: neither may grab most of the memory up front.
+  env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ, S.URL_ENV: url}
   procs = {}
   try:
     for role in ("critic", "actor"):
