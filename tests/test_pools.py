@@ -277,7 +277,12 @@ def test_async_pools_overlap_generation_with_scoring_and_learn(redis_url, tmp_pa
   serial = np.median([a[s]["time/actor/generate_s"] + a[s]["time/actor/update_s"]
                       + c[s]["time/critic/score_s"] + c[s]["time/critic/update_s"]
                       for s in steady])
-  print(f"async step {step_s:.3f}s vs actor+critic phases {serial:.3f}s")
+  # ...and less than generation, the policy update and scoring in a row (what a synchronous
+  # step takes, the critic's value update overlapping the actor's): scoring is hidden.
+  sync_like = np.median([a[s]["time/actor/generate_s"] + a[s]["time/actor/update_s"]
+                         + c[s]["time/critic/score_s"] for s in steady])
+  print(f"async step {step_s:.4f}s vs actor+critic phases {serial:.4f}s, "
+        f"generate+update+score {sync_like:.4f}s")
   assert step_s < serial, (step_s, serial)
   start, end = actor["start_eval"]["eval/accuracy"], actor["eval/accuracy"]
   print(f"held-out exact match {start:.3f} -> {end:.3f}")
