@@ -174,13 +174,17 @@ def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: di
                                policy_version=version, producer=consumer,
                                meta={"kl_coef": C.scalar(state.extras["kl"].coef)},
                                arrays=arrays)
-            store.publish(ro_stream, ro_index, b, wire.encode(msg), group=C.GROUP["rollouts"],
-                          max_queue=pcfg.max_queue, should_stop=should_stop,
-                          wait_s=pcfg.peer_wait_s)
+            added = store.publish(ro_stream, ro_index, b, wire.encode(msg),
+                                  group=C.GROUP["rollouts"], max_queue=pcfg.max_queue,
+                                  should_stop=should_stop, wait_s=pcfg.peer_wait_s)
+            if not added:  # stopped while the queue was full: batch b stays unpublished
+              break
             events(event="published", batch=b, policy_version=version)
           inflight[b] = (ro, version)
           published += 1
           t_gen += time.perf_counter() - t0
+        if should_stop():
+          break
         t0 = time.perf_counter()
         scores = inbox.take(done, timeout=pcfg.peer_wait_s, should_stop=should_stop)
         if scores is None:
