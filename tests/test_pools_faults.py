@@ -80,7 +80,9 @@ def lineage(events):
   ``done`` updates drops what the killed process applied after it."""
   out = []
   for e in events:
-    if e["event"] == "resumed":
+    if e["event"] == "started":
+      out = []
+    elif e["event"] == "resumed":
       assert e["done"] <= len(out)
       out = out[:e["done"]]
     elif e["event"] == "applied":
