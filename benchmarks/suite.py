@@ -17,13 +17,14 @@ Every workload runs in its own subprocess (so peak resident memory is that workl
    first step costs on every run after the first (``--no_warm`` skips it).
 
 The compute floor of a workload is its model FLOPs per step (:func:`jaxrlhf.train.work.
-step_flops`: matmuls only, generation at full length) over the matmul rate; ``floor / step``
-is the fraction of it a step reaches (1.0 would be every matmul at the rate of a large plain
-``jnp.dot`` and nothing else costing time).
+step_flops`: matmuls only, generation at full length) over the fp32 rate of a ``1024^3``
+``jnp.dot`` measured between the timed steps (the cores are shared; the rate moves with the
+load); ``floor / step`` is the fraction of it a step reaches (1.0 would be every matmul at
+the rate of a large plain ``jnp.dot`` and nothing else costing time).
 
 The workloads (exactly as issue 11 fixes them): a Llama-shaped policy of 4 layers, d_model 256,
 4 heads of 64 (4 KV heads), SwiGLU 1024, vocabulary 512, untied, float32, N(0, 0.02) init and
-unit RMSNorm weights (4,458,752 parameters); GRPO 8 ``a+b=`` prompts x 4 samples, 32 new
+unit RMSNorm weights (4,458,752 parameters), trained with ``remat="dots"``; GRPO 8 ``a+b=`` prompts x 4 samples, 32 new
 tokens, temperature 1, top-p 1, KL 0.04 to a reference scored every step, clip 0.2, one update;
 DPO 8 pairs of 64 + 64 tokens, sigmoid loss, beta 0.1, reference every step; PPO 32 prompts x 1
 sample, the GRPO reward and lengths, a value model copied from the policy with a scalar head,
@@ -52,9 +53,13 @@ PARAM_COUNT = 4_458_752
 
 def model_config(**overrides):
   from jaxrlhf.config import ModelConfig
+  # remat="dots": the backward keeps the matmul outputs and recomputes the elementwise ops
+  # (SiLU, gating, norms) instead of storing them -- the same numbers, half the step program's
+  # temporaries and no slower (benchmarks/NOTES.md, change 4).
   base = ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4,
                      head_dim=64, mlp_dim=1024, max_seq_len=128, tie_embeddings=False,
-                     param_dtype="float32", compute_dtype="float32", init_std=0.02)
+                     param_dtype="float32", compute_dtype="float32", init_std=0.02,
+                     remat="dots")
   return dataclasses.replace(base, **overrides)
 
 
