@@ -351,3 +351,17 @@ def test_truncated_importance_correction_of_stale_rollouts():
   # 1 nat above: weight 1/e, kept as is.
   assert float(ahead["pools/is_truncated_frac"]) == 0.0
   assert float(ahead["pools/is_weight_mean"]) == pytest.approx(np.exp(-1.0), rel=1e-3)
+
+
+def test_configs_the_pools_cannot_run_are_refused():
+  from jaxrlhf.pools.common import check_config
+  base = pools_config(steps=2)
+  for changes, match in [
+      ({"stages": ("ppo", "dpo")}, "last stage"),
+      ({"ppo": dataclasses.replace(base.ppo, shared_backbone=True)}, "shared_backbone"),
+      ({"ppo": dataclasses.replace(base.ppo, reward=RewardConfig(sources=("host:exact_match",)))},
+       "host"),
+      ({"pools": PoolsConfig(mode="async", max_staleness=0)}, "max_staleness"),
+      ({"pools": PoolsConfig(max_queue=0)}, "max_queue")]:
+    with pytest.raises(ConfigError, match=match):
+      check_config(dataclasses.replace(base, **changes))

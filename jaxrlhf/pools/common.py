@@ -31,6 +31,10 @@ def check_config(cfg: ExperimentConfig) -> None:
   if not cfg.stages or cfg.stages[-1] != STAGE:
     raise ConfigError(f"--role=actor|critic runs the PPO stage in two pools; the experiment's "
                       f"stages are {list(cfg.stages)}: make 'ppo' the last stage")
+  if cfg.ppo.shared_backbone:
+    raise ConfigError("ppo.shared_backbone=true puts the value head on the policy, so there is "
+                      "no separate value model for a critic pool; set ppo.shared_backbone=false "
+                      "for --role=actor|critic")
   host = [s for s in cfg.ppo.reward.sources if s.startswith("host:")]
   if host:
     raise ConfigError(f"ppo.reward.sources {host}: host (Python) rewards are not supported by "
