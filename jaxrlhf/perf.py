@@ -273,28 +273,32 @@ def enable_compilation_cache(path: Optional[str] = None) -> Optional[str]:
 
   ``path`` defaults to ``$JAXRLHF_COMPILATION_CACHE``, else ``~/.cache/jaxrlhf/xla``; ``off``
   (or ``none``, ``0``, empty) turns it off.  A directory the user gave jax directly
-  (``JAX_COMPILATION_CACHE_DIR``) wins.  Every program is cached, however small or quickly
-  compiled: a training step is a handful of programs and each one skipped counts.  The cache
-  is trusted code: keep it private to the user.
+  (``JAX_COMPILATION_CACHE_DIR``) wins over both.  Every program is cached, however small or
+  quickly compiled (unless the user set jax's ``JAX_PERSISTENT_CACHE_MIN_*`` thresholds): a
+  training step is a handful of programs and each one skipped counts.  The cache is trusted
+  code: keep it private to the user.
   """
-  current = jax.config.jax_compilation_cache_dir
-  if current:
-    return current
-  if path is None:
-    path = os.environ.get(COMPILATION_CACHE_ENV, DEFAULT_COMPILATION_CACHE)
-  if path.strip().lower() in ("", "off", "none", "0", "false"):
-    return None
-  path = os.path.abspath(os.path.expanduser(path))
-  try:
-    os.makedirs(path, exist_ok=True)
-  except OSError as e:
-    raise ConfigError(f"{COMPILATION_CACHE_ENV}={path}: cannot create the compilation cache "
-                      f"directory ({e.strerror}); point it at a writable directory or set "
-                      f"it to 'off'") from None
-  jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-  return path
+  path_given = jax.config.jax_compilation_cache_dir
+  if not path_given:
+    if path is None:
+      path = os.environ.get(COMPILATION_CACHE_ENV, DEFAULT_COMPILATION_CACHE)
+    if path.strip().lower() in ("", "off", "none", "0", "false"):
+      return None
+    path = os.path.abspath(os.path.expanduser(path))
+    try:
+      os.makedirs(path, exist_ok=True)
+    except OSError as e:
+      raise ConfigError(f"{COMPILATION_CACHE_ENV}={path}: cannot create the compilation cache "
+                        f"directory ({e.strerror}); point it at a writable directory or set "
+                        f"it to 'off'") from None
+    jax.config.update("jax_compilation_cache_dir", path)
+  # jax's own thresholds skip programs that compile in under a second; a user's explicit
+  # setting of them wins.
+  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  if "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES" not in os.environ:
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  return path_given or path
 
 
 # ------------------------------------------------------------------------------- memory

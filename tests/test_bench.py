@@ -51,16 +51,19 @@ jax.jit(lambda x: x * 2 + 1)(jnp.ones(3)).block_until_ready()
 """
 
 
-@pytest.mark.parametrize("setting", ["dir", "off"])
+@pytest.mark.parametrize("setting", ["dir", "off", "jax_dir_wins"])
 def test_compilation_cache_keeps_programs_on_disk_unless_off(tmp_path, setting):
-  cache = tmp_path / "xla"
-  value = str(cache) if setting == "dir" else "off"
+  cache, jax_cache = tmp_path / "xla", tmp_path / "jax"
+  env = _env(JAXRLHF_COMPILATION_CACHE=str(cache) if setting != "off" else "off")
+  if setting == "jax_dir_wins":
+    env["JAX_COMPILATION_CACHE_DIR"] = str(jax_cache)
   proc = subprocess.run([sys.executable, "-c", _CACHE_PROBE], cwd=ROOT, capture_output=True,
-                        text=True, timeout=120,
-                        env=_env(JAXRLHF_COMPILATION_CACHE=value))
+                        text=True, timeout=120, env=env)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  if setting == "dir":
-    assert proc.stdout.split()[-1] == str(cache)
-    assert any(cache.iterdir()), "a compiled program should have been written to the cache"
-  else:
+  used = {"dir": cache, "jax_dir_wins": jax_cache}.get(setting)
+  if used is None:
     assert proc.stdout.split()[-1] == "None" and not cache.exists()
+  else:
+    assert proc.stdout.split()[-1] == str(used)
+    # A program that compiles in milliseconds is kept too (jax's default skips it).
+    assert any(used.iterdir()), "a compiled program should have been written to the cache"
