@@ -7,6 +7,7 @@ RL stages start weak and have room to improve.
 import dataclasses
 
 import numpy as np
+import pytest
 
 from helpers import mesh
 from jaxrlhf.config import DPOConfig, GRPOConfig, KLConfig, OptimizerConfig, PPOConfig, RewardConfig
@@ -59,12 +60,16 @@ def test_grpo_raises_mean_rule_reward():
   assert last > first + 0.05, (first, last)
 
 
-def test_ppo_value_loss_falls_and_reward_rises():
+@pytest.mark.parametrize("shared", [False, True], ids=["separate_value_model", "shared_backbone"])
+def test_ppo_value_loss_falls_and_reward_rises(shared):
   stage_sft, state_sft, _ = _sft_policy(40)
   roles = {"policy": state_sft.params["policy"]}
+  # A shared backbone takes the value loss's gradients too: a smaller vf_coef keeps them from
+  # swamping the policy's.
   cfg = _cfg(ppo=PPOConfig(steps=20, batch_size=32, optim=OptimizerConfig(
       lr=2e-3, warmup_steps=0, schedule="constant"), value_optim=FAST, eval_every=0,
-      kl=KLConfig(coef=0.01), reward=RewardConfig(sources=("rule:token_accuracy",))))
+      kl=KLConfig(coef=0.01), reward=RewardConfig(sources=("rule:token_accuracy",)),
+      shared_backbone=shared, vf_coef=0.1 if shared else PPOConfig.vf_coef))
   stage, state, frozen, metrics = run_steps(cfg, "ppo", mesh(), steps=20, roles=roles)
   v_first = np.mean([m["value/loss"] for m in metrics[:3]])
   v_last = np.mean([m["value/loss"] for m in metrics[-3:]])

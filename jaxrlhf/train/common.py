@@ -98,10 +98,14 @@ def accumulate_grads(loss_fn: Callable[[Any, dict], tuple[jax.Array, dict]], par
   return loss, grads, jax.tree.map(lambda x: jnp.mean(x, axis=0), aux)
 
 
+# optax.tree.norm where it exists (newer optax deprecates optax.global_norm).
+_global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
+
+
 def apply_update(params, opt_state, grads, loss, optimizer: optax.GradientTransformation):
   """One optimizer update, skipped (params and state unchanged) if the loss or any gradient is
   not finite.  Returns ``(params, opt_state, finite, grad_norm)``."""
-  grad_norm = optax.global_norm(grads)
+  grad_norm = _global_norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   # Zero the gradients on a bad step so the update itself stays finite, then keep the old state.
   safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)

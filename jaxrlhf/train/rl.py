@@ -246,9 +246,11 @@ class RLStage(Stage):
             params[role], opt_state[role], grads[role], loss, self.opt[role])
         finites.append(fin)
       finite = jnp.all(jnp.stack(finites))
-      # All roles skip together: a half-applied PPO update would desynchronise policy/value.
-      new_params = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_params, params)
-      new_opt = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_opt, opt_state)
+      if len(params) > 1:
+        # All roles skip together: a half-applied PPO update would desynchronise policy/value.
+        # (One role: apply_update has already kept its old state on a non-finite step.)
+        new_params = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_params, params)
+        new_opt = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_opt, opt_state)
       extras = count_skip(extras, finite)
       aux = {**aux, "loss": loss, "grad_norm": norms["policy"],
              "rollout/logprob_mismatch": jnp.where(is_first, aux["_mismatch"], 0.0)}
