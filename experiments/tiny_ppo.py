@@ -34,8 +34,8 @@ def build():
       stages=("sft", "rm", "ppo"), model=TINY, data=ADDITION, rollout=GREEDY_LEN, sft=PPO_SFT,
       # Mean-pooled scores: each response token is judged where it stands (see ModelConfig).
       reward_model=dataclasses.replace(TINY, score_pool="mean"),
-      rm=RMConfig(steps=800, batch_size=64, eval_every=100,
-                  optim=OptimizerConfig(lr=1e-3, warmup_steps=10, schedule="cosine")),
+      rm=RMConfig(steps=1200, batch_size=64, eval_every=100,
+                  optim=OptimizerConfig(lr=3e-4, warmup_steps=10, schedule="cosine")),
       ppo=PPOConfig(steps=100, batch_size=32, eval_every=20,
                     kl=KLConfig(coef=0.1),
                     reward=RewardConfig(sources=("model", "rule:exact_match"),

@@ -93,3 +93,20 @@ def test_grpo_with_a_host_reward_splits_in_two_programs_and_matches_the_rule():
     assert "time/phase/host_reward_s" in b and "time/phase/host_reward_s" not in a
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6),
                jax.device_get(s_h.params), jax.device_get(s_r.params))
+
+
+def test_value_model_takes_the_reward_models_backbone_with_a_zero_head():
+  """The reward head's raw-score scale has nothing to do with normalised returns: the value
+  model starts from the reward model's backbone with a fresh (zero) head."""
+  cfg = config()
+  m = mesh()
+  rm_stage = stage_class("rm")(cfg, m, DataSource(cfg.data, cfg.seed))
+  reward = rm_stage.init(jax.random.key(1), {})[0].params["reward"]
+  reward = {**reward, "score": {"w": reward["score"]["w"] + 1.0, "b": reward["score"]["b"] + 2.0}}
+  stage = stage_class("ppo")(cfg, m, DataSource(cfg.data, cfg.seed))
+  state, frozen = stage.init(jax.random.key(0), {"reward": reward})
+  value = jax.device_get(state.params["value"])
+  assert not np.any(value["score"]["w"]) and float(value["score"]["b"]) == 0.0
+  np.testing.assert_array_equal(value["layers"]["w_up"], jax.device_get(reward["layers"]["w_up"]))
+  # The frozen reward model keeps its own head.
+  assert float(jax.device_get(frozen["reward"]["score"]["b"])) == float(reward["score"]["b"])

@@ -142,6 +142,12 @@ class Stage:
       for donor in donors:
         if donor in roles and same_backbone(self.cfg.role_model(donor), cfg):
           source = roles[donor]
+          if role == "value":
+            # The backbone only: the reward head's scale (raw reward-model scores) has nothing
+            # to do with the normalised returns a value head predicts, and starting from it
+            # made the first PPO steps' advantages noise (tiny_ppo fell 82% -> 62% before
+            # recovering); a zero head starts at the baseline of normalised returns.
+            source = {k: v for k, v in source.items() if k != "score"}
           break
     if source is None:
       # A Hugging Face directory (model.hf_path / reward_model.hf_path ...) or a random init.
