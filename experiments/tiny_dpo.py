@@ -11,5 +11,6 @@ def build():
       name="tiny_dpo",
       description="SFT, then DPO on derived preference pairs (correct answer over a wrong one)",
       stages=("sft", "dpo"), model=TINY, data=ADDITION, rollout=GREEDY_LEN, sft=TINY_SFT,
-      dpo=DPOConfig(steps=200, batch_size=32, beta=0.2, eval_every=50,
-                    optim=OptimizerConfig(lr=3e-4, warmup_steps=5, schedule="constant")))
+      # A decaying learning rate: at a constant 3e-4 preference accuracy swung 0.86-0.90.
+      dpo=DPOConfig(steps=300, batch_size=32, beta=0.2, eval_every=50,
+                    optim=OptimizerConfig(lr=3e-4, warmup_steps=5, schedule="cosine")))
