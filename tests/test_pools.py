@@ -34,8 +34,7 @@ from jaxrlhf.pools.critic import run_critic  # noqa: E402
 from jaxrlhf.data import DataSource  # noqa: E402
 from jaxrlhf.pools.common import stage_key  # noqa: E402
 from jaxrlhf.train.common import put_batch  # noqa: E402
-from jaxrlhf.train.ppo import PPOStage  # noqa: E402
-from test_train import config  # noqa: E402
+from test_train import config, run_steps  # noqa: E402
 
 
 @pytest.fixture
@@ -71,16 +70,7 @@ def pools_config(steps=10, **pools):
 
 def colocated(cfg, steps):
   """The colocated PPO stage as the pipeline runs it (same stage key); per-step metrics."""
-  m = mesh()
-  stage = PPOStage(cfg, m, DataSource(cfg.data, cfg.seed))
-  state, frozen = stage.init(stage_key(cfg), {})
-  out, fn = [], None
-  for step in range(steps):
-    batch = put_batch(m, stage.batch(step))
-    with jax.set_mesh(m):
-      fn = fn or stage.make_step_fn(state, frozen, batch)
-      state, metrics = fn(state, frozen, batch)
-    out.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+  _, state, _, out = run_steps(cfg, "ppo", mesh(), steps=steps, key=stage_key(cfg))
   return state, out
 
 

@@ -36,9 +36,9 @@ def config(**changes) -> ExperimentConfig:
   return dataclasses.replace(base, **changes)
 
 
-def run_steps(cfg, name, m, steps=1, roles=None):
+def run_steps(cfg, name, m, steps=1, roles=None, key=None):
   stage = stage_class(name)(cfg, m, DataSource(cfg.data, cfg.seed))
-  state, frozen = stage.init(jax.random.key(0), roles or {})
+  state, frozen = stage.init(jax.random.key(0) if key is None else key, roles or {})
   out = []
   fn = None
   for step in range(steps):
