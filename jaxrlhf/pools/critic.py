@@ -20,8 +20,6 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf import rewards as RW
-from jaxrlhf.algorithms import kl_estimate
 from jaxrlhf.config import ExperimentConfig
 from jaxrlhf.data import DataSource
 from jaxrlhf.metrics import MetricsWriter
@@ -53,28 +51,12 @@ class CriticStage(PPOStage):
   def score(self, state, frozen, batch, ro, kl_coef):
     """Everything of ``RLStage.phase_update`` before the policy update: returns advantages,
     the valid rows, the value-update data, the new reward statistics and metrics."""
-    scfg = self.scfg
     scored, rmetrics = self.phase_reward(frozen, batch, ro)
-    values = self.phase_values(state, ro)["values"]
-    raw = scored["score"]
-    valid = scored["keep"] & jnp.isfinite(raw)
-    score, stats, norm_metrics = RW.normalize_rewards(
-        raw, valid, mode=scfg.reward.normalize, stats=state.extras["reward_stats"],
-        clip=scfg.reward.clip)
-    resp_mask = ro["response_mask"]
-    kl_tok = kl_estimate(ro["old_logp"], ro["ref_logp"], estimator=scfg.kl.estimator,
-                         clamp_logr=scfg.kl.clamp_logr, clamp_kl=scfg.kl.clamp_kl)
-    kl_tok = jnp.where(resp_mask, kl_tok, 0.0)
-    update_mask = resp_mask & valid[:, None]
-    adv, extra = self.advantages({**ro, "values": values}, score, kl_tok, kl_coef, update_mask)
+    ro = {**ro, **scored, **self.phase_values(state, ro)}
+    adv, extra, update_mask, _, stats, metrics = self.shape_rewards(state, ro, kl_coef)
+    valid = scored["keep"] & jnp.isfinite(scored["score"])
     data = {"tokens": ro["tokens"], "mask": ro["mask"], "resp_mask": update_mask, **extra}
-    finite = jnp.isfinite(raw)
-    metrics = {**norm_metrics, **rmetrics,
-               "reward/mean": jnp.mean(jnp.where(finite, raw, 0.0)),
-               "reward/std": jnp.std(jnp.where(finite, raw, 0.0)),
-               "reward/min": jnp.min(jnp.where(finite, raw, jnp.inf)),
-               "reward/max": jnp.max(jnp.where(finite, raw, -jnp.inf))}
-    return adv.astype(jnp.float32), valid, data, stats, metrics
+    return adv.astype(jnp.float32), valid, data, stats, {**metrics, **rmetrics}
 
   def value_update(self, state, data, perm_key, stats):
     view = state.replace(rng=jax.random.wrap_key_data(perm_key),

@@ -167,8 +167,11 @@ class RLStage(Stage):
     # The value of the state *before* each response token.
     return {"values": v[:, self.P - 1:self.P - 1 + self.N]}
 
-  def phase_update(self, state, frozen, batch, ro):
-    del frozen, batch
+  def shape_rewards(self, state, ro, kl_coef):
+    """Reward normalisation (with the running statistics in ``state.extras``), per-token KL to
+    the reference and advantages: everything the update trains on, before any gradient.
+    Returns ``(adv, extra, update_mask, kl_tok, reward_stats, metrics)``; the disaggregated
+    critic pool calls this too."""
     scfg = self.scfg
     resp_mask = ro["response_mask"]
     raw = ro["score"]
@@ -179,9 +182,24 @@ class RLStage(Stage):
     kl_tok = kl_estimate(ro["old_logp"], ro["ref_logp"], estimator=scfg.kl.estimator,
                          clamp_logr=scfg.kl.clamp_logr, clamp_kl=scfg.kl.clamp_kl)
     kl_tok = jnp.where(resp_mask, kl_tok, 0.0)
-    kl_coef = state.extras["kl"].coef
     update_mask = resp_mask & valid[:, None]
     adv, extra = self.advantages(ro, score, kl_tok, kl_coef, update_mask)
+    finite = jnp.isfinite(raw)
+    # The raw score's statistics win over the normaliser's (which describe the normalised one).
+    metrics = {**norm_metrics,
+               "reward/mean": jnp.mean(jnp.where(finite, raw, 0.0)),
+               "reward/std": jnp.std(jnp.where(finite, raw, 0.0)),
+               "reward/min": jnp.min(jnp.where(finite, raw, jnp.inf)),
+               "reward/max": jnp.max(jnp.where(finite, raw, -jnp.inf))}
+    return adv, extra, update_mask, kl_tok, stats, metrics
+
+  def phase_update(self, state, frozen, batch, ro):
+    del frozen, batch
+    scfg = self.scfg
+    resp_mask = ro["response_mask"]
+    kl_coef = state.extras["kl"].coef
+    adv, extra, update_mask, kl_tok, stats, reward_metrics = self.shape_rewards(
+        state, ro, kl_coef)
     data = {"tokens": ro["tokens"], "mask": ro["mask"], "resp_mask": update_mask,
             "old_logp": ro["old_logp"], "ref_logp": ro["ref_logp"], "adv": adv,
             "rollout_logp": ro["old_logp"], **extra}
@@ -194,13 +212,8 @@ class RLStage(Stage):
     state = state.replace(step=state.step + 1,
                           extras={**state.extras, "kl": new_kl, "reward_stats": stats})
     lengths = ro["lengths"].astype(jnp.float32)
-    # The raw score's statistics win over the normaliser's (which describe the normalised one).
     metrics = {
-        **norm_metrics, **upd_metrics,
-        "reward/mean": jnp.mean(jnp.where(jnp.isfinite(raw), raw, 0.0)),
-        "reward/std": jnp.std(jnp.where(jnp.isfinite(raw), raw, 0.0)),
-        "reward/min": jnp.min(jnp.where(jnp.isfinite(raw), raw, jnp.inf)),
-        "reward/max": jnp.max(jnp.where(jnp.isfinite(raw), raw, -jnp.inf)),
+        **reward_metrics, **upd_metrics,
         "kl/mean": jnp.mean(seq_kl), "kl/coef": kl_coef,
         "response_length/mean": jnp.mean(lengths),
         "rollout/tokens": jnp.sum(lengths),
