@@ -228,7 +228,7 @@ def _generate(params, prompt_tokens_BP, prompt_mask_BP, key, *, cfg: ModelConfig
 
   # Replicate for the group and extend with the N - 1 slots decoding writes (the last sampled
   # token is never fed back).  Slots past a row's stop stay masked out.
-  grow = lambda x: jnp.pad(jnp.repeat(x, n, axis=1), ((0, 0), (0, 0), (0, n_new - 1), (0, 0),
+  grow = lambda x: jnp.pad(jnp.repeat(x, n, axis=1), ((0, 0), (0, 0), (0, 0), (0, n_new - 1),
                                                       (0, 0)))
   cache = _constrain_cache(KVCache(
       k=grow(cache.k), v=grow(cache.v),

@@ -132,18 +132,22 @@ def test_flash_attention_matches_reference(dtype, shape):
     # three new tokens, plain multi-head, D=24 (padded to 32), cache exactly full
     (jnp.bfloat16, (2, 3, 50, 4, 4, 24, 47)),
 ])
-def test_decode_attention_matches_reference(dtype, shape):
+@pytest.mark.parametrize("kv_layout", ["bskd", "bksd"])
+def test_decode_attention_matches_reference(dtype, shape, kv_layout):
   b, t, s, h, kh, d, off = shape
   q, k, v, kv_mask, seen, cot = _attention_case(jax.random.key(3), b, t, s, h, kh, d, off, dtype)
   off = jnp.int32(off)
   bs = DecodeBlockSizes(block_k=16, target_programs=3 * b * kh)
+  # The KV cache's head-major layout: the same keys and values, [B, K, S, D].
+  lay = (lambda x: x) if kv_layout == "bskd" else (lambda x: x.transpose(0, 2, 1, 3))
   got, got_g = _with_grads(lambda q, k, v, m, o: decode_attention(
-      q, k, v, m, o, block_sizes=bs, interpret=True), 3, cot)(q, k, v, kv_mask, off)
+      q, k, v, m, o, block_sizes=bs, interpret=True, kv_layout=kv_layout), 3, cot)(
+          q, lay(k), lay(v), kv_mask, off)
   want, want_g = _with_grads(attention_reference, 3, cot)(q, k, v, kv_mask, off)
   tol_v, tol_g = TOL[dtype]
   assert_close(jnp.where(seen[:, :, None, None], got, 0), want, tol_v, "output")
   for name, g, r in zip("qkv", got_g, want_g):  # the reference's gradient, by design
-    assert_close(g, r, tol_g, f"d{name}")
+    assert_close(g if name == "q" else lay(g), r, tol_g, f"d{name}")
 
 
 # ----------------------------------------------------------------------------- dispatcher
@@ -171,6 +175,15 @@ def test_dispatcher_uses_xla_on_cpu_and_honours_overrides():
   assert "flash_attention_fwd" in jaxpr  # T=20 > DECODE_MAX_T: the prefill kernel
   jaxpr = str(jax.make_jaxpr(at("pallas_interpret"))(q[:, :1], k, v))
   assert "decode_attention" in jaxpr
+  # The KV cache's head-major layout gives the same result on every path.
+  head_major = lambda x: x.transpose(0, 2, 1, 3)
+  for impl, tq in (("xla", 20), ("pallas_interpret", 20), ("pallas_interpret", 1)):
+    want = attention(q[:, :tq], k, v, kv_mask, 0, impl=impl)
+    got = attention(q[:, :tq], head_major(k), head_major(v), kv_mask, 0, impl=impl,
+                    kv_layout="bksd")
+    np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"{impl}, T={tq}")
+  with pytest.raises(ValueError, match=r"kv_layout='bsdk'; choose from bskd, bksd"):
+    attention(q, k, v, kv_mask, 0, kv_layout="bsdk")
 
 
 def test_dispatcher_errors_name_the_choices():

@@ -242,8 +242,8 @@ def test_sharded_generation_equals_unsharded():
   np.testing.assert_array_equal(got.mask, ref.mask)
   np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5)
   np.testing.assert_allclose(got.sample_logprobs, ref.sample_logprobs, atol=1e-5)
-  # The per-device KV cache is [layers, rows/dp, P+N-1, kv_heads/tp, head_dim].
-  assert f"f32[{cfg.n_layers},4,{P + N - 1},1,{cfg.head_dim}]" in hlo
+  # The per-device KV cache is [layers, rows/dp, kv_heads/tp, P+N-1, head_dim].
+  assert f"f32[{cfg.n_layers},4,1,{P + N - 1},{cfg.head_dim}]" in hlo
   assert f"f32[{cfg.n_layers},8,{P + N - 1},4,{cfg.head_dim}]" not in hlo
 
 

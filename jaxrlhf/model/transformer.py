@@ -102,8 +102,11 @@ def init_params(cfg: ModelConfig, key: jax.Array, head: str = "lm") -> dict:
 
 @flax.struct.dataclass
 class KVCache:
-  """Per-layer keys/values ``[L, B, S, K, Dh]``, which slots hold real tokens ``[B, S]``,
-  and the next slot to write (a scalar shared by the batch)."""
+  """Per-layer keys/values ``[L, B, K, S, Dh]``, which slots hold real tokens ``[B, S]``,
+  and the next slot to write (a scalar shared by the batch).  Head-major, so each head's slots
+  are contiguous: the attention matmuls (and the decode kernel's per-head programs) read a
+  layer's cache as it is; slot-major, every decode step copied it into this order first
+  (benchmarks/NOTES.md, change 6)."""
 
   k: jax.Array
   v: jax.Array
@@ -112,12 +115,12 @@ class KVCache:
 
   @staticmethod
   def axes() -> "KVCache":
-    kv = ("layers", "batch", "seq", "kv_heads", "head_dim")
+    kv = ("layers", "batch", "kv_heads", "seq", "head_dim")
     return KVCache(k=kv, v=kv, mask=("batch", "seq"), index=())
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
-  shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+  shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
   dtype = _dtype(cfg.compute_dtype)
   return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                  mask=jnp.zeros((batch, max_len), bool), index=jnp.zeros((), jnp.int32))
@@ -189,7 +192,7 @@ def _matmul(x_BTI, w):
 
 def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, positions_BT, kv_mask, q_offset,
            cache_kv):
-  """One decoder layer.  ``cache_kv`` is None or ``(k_LBSKD, v_LBSKD, layer)``: the *whole*
+  """One decoder layer.  ``cache_kv`` is None or ``(k_LBKSD, v_LBKSD, layer)``: the *whole*
   cache and this layer's index; the new keys/values are written into it in place (one slot
   range of one layer) and it is returned whole."""
   cdt = _dtype(cfg.compute_dtype)
@@ -206,15 +209,16 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, positions_BT, kv_mask, q
   v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
   if cache_kv is not None:
     ck, cv, li = cache_kv
-    at = (li, 0, q_offset, 0, 0)
-    ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype)[None], at)
-    cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype)[None], at)
+    at = (li, 0, 0, q_offset, 0)
+    head_major = lambda x: x.astype(ck.dtype).transpose(0, 2, 1, 3)[None]  # [1, B, K, T, D]
+    ck = jax.lax.dynamic_update_slice(ck, head_major(k), at)
+    cv = jax.lax.dynamic_update_slice(cv, head_major(v), at)
     k_all = jax.lax.dynamic_index_in_dim(ck, li, 0, keepdims=False)
     v_all = jax.lax.dynamic_index_in_dim(cv, li, 0, keepdims=False)
+    o = attention(q, k_all, v_all, kv_mask, q_offset, impl=attn_impl, kv_layout="bksd")
     new_kv = (ck, cv)
   else:
-    k_all, v_all, new_kv = k, v, None
-  o = attention(q, k_all, v_all, kv_mask, q_offset, impl=attn_impl)
+    o, new_kv = attention(q, k, v, kv_mask, q_offset, impl=attn_impl), None
   h_BTD = h_BTD + constrain(_matmul(o, lp["wo"]), ("batch", "seq", "embed"))
   x = rms_norm(h_BTD, lp["mlp_norm"], cfg.norm_eps)
   gate = _matmul(x, lp["w_gate"])
@@ -246,7 +250,7 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
     layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], static_argnums=())
 
   # The cache rides in the loop's carry and each layer writes its new slots into it in place:
-  # as a scanned input/output it would be rebuilt ([L, B, S, K, Dh] copied) at every decode step.
+  # as a scanned input/output it would be rebuilt ([L, B, K, S, Dh] copied) at every decode step.
   def step(carry, xs):
     h, kv = carry
     lp, li = xs

@@ -29,7 +29,7 @@ from kernels._backend import cdiv, dot, padded
 from kernels._sharding import per_shard
 from kernels.attention.flash import (check_shapes, kernel_inputs, key_block, n_key_blocks,
                                      softmax_finish, softmax_init, softmax_step)
-from kernels.attention.reference import attention_reference
+from kernels.attention.reference import attention_reference, check_layout
 
 _MASKED = -1e30
 
@@ -72,16 +72,21 @@ def _kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, s, g, d, 
   plgpu.store(lse_ref.at[pl.ds(0, rp)], lse, mask=row_ok)
 
 
-def _decode_local(off, q5, k, v, kv_mask, *, bs, interpret, scale):
-  """One shard: q5 [B, T, K, G, D] (query heads grouped by their KV head)."""
+def _decode_local(off, q5, k, v, kv_mask, *, bs, interpret, scale, kv_layout):
+  """One shard: q5 [B, T, K, G, D] (query heads grouped by their KV head); k, v [B, S, K, D]
+  or, with ``kv_layout="bksd"``, [B, K, S, D]."""
   b, t, kh, g, d = q5.shape
-  s = k.shape[1]
+  s = k.shape[1] if kv_layout == "bskd" else k.shape[2]
   scale = d ** -0.5 if scale is None else scale
   bk = min(bs.block_k, padded(s))
   n_split = max(1, min(cdiv(bs.target_programs, b * kh), cdiv(s, bk)))
   rows = t * g
   # [B, T, K, G, D] -> [B, K, T*G, D]: one program's queries are contiguous (a small copy).
   q_rows = q5.transpose(0, 2, 1, 3, 4).reshape(b, kh, rows, d)
+  if kv_layout == "bskd":
+    kv_spec = pl.BlockSpec((None, s, None, d), lambda bi, ki, si: (bi, 0, ki, 0))
+  else:  # one program's [S, D] block is contiguous
+    kv_spec = pl.BlockSpec((None, None, s, d), lambda bi, ki, si: (bi, ki, 0, 0))
   kernel = functools.partial(_kernel, t=t, s=s, g=g, d=d, dp=padded(d), rp=padded(rows),
                              scale=scale, bk=bk, n_split=n_split)
   o_part, lse_part = pl.pallas_call(
@@ -90,8 +95,8 @@ def _decode_local(off, q5, k, v, kv_mask, *, bs, interpret, scale):
       in_specs=[
           pl.BlockSpec((1,), lambda bi, ki, si: (0,)),
           pl.BlockSpec((None, None, rows, d), lambda bi, ki, si: (bi, ki, 0, 0)),
-          pl.BlockSpec((None, s, None, d), lambda bi, ki, si: (bi, 0, ki, 0)),
-          pl.BlockSpec((None, s, None, d), lambda bi, ki, si: (bi, 0, ki, 0)),
+          kv_spec,
+          kv_spec,
           pl.BlockSpec((None, s), lambda bi, ki, si: (bi, 0)),
       ],
       out_specs=[
@@ -112,32 +117,36 @@ def _decode_local(off, q5, k, v, kv_mask, *, bs, interpret, scale):
 
 
 @functools.lru_cache(maxsize=None)
-def _op(bs, interpret, scale):
-  return per_shard(functools.partial(_decode_local, bs=bs, interpret=interpret, scale=scale),
-                   "x, b t k g d, b s k d, b s k d, b s -> b t k g d",
+def _op(bs, interpret, scale, kv_layout):
+  kv = " ".join(kv_layout)
+  return per_shard(functools.partial(_decode_local, bs=bs, interpret=interpret, scale=scale,
+                                     kv_layout=kv_layout),
+                   f"x, b t k g d, {kv}, {kv}, b s -> b t k g d",
                    replicated=("x", "t", "g", "d", "s"))
 
 
-def _decode(q, k, v, kv_mask, off, bs, interpret, scale):
+def _decode(q, k, v, kv_mask, off, bs, interpret, scale, kv_layout):
   b, t, h, d = q.shape
-  kh = k.shape[2]
+  kh = k.shape[kv_layout.index("k")]
   q5 = q.reshape(b, t, kh, h // kh, d)
-  return _op(bs, interpret, scale)(off, q5, k, v, kv_mask).reshape(q.shape)
+  return _op(bs, interpret, scale, kv_layout)(off, q5, k, v, kv_mask).reshape(q.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _decode_vjp(q, k, v, kv_mask, off, bs, interpret, scale):
-  return _decode(q, k, v, kv_mask, off, bs, interpret, scale)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _decode_vjp(q, k, v, kv_mask, off, bs, interpret, scale, kv_layout):
+  return _decode(q, k, v, kv_mask, off, bs, interpret, scale, kv_layout)
 
 
-def _decode_fwd(q, k, v, kv_mask, off, bs, interpret, scale):
-  return _decode(q, k, v, kv_mask, off, bs, interpret, scale), (q, k, v, kv_mask, off)
+def _decode_fwd(q, k, v, kv_mask, off, bs, interpret, scale, kv_layout):
+  return (_decode(q, k, v, kv_mask, off, bs, interpret, scale, kv_layout),
+          (q, k, v, kv_mask, off))
 
 
-def _decode_bwd(bs, interpret, scale, res, do):
+def _decode_bwd(bs, interpret, scale, kv_layout, res, do):
   q, k, v, kv_mask, off = res
   _, vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, kv_mask != 0, off[0],
-                                                       scale=scale), q, k, v)
+                                                       scale=scale, kv_layout=kv_layout),
+                   q, k, v)
   return (*vjp(do), None, None)
 
 
@@ -146,8 +155,13 @@ _decode_vjp.defvjp(_decode_fwd, _decode_bwd)
 
 def decode_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *,
                      block_sizes: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False,
-                     scale: float | None = None):
-  """Attention of T new tokens (slots ``q_offset ..``) over a KV cache; see the module doc."""
-  check_shapes(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS)
+                     scale: float | None = None, kv_layout: str = "bskd"):
+  """Attention of T new tokens (slots ``q_offset ..``) over a KV cache; see the module doc.
+  ``kv_layout="bksd"``: k and v are ``[B, K, S, D]`` (the cache's layout)."""
+  check_layout(kv_layout)
+  as_bskd = lambda x: x if kv_layout == "bskd" else jax.ShapeDtypeStruct(
+      (x.shape[0], x.shape[2], x.shape[1], x.shape[3]), x.dtype)
+  check_shapes(q_BTHD, as_bskd(k_BSKD), as_bskd(v_BSKD), kv_mask_BS)
   mask, off = kernel_inputs(kv_mask_BS, q_offset)
-  return _decode_vjp(q_BTHD, k_BSKD, v_BSKD, mask, off, block_sizes, interpret, scale)
+  return _decode_vjp(q_BTHD, k_BSKD, v_BSKD, mask, off, block_sizes, interpret, scale,
+                     kv_layout)

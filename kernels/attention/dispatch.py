@@ -7,7 +7,7 @@ from kernels._backend import resolve_impl
 from kernels.attention.cudnn import attention_cudnn
 from kernels.attention.decode import decode_attention
 from kernels.attention.flash import flash_attention
-from kernels.attention.reference import attention_reference
+from kernels.attention.reference import attention_reference, check_layout, to_bskd
 
 IMPLS = ("auto", "xla", "pallas", "pallas_interpret", "cudnn")
 # What "auto" runs on each backend (anything unlisted: "xla").  One line to change once the
@@ -18,18 +18,25 @@ AUTO = {"gpu": "pallas"}
 DECODE_MAX_T = 16
 
 
-def attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, impl: str = "auto"):
+def attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, impl: str = "auto",
+              kv_layout: str = "bskd"):
   """Causal GQA attention; see :func:`attention_reference` for the contract.
 
   Rows with no visible key (left-pad queries) are unspecified: the reference and cuDNN give the
-  mean of V, the Pallas kernels 0.  ``impl`` is one of :data:`IMPLS`.
+  mean of V, the Pallas kernels 0.  ``impl`` is one of :data:`IMPLS`.  ``kv_layout="bksd"``
+  takes k and v as ``[B, K, S, D]`` (the KV cache's layout); the reference and the decode
+  kernel read it as it is, flash and cuDNN (prefill) get a transposed copy.
   """
+  check_layout(kv_layout)
   impl = resolve_impl("attention", impl, IMPLS, AUTO)
   if impl == "xla":
-    return attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset)
+    return attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset,
+                               kv_layout=kv_layout)
+  interpret = impl == "pallas_interpret"
+  if impl != "cudnn" and q_BTHD.shape[1] <= DECODE_MAX_T:
+    return decode_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset, interpret=interpret,
+                            kv_layout=kv_layout)
+  k_BSKD, v_BSKD = to_bskd(k_BSKD, kv_layout), to_bskd(v_BSKD, kv_layout)
   if impl == "cudnn":
     return attention_cudnn(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset)
-  interpret = impl == "pallas_interpret"
-  if q_BTHD.shape[1] <= DECODE_MAX_T:
-    return decode_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset, interpret=interpret)
   return flash_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset, interpret=interpret)

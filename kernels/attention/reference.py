@@ -16,24 +16,42 @@ def allowed_mask(q_len: int, kv_mask_BS: jax.Array, q_offset) -> jax.Array:
   return causal_TS[None] & kv_mask_BS[:, None, :].astype(bool)
 
 
-def attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, scale=None):
+def attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, scale=None,
+                        kv_layout: str = "bskd"):
   """Grouped-query causal attention.
 
   q_BTHD: queries at slots ``q_offset .. q_offset+T-1``; k/v_BSKD: keys/values at slots
   ``0 .. S-1`` with ``H`` a multiple of ``K``; kv_mask_BS: which key slots hold real tokens.
+  ``kv_layout="bksd"``: k and v are ``[B, K, S, D]`` instead (the KV cache's layout: each
+  head's slots contiguous, what the score and output matmuls read without a transpose).
   Softmax in float32; output in the dtype of ``q``.  A query row with no visible key gets
   the mean of V here; other implementations may differ on such rows (they are never used).
   """
+  check_layout(kv_layout)
   b, t, h, d = q_BTHD.shape
-  k_heads = k_BSKD.shape[2]
+  kv = "bskd" if kv_layout == "bskd" else "bksd"
+  k_heads = k_BSKD.shape[kv.index("k")]
   g = h // k_heads
   scale = d ** -0.5 if scale is None else scale
   q = q_BTHD.reshape(b, t, k_heads, g, d)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKD,
+  scores = jnp.einsum(f"btkgd,{kv}->bkgts", q, k_BSKD,
                       preferred_element_type=jnp.float32) * scale
   allowed = allowed_mask(t, kv_mask_BS, q_offset)[:, None, None]
   scores = jnp.where(allowed, scores, _MASKED)
   probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_BSKD.dtype), v_BSKD,
+  out = jnp.einsum(f"bkgts,{kv}->btkgd", probs.astype(v_BSKD.dtype), v_BSKD,
                    preferred_element_type=jnp.float32)
   return out.reshape(b, t, h, d).astype(q_BTHD.dtype)
+
+
+KV_LAYOUTS = ("bskd", "bksd")
+
+
+def check_layout(kv_layout: str):
+  if kv_layout not in KV_LAYOUTS:
+    raise ValueError(f"attention: kv_layout={kv_layout!r}; choose from {', '.join(KV_LAYOUTS)}")
+
+
+def to_bskd(x, kv_layout: str):
+  """k or v in the ``[B, S, K, D]`` layout the flash and cuDNN kernels take."""
+  return x if kv_layout == "bskd" else x.transpose(0, 2, 1, 3)
