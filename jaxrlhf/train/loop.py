@@ -9,7 +9,7 @@ import time
 
 import jax
 
-from jaxrlhf.perf import memory_in_use
+from jaxrlhf.perf import memory_in_use, release_host_memory
 from jaxrlhf.train.common import metrics_to_host, put_batch
 from jaxrlhf.train.work import step_utilisation
 
@@ -48,6 +48,8 @@ def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer
         new_state, metrics = step_fn(state, frozen, batch)
       metrics = metrics_to_host(metrics)
       dt = time.perf_counter() - t0
+    if step == start_step:
+      release_host_memory()  # the first step's compilation, no longer needed
     if profiler is not None:
       profiler.after_step(stage.name, done, new_state)
     consecutive = int(jax.device_get(new_state.extras["skips/consecutive"]))

@@ -62,6 +62,7 @@ def run(cfg: ExperimentConfig, workdir: str, resume: str = "latest", profile_ste
   # Compiled programs persist on disk ($JAXRLHF_COMPILATION_CACHE, "off" to disable): every run
   # of a configuration after the first skips compilation.
   perf.enable_compilation_cache()
+  perf.tune_host_allocator()
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(to_json(cfg))
@@ -158,6 +159,7 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
       return {"data_position": done, "stage": name, "inputs": dict(inputs),
               "start_eval": start_eval}
 
+    perf.release_host_memory()  # what set-up (and a restore) allocated and freed
     work = None
     if accelerator is not None:
       work = step_work(stage, accelerator, tp=dict(stage.mesh.shape)["tp"],

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels._backend import cdiv, dot, padded
+from kernels._backend import cdiv, padded
 from kernels._sharding import per_shard
 from kernels.attention.flash import (check_shapes, kernel_inputs, key_block, n_key_blocks,
                                      softmax_finish, softmax_init, softmax_step)
