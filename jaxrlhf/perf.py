@@ -11,8 +11,8 @@
   ``WORKDIR/profile`` (open it in TensorBoard's profile plugin or Perfetto).
 * :func:`memory_in_use`: device memory, or the process's resident memory where the backend
   keeps no statistics (the CPU).
-* :func:`tune_host_allocator`, :func:`release_host_memory`: host memory XLA frees goes back to
-  the system instead of staying resident (glibc).
+* :func:`release_host_memory`, :func:`tune_host_allocator`: host memory that set-up and
+  compilation freed goes back to the system (glibc; ``JAXRLHF_MALLOC=trim|lean|default``).
 * :func:`enable_compilation_cache`: compiled programs kept on disk between runs, so only the
   first run of a configuration pays for compilation.
 
@@ -308,6 +308,7 @@ def enable_compilation_cache(path: Optional[str] = None) -> Optional[str]:
 
 
 ALLOCATOR_ENV = "JAXRLHF_MALLOC"
+ALLOCATOR_MODES = ("trim", "lean", "default")
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers (malloc.h)
 
 
@@ -321,27 +322,38 @@ def _glibc():
     return None
 
 
+def _allocator_mode() -> str:
+  mode = os.environ.get(ALLOCATOR_ENV, "").strip().lower() or "trim"
+  if mode not in ALLOCATOR_MODES:
+    raise ConfigError(f"{ALLOCATOR_ENV}={mode!r}: choose one of {', '.join(ALLOCATOR_MODES)} "
+                      f"(default trim)")
+  return mode
+
+
 def tune_host_allocator(mmap_threshold: int = 1 << 20) -> bool:
-  """Keeps host memory that XLA frees from staying resident (glibc only; True if applied).
+  """With ``JAXRLHF_MALLOC=lean``: host memory that XLA frees goes back to the system instead
+  of staying resident, at some speed (glibc only; True if applied).
 
   XLA allocates every buffer and each program's temporaries with ``malloc``.  glibc serves a
   large block from its own mapping, returned to the system on ``free``, but raises that size
-  threshold (up to 32 MiB) every time it frees such a block; the blocks under the raised
-  threshold then come from the heap, and the heap keeps what is freed in its middle.  A fixed
-  1 MiB threshold stops that drift: the PPO benchmark's peak resident memory 815 -> 766 MiB
-  (benchmarks/NOTES.md, change 7).  ``JAXRLHF_MALLOC=default`` keeps glibc's behaviour.
+  threshold (up to 32 MiB) every time it frees such a block; blocks under the raised threshold
+  then come from the heap, which keeps what is freed in its middle.  A fixed 1 MiB threshold
+  stops that drift: the PPO benchmark's warm peak 709 -> 692 MiB -- but every such block is
+  then mapped afresh and page-faulted in, twice the page faults: steps 3-10% slower
+  (benchmarks/NOTES.md, change 7), so it is not the default.
   """
-  if os.environ.get(ALLOCATOR_ENV, "").strip().lower() == "default":
+  if _allocator_mode() != "lean":
     return False
   lib = _glibc()
   return bool(lib and lib.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)))
 
 
 def release_host_memory() -> None:
-  """Returns the heap's free pages to the system (glibc ``malloc_trim``; else nothing): after
-  set-up and after the first step's compilation, whose short-lived allocations would
-  otherwise stay resident for the whole run."""
-  if os.environ.get(ALLOCATOR_ENV, "").strip().lower() == "default":
+  """Returns the heap's free pages to the system (glibc ``malloc_trim``; elsewhere nothing).
+  Called after set-up and after the first step: what their compilation and loading freed
+  would otherwise stay resident for the whole run (the PPO benchmark's warm peak 728 -> 709
+  MiB).  Free at run time; ``JAXRLHF_MALLOC=default`` skips it."""
+  if _allocator_mode() == "default":
     return
   lib = _glibc()
   if lib:

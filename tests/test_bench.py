@@ -104,10 +104,13 @@ print("retained", rss_mib() - base)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc allocator")
 @pytest.mark.parametrize("mode", ["default", "tuned", "released"])
 def test_freed_host_buffers_go_back_to_the_system(mode):
+  """``release_host_memory`` (what the trainer does after set-up and the first step) and
+  ``JAXRLHF_MALLOC=lean`` return freed heap blocks that glibc would otherwise keep."""
   from jaxrlhf import perf
   if perf._glibc() is None:
     pytest.skip("not glibc")
-  proc = subprocess.run([sys.executable, "-c", _ALLOC_PROBE, mode], cwd=ROOT, env=_env(),
+  env = _env(JAXRLHF_MALLOC="lean") if mode == "tuned" else _env()
+  proc = subprocess.run([sys.executable, "-c", _ALLOC_PROBE, mode], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-2000:]
   retained = float(proc.stdout.split("retained")[-1])
@@ -117,3 +120,14 @@ def test_freed_host_buffers_go_back_to_the_system(mode):
     assert retained < 20, proc.stdout
   if mode == "tuned":
     assert "applied True" in proc.stdout
+
+
+def test_bad_allocator_setting_names_the_choices(monkeypatch):
+  from jaxrlhf import perf
+  from jaxrlhf.config import ConfigError
+  monkeypatch.setenv("JAXRLHF_MALLOC", "jemalloc")
+  with pytest.raises(ConfigError, match=r"JAXRLHF_MALLOC='jemalloc': choose one of trim, lean, "
+                                        r"default"):
+    perf.tune_host_allocator()
+  monkeypatch.setenv("JAXRLHF_MALLOC", "default")
+  assert perf.tune_host_allocator() is False
