@@ -217,6 +217,24 @@ def test_inbox_rejects_malformed_and_foreign_entries_and_publish_is_idempotent(r
   assert raw.xlen(stream) == 0 and raw.hlen(index) == 0
 
 
+def test_trim_survives_the_consumer_acking_between_its_calls(redis_url, monkeypatch):
+  # The race that once killed an actor in the fault test: the group summary still counted a
+  # pending entry, the consumer acked it, and XPENDING then had no oldest entry.
+  store = S.Store(redis_url, wait_s=5, log=lambda line: None)
+  stream, index = "t:race", "t:race:index"
+  store.ensure_group(stream, "critic")
+  for b in range(3):
+    store.publish(stream, index, b, wire.encode(_msg(batch=b)), group="critic", max_queue=10)
+  entries = [e for e, _ in store.read(stream, "critic", "c", pending=False)]
+  assert len(entries) == 3
+  stale = store.group_info(stream, "critic")
+  assert int(stale["pending"]) == 3
+  store.ack(stream, "critic", *entries)
+  monkeypatch.setattr(store, "group_info", lambda *a: stale)
+  store.trim(stream, index, "critic")
+  assert store.r.xlen(stream) == 0 and store.r.hlen(index) == 0
+
+
 def test_publish_waits_while_the_queue_is_full(redis_url):
   logs = []
   store = S.Store(redis_url, wait_s=5, log=logs.append)

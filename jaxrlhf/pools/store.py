@@ -228,8 +228,11 @@ class Store:
     g = self.group_info(stream, group)
     if not g:
       return
-    if int(g.get("pending", 0)):
-      info = self.call("XPENDING", self.r.xpending, stream, group)
+    # The consumer may ack between the two calls: only XPENDING's own answer says whether
+    # anything is still pending (the group summary's count can be stale by then, and XPENDING
+    # then has no oldest entry).  Its last-delivered id, read first, is a safe bound then.
+    info = self.call("XPENDING", self.r.xpending, stream, group)
+    if info and int(info.get("pending", 0)) and info.get("min") is not None:
       bound = entry_key(info["min"])
     else:
       ms, seq = entry_key(g.get("last-delivered-id", b"0-0"))
