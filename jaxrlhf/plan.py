@@ -112,20 +112,11 @@ def simulate_devices(n: int) -> None:
 
 
 def enable_compile_cache() -> None:
-  """Persistent XLA cache: re-planning the same programs loads them instead of compiling.
-  ``JAXRLHF_PLAN_CACHE`` names the folder (default ~/.cache/jaxrlhf/xla); empty disables."""
-  import jax
-  path = os.environ.get("JAXRLHF_PLAN_CACHE",
-                        os.path.join(os.path.expanduser("~"), ".cache", "jaxrlhf", "xla"))
-  if not path:
-    return
-  try:
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  except (OSError, AttributeError):
-    pass
+  """The trainer's persistent XLA cache (:func:`jaxrlhf.perf.enable_compilation_cache`,
+  ``JAXRLHF_COMPILATION_CACHE``): re-planning the same programs loads them instead of
+  compiling.  Imported here, not at the top: planning sets up simulated devices first."""
+  from jaxrlhf.perf import enable_compilation_cache
+  enable_compilation_cache()
 
 
 # --------------------------------------------------------------------------- tree bytes

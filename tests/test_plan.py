@@ -105,7 +105,7 @@ def test_a_plan_that_cannot_fit_says_so_and_names_the_largest_consumer(small_pla
 
 
 def test_plan_json_schema_and_table(tmp_path, monkeypatch, capsys, small_plans):
-  monkeypatch.setenv("JAXRLHF_PLAN_CACHE", "")
+  monkeypatch.setenv("JAXRLHF_COMPILATION_CACHE", "off")
   cfg = dataclasses.replace(SMALL_SFT, mesh=MeshConfig(dp=1, fsdp=1, tp=2),
                             plan=dataclasses.replace(SMALL_SFT.plan, devices=2,
                                                      accelerator="b200"))
