@@ -110,6 +110,10 @@ def apply_update(params, opt_state, grads, loss, optimizer: optax.GradientTransf
   # Zero the gradients on a bad step so the update itself stays finite, then keep the old state.
   safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
   updates, new_opt = optimizer.update(safe, opt_state, params)
+  # Materialise the updates and new moments before they are used: otherwise XLA recomputes
+  # the new moments inside the parameter update from the old ones, which the in-place moment
+  # update overwrites, so it copies every moment first (benchmarks/NOTES.md, change 9).
+  updates, new_opt = jax.lax.optimization_barrier((updates, new_opt))
   new_params = optax.apply_updates(params, updates)
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
   return keep(new_params, params), keep(new_opt, opt_state), finite, grad_norm
