@@ -109,7 +109,8 @@ def test_freed_host_buffers_go_back_to_the_system(mode):
   from jaxrlhf import perf
   if perf._glibc() is None:
     pytest.skip("not glibc")
-  env = _env(JAXRLHF_MALLOC="lean") if mode == "tuned" else _env()
+  # "default": nothing called (what glibc does alone); "released": the trainer's default trim.
+  env = _env(JAXRLHF_MALLOC={"tuned": "lean", "released": "trim"}.get(mode, "default"))
   proc = subprocess.run([sys.executable, "-c", _ALLOC_PROBE, mode], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-2000:]

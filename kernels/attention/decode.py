@@ -29,7 +29,7 @@ from kernels._backend import cdiv, padded
 from kernels._sharding import per_shard
 from kernels.attention.flash import (check_shapes, kernel_inputs, key_block, n_key_blocks,
                                      softmax_finish, softmax_init, softmax_step)
-from kernels.attention.reference import attention_reference, check_layout
+from kernels.attention.reference import attention_reference, check_layout, to_bskd
 
 _MASKED = -1e30
 
@@ -159,8 +159,7 @@ def decode_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *,
   """Attention of T new tokens (slots ``q_offset ..``) over a KV cache; see the module doc.
   ``kv_layout="bksd"``: k and v are ``[B, K, S, D]`` (the cache's layout)."""
   check_layout(kv_layout)
-  as_bskd = lambda x: x if kv_layout == "bskd" else jax.ShapeDtypeStruct(
-      (x.shape[0], x.shape[2], x.shape[1], x.shape[3]), x.dtype)
+  as_bskd = functools.partial(jax.eval_shape, functools.partial(to_bskd, kv_layout=kv_layout))
   check_shapes(q_BTHD, as_bskd(k_BSKD), as_bskd(v_BSKD), kv_mask_BS)
   mask, off = kernel_inputs(kv_mask_BS, q_offset)
   return _decode_vjp(q_BTHD, k_BSKD, v_BSKD, mask, off, block_sizes, interpret, scale,

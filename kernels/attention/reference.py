@@ -29,7 +29,7 @@ def attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, scale
   """
   check_layout(kv_layout)
   b, t, h, d = q_BTHD.shape
-  kv = "bskd" if kv_layout == "bskd" else "bksd"
+  kv = kv_layout  # the einsum spelling of k and v
   k_heads = k_BSKD.shape[kv.index("k")]
   g = h // k_heads
   scale = d ** -0.5 if scale is None else scale
