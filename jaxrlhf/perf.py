@@ -12,7 +12,9 @@
 * :func:`memory_in_use`: device memory, or the process's resident memory where the backend
   keeps no statistics (the CPU).
 * :func:`release_host_memory`, :func:`tune_host_allocator`: host memory that set-up and
-  compilation freed goes back to the system (glibc; ``JAXRLHF_MALLOC=trim|lean|default``).
+  compilation freed goes back to the system (glibc; ``JAXRLHF_MALLOC=trim|lean|default``);
+  :func:`compile_ahead` compiles a step before its first call so that happens before the
+  step's temporaries are allocated.
 * :func:`enable_compilation_cache`: compiled programs kept on disk between runs, so only the
   first run of a configuration pays for compilation.
 
@@ -358,6 +360,24 @@ def release_host_memory() -> None:
   lib = _glibc()
   if lib:
     lib.malloc_trim(0)
+
+
+def compile_ahead(fn, *args) -> Optional[float]:
+  """Compiles the jitted ``fn`` for ``args`` before its first call, then gives the memory the
+  compiler (or loading a cached program) freed back to the system; the seconds it took, or
+  ``None`` for a callable that is not a ``jax.jit`` function (left alone).
+
+  The first call with the same arguments, under the same mesh context, then runs the
+  executable jax's caches already hold: it compiles nothing.  Without this the first step
+  allocates its temporaries on top of the heap compilation left behind: the PPO benchmark's
+  warm-cache peak was 707 MiB that way, 634 MiB with the heap released in between."""
+  lower = getattr(fn, "lower", None)
+  if lower is None:
+    return None
+  t0 = time.perf_counter()
+  lower(*args).compile()
+  release_host_memory()
+  return time.perf_counter() - t0
 
 
 def _rss_bytes() -> tuple[float, float]:

@@ -132,3 +132,30 @@ def test_bad_allocator_setting_names_the_choices(monkeypatch):
     perf.tune_host_allocator()
   monkeypatch.setenv("JAXRLHF_MALLOC", "default")
   assert perf.tune_host_allocator() is False
+
+
+def test_compile_ahead_leaves_the_first_call_nothing_to_compile():
+  """The loop compiles a step before its first call (to release the compiler's heap before
+  the step's temporaries are allocated); that first call must then run the compiled program,
+  not compile it a second time."""
+  import jax
+  import jax.numpy as jnp
+  from jax._src import dispatch
+  from jaxrlhf import perf
+  compiles = []
+  def listener(event, duration, **kwargs):
+    if event == dispatch.BACKEND_COMPILE_EVENT:
+      compiles.append(duration)
+  step = jax.jit(lambda s, x: (s + x.sum(), x * 2.0), donate_argnums=(0,))
+  s, x = jax.block_until_ready((jnp.zeros(()), jnp.arange(12.0).reshape(3, 4)))
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    seconds = perf.compile_ahead(step, s, x)
+    assert seconds is not None and seconds >= 0 and len(compiles) == 1
+    s, y = step(s, x)
+    assert len(compiles) == 1  # the first call reused the program compiled ahead
+    assert float(s) == 66.0 and y.shape == (3, 4)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  # Anything that is not a jitted function (the phased RL step) is left to compile itself.
+  assert perf.compile_ahead(lambda s, x: (s, x), s, x) is None

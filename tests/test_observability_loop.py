@@ -70,6 +70,8 @@ def test_metrics_jsonl_has_the_documented_schema(run):
     assert ("eval/accuracy" in m) == (step % 2 == 0)
   for step, m in rm.items():
     assert "loss" in m and "time/step_s" in m and "perf/mfu" in m
+    # The one-program step is compiled ahead of its first call, and says how long it took.
+    assert ("time/compile_s" in m) == (step == 1)
     assert ("eval/pair_accuracy" in m) == (step % 2 == 0)
     if step % 2 == 0:
       assert 0 <= m["eval/pair_accuracy"] <= 1
