@@ -124,6 +124,25 @@ def test_logprobs_equal_teacher_forced_scoring(params, prompts):
   np.testing.assert_allclose(r.sample_logprobs, r.logprobs, atol=1e-5)
 
 
+def test_sampler_argmax_and_draws_are_jax_s_own():
+  """The sampler's argmax (a max then the first index holding it, faster on CPU) picks what
+  ``jnp.argmax`` picks -- ties, NaNs and fully masked rows included -- and its categorical
+  draws the very token ``jax.random.categorical`` draws from the same key."""
+  x = jax.random.normal(jax.random.key(5), (64, 37))
+  x = x.at[1, 3].set(x[1].max() + 1).at[1, 9].set(x[1].max() + 1)  # a tie: the first wins
+  x = x.at[2, 7].set(jnp.nan).at[2, 11].set(jnp.nan).at[3].set(-jnp.inf)
+  x = x.at[4].set(jnp.round(x[4]))  # many ties
+  got = jax.jit(R.argmax_last)(x)
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(got, jnp.argmax(x, axis=-1))
+  assert int(got[1]) == 3 and int(got[2]) == 7
+  z = jax.random.normal(jax.random.key(6), (32, 512)) * 3
+  draw = jax.jit(R.categorical)
+  for k in range(20):
+    key = jax.random.key(100 + k)
+    np.testing.assert_array_equal(draw(key, z), jax.random.categorical(key, z, axis=-1))
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 5, 1.0), (1.3, 0, 0.6),
                                                      (0.7, 6, 0.7)])
 def test_sampler_draws_only_from_the_allowed_set_in_proportion(temperature, top_k, top_p):
