@@ -310,8 +310,9 @@ def enable_compilation_cache(path: Optional[str] = None) -> Optional[str]:
 
 
 ALLOCATOR_ENV = "JAXRLHF_MALLOC"
-ALLOCATOR_MODES = ("trim", "lean", "default")
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers (malloc.h)
+ALLOCATOR_MODES = ("trim", "lean", "fast", "default")
+# glibc's mallopt parameter numbers (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -3, -4, -8
 
 
 def _glibc():
@@ -333,21 +334,32 @@ def _allocator_mode() -> str:
 
 
 def tune_host_allocator(mmap_threshold: int = 1 << 20) -> bool:
-  """With ``JAXRLHF_MALLOC=lean``: host memory that XLA frees goes back to the system instead
-  of staying resident, at some speed (glibc only; True if applied).
+  """Applies ``JAXRLHF_MALLOC``'s allocator setting (glibc only; True if one was applied).
+  Call it before jax starts its backend: ``fast`` only reaches threads created after it.
 
   XLA allocates every buffer and each program's temporaries with ``malloc``.  glibc serves a
   large block from its own mapping, returned to the system on ``free``, but raises that size
   threshold (up to 32 MiB) every time it frees such a block; blocks under the raised threshold
-  then come from the heap, which keeps what is freed in its middle.  A fixed 1 MiB threshold
-  stops that drift: the PPO benchmark's warm peak 709 -> 692 MiB -- but every such block is
-  then mapped afresh and page-faulted in, twice the page faults: steps 3-10% slower
-  (benchmarks/NOTES.md, change 7), so it is not the default.
+  then come from the heap, which keeps what is freed in its middle.
+
+  * ``lean``: a fixed 1 MiB threshold stops that drift: the PPO benchmark's warm peak 709 ->
+    692 MiB -- but every such block is then mapped afresh and page-faulted in, twice the page
+    faults: steps 3-10% slower (benchmarks/NOTES.md, change 7).
+  * ``fast``: the opposite.  A step's temporaries are one block (139 MiB for the GRPO
+    benchmark), always over the threshold, so each step maps it afresh and faults in every
+    page (36,000 faults, 80 ms of kernel time per GRPO step).  One arena, no mappings and no
+    trimming keep that block in the heap between steps: no faults, steps 4-9% faster, but
+    the heap then keeps its high-water mark, often 100-250 MiB more resident memory
+    (benchmarks/NOTES.md, change 12).
   """
-  if _allocator_mode() != "lean":
+  mode = _allocator_mode()
+  lib = _glibc() if mode in ("lean", "fast") else None
+  if lib is None:
     return False
-  lib = _glibc()
-  return bool(lib and lib.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)))
+  if mode == "lean":
+    return bool(lib.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)))
+  return bool(lib.mallopt(_M_ARENA_MAX, 1) and lib.mallopt(_M_MMAP_MAX, 0)
+              and lib.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
 
 
 def release_host_memory() -> None:

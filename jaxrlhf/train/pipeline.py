@@ -55,6 +55,7 @@ class StageOutcome:
 def run(cfg: ExperimentConfig, workdir: str, resume: str = "latest", profile_steps=None) -> int:
   """Trains every stage of ``cfg`` in ``workdir``; returns the process exit status (0 also
   when a signal stopped the run after writing a checkpoint, 1 when training failed)."""
+  perf.tune_host_allocator()  # before jax starts its threads ($JAXRLHF_MALLOC)
   plan.preflight(cfg)  # the wrong-machine guard: fail in seconds, before allocating anything
   policy = ckpt.parse_resume(resume)
   quiet_library_logs()
@@ -62,7 +63,6 @@ def run(cfg: ExperimentConfig, workdir: str, resume: str = "latest", profile_ste
   # Compiled programs persist on disk ($JAXRLHF_COMPILATION_CACHE, "off" to disable): every run
   # of a configuration after the first skips compilation.
   perf.enable_compilation_cache()
-  perf.tune_host_allocator()
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(to_json(cfg))
