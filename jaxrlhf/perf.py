@@ -12,7 +12,8 @@
 * :func:`memory_in_use`: device memory, or the process's resident memory where the backend
   keeps no statistics (the CPU).
 * :func:`release_host_memory`, :func:`tune_host_allocator`: host memory that set-up and
-  compilation freed goes back to the system (glibc; ``JAXRLHF_MALLOC=trim|lean|default``);
+  compilation freed goes back to the system, a step's temporaries stay in place between steps
+  (glibc; ``JAXRLHF_MALLOC=reuse|trim|lean|default``);
   :func:`compile_ahead` compiles a step before its first call so that happens before the
   step's temporaries are allocated.
 * :func:`enable_compilation_cache`: compiled programs kept on disk between runs, so only the
@@ -310,9 +311,9 @@ def enable_compilation_cache(path: Optional[str] = None) -> Optional[str]:
 
 
 ALLOCATOR_ENV = "JAXRLHF_MALLOC"
-ALLOCATOR_MODES = ("trim", "lean", "fast", "default")
+ALLOCATOR_MODES = ("reuse", "trim", "lean", "default")
 # glibc's mallopt parameter numbers (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -3, -4, -8
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
 
 
 def _glibc():
@@ -326,47 +327,56 @@ def _glibc():
 
 
 def _allocator_mode() -> str:
-  mode = os.environ.get(ALLOCATOR_ENV, "").strip().lower() or "trim"
+  mode = os.environ.get(ALLOCATOR_ENV, "").strip().lower() or "reuse"
   if mode not in ALLOCATOR_MODES:
     raise ConfigError(f"{ALLOCATOR_ENV}={mode!r}: choose one of {', '.join(ALLOCATOR_MODES)} "
-                      f"(default trim)")
+                      f"(default reuse)")
   return mode
 
 
 def tune_host_allocator(mmap_threshold: int = 1 << 20) -> bool:
-  """Applies ``JAXRLHF_MALLOC``'s allocator setting (glibc only; True if one was applied).
-  Call it before jax starts its backend: ``fast`` only reaches threads created after it.
+  """Applies ``JAXRLHF_MALLOC``'s host-memory setting (glibc; True if it changed glibc's).
+  Call it before anything starts jax's backend: it starts it, the CPU one configured first.
 
   XLA allocates every buffer and each program's temporaries with ``malloc``.  glibc serves a
-  large block from its own mapping, returned to the system on ``free``, but raises that size
-  threshold (up to 32 MiB) every time it frees such a block; blocks under the raised threshold
-  then come from the heap, which keeps what is freed in its middle.
+  block over its mapping threshold (which it raises, up to 32 MiB, as it frees such blocks)
+  from a fresh mapping, unmapped again on ``free``; smaller blocks come from a heap, which
+  keeps what is freed in its middle.
 
-  * ``lean``: a fixed 1 MiB threshold stops that drift: the PPO benchmark's warm peak 709 ->
-    692 MiB -- but every such block is then mapped afresh and page-faulted in, twice the page
-    faults: steps 3-10% slower (benchmarks/NOTES.md, change 7).
-  * ``fast``: the opposite.  A step's temporaries are one block (139 MiB for the GRPO
-    benchmark), always over the threshold, so each step maps it afresh and faults in every
-    page (36,000 faults, 80 ms of kernel time per GRPO step).  One arena, no mappings and no
-    trimming keep that block in the heap between steps: no faults, steps 4-9% faster, but
-    the heap then keeps its high-water mark, often 100-250 MiB more resident memory
-    (benchmarks/NOTES.md, change 12).
+  * ``reuse`` (the default), on the CPU backend only: a step's temporaries are one block over
+    that limit (139 MiB for the GRPO benchmark), so every step mapped it afresh and faulted
+    in each of its pages (36,000 faults, 80 ms of kernel time per GRPO step).  Programs now
+    run on the calling thread (jax's ``jax_cpu_enable_async_dispatch`` off; the loop waits
+    for every step's metrics anyway), whose heap serves such blocks without a mapping and
+    keeps the freed top: the next step finds its temporaries there, already faulted in.
+    GRPO, DPO and PPO steps 7-10% faster; the peak is the same (the block was resident
+    during every step anyway); between steps the process keeps it (benchmarks/NOTES.md,
+    change 12).  Plus ``trim``.
+  * ``trim``: :func:`release_host_memory` after set-up and the first step only.
+  * ``lean``: ``trim`` and a fixed 1 MiB threshold, so blocks over it always go back to the
+    system: the PPO benchmark's warm peak 709 -> 692 MiB before change 10, but twice the page
+    faults and steps 3-10% slower (change 7).
+  * ``default``: glibc as it is.
   """
   mode = _allocator_mode()
-  lib = _glibc() if mode in ("lean", "fast") else None
+  if mode == "reuse" and "JAX_CPU_ENABLE_ASYNC_DISPATCH" not in os.environ:
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+  lib = _glibc() if mode in ("reuse", "lean") else None
   if lib is None:
     return False
   if mode == "lean":
     return bool(lib.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)))
-  return bool(lib.mallopt(_M_ARENA_MAX, 1) and lib.mallopt(_M_MMAP_MAX, 0)
-              and lib.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+  if jax.default_backend() != "cpu":  # device buffers are not malloc'd: leave the host alone
+    return False
+  return bool(lib.mallopt(_M_MMAP_MAX, 0) and lib.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
 
 
 def release_host_memory() -> None:
   """Returns the heap's free pages to the system (glibc ``malloc_trim``; elsewhere nothing).
   Called after set-up and after the first step: what their compilation and loading freed
   would otherwise stay resident for the whole run (the PPO benchmark's warm peak 728 -> 709
-  MiB).  Free at run time; ``JAXRLHF_MALLOC=default`` skips it."""
+  MiB).  Free at run time; ``JAXRLHF_MALLOC=default`` skips it.  It releases a step's
+  temporaries kept by ``reuse`` too: the next step faults them in once more."""
   if _allocator_mode() == "default":
     return
   lib = _glibc()
