@@ -140,24 +140,3 @@ def test_mesh_shape_errors_say_what_fits():
     resolve_mesh_shape(MeshConfig(dp=-1, tp=3), 8)
   with pytest.raises(ConfigError, match="needs 4 devices but 8 are present"):
     make_mesh(MeshConfig(dp=2, tp=2))
-
-
-def test_rope_is_the_half_split_rotation():
-  """``rope`` computes ``[x1 cos - x2 sin, x2 cos + x1 sin]`` (Hugging Face Llama's half-split
-  rotation), written as a swap of the halves rather than a concatenate: op by op the same
-  values bit for bit; compiled, to float32 rounding (XLA may fuse a multiply-add)."""
-  from jaxrlhf.model.transformer import rope, rope_frequencies
-  cfg = dataclasses.replace(TINY, head_dim=16)
-  x = jax.random.normal(jax.random.key(0), (2, 5, 3, 16)) * 3
-  pos = jnp.array([[0, 1, 2, 3, 4], [7, 9, 11, 200, 4000]])
-  inv = rope_frequencies(cfg)
-  ang = pos.astype(jnp.float32)[..., None] * inv
-  cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
-  x1, x2 = x[..., :8], x[..., 8:]
-  want = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  np.testing.assert_array_equal(rope(x, pos, inv), want)
-  np.testing.assert_allclose(jax.jit(rope)(x, pos, inv), want, rtol=1e-6, atol=1e-6)
-  xb = x.astype(jnp.bfloat16)
-  got = rope(xb, pos, inv)
-  assert got.dtype == jnp.bfloat16
-  np.testing.assert_array_equal(got, rope(xb.astype(jnp.float32), pos, inv).astype(jnp.bfloat16))
