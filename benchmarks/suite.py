@@ -168,13 +168,12 @@ def build(name: str, model=None, cfg=None):
 def _step(stage, mesh, fn, state, frozen, step):
   """One training step as the loop runs it: host batch -> device -> step -> metrics on host."""
   import jax
-  from jaxrlhf.perf import compile_ahead
   from jaxrlhf.train.common import metrics_to_host, put_batch
+  from jaxrlhf.train.loop import prepare_step
   batch = put_batch(mesh, stage.batch(step))
   with jax.set_mesh(mesh):
     if fn is None:
-      fn = stage.make_step_fn(state, frozen, batch)
-      compile_ahead(fn, state, frozen, batch)
+      fn, _ = prepare_step(stage, state, frozen, batch)
     state, metrics = fn(state, frozen, batch)
     metrics = metrics_to_host(metrics)
   return fn, state, metrics

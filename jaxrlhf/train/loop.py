@@ -18,6 +18,15 @@ class TrainingError(RuntimeError):
   """The run cannot continue (e.g. too many consecutive non-finite steps)."""
 
 
+def prepare_step(stage, state, frozen, batch):
+  """``(step_fn, compile_s)``: the stage's step, compiled (and the compiler's heap released)
+  before its first call allocates its temporaries, which would otherwise land on top of that
+  heap; ``compile_s`` is None for a step that compiles its own programs (the phased RL step).
+  Call it under the stage's mesh, as the step will be."""
+  step_fn = stage.make_step_fn(state, frozen, batch)
+  return step_fn, compile_ahead(step_fn, state, frozen, batch)
+
+
 def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer=None,
               should_stop=lambda: False, extra_fn=None, profiler=None, work=None):
   """Trains ``stage`` from ``start_step`` (steps already done) to ``stage.steps``; returns
@@ -43,10 +52,7 @@ def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer
     with jax.set_mesh(stage.mesh):
       compile_s = None
       if step_fn is None:
-        step_fn = stage.make_step_fn(state, frozen, batch)
-        # Compiled (and the compiler's heap released) before the first step allocates its
-        # temporaries, which would otherwise land on top of that heap: a lower peak.
-        compile_s = compile_ahead(step_fn, state, frozen, batch)
+        step_fn, compile_s = prepare_step(stage, state, frozen, batch)
       t0 = time.perf_counter()
       with profiler.annotate(done) if profiler is not None else contextlib.nullcontext():
         new_state, metrics = step_fn(state, frozen, batch)
