@@ -156,17 +156,29 @@ def rope_frequencies(cfg: ModelConfig) -> jax.Array:
   return jnp.asarray(inv, jnp.float32)
 
 
-def rope(x_BTHD, positions_BT, inv_freq):
-  """Rotary embedding, half-split convention (as Hugging Face Llama); ``inv_freq`` from
-  :func:`rope_frequencies`."""
-  d = x_BTHD.shape[-1]
+def rope_tables(positions_BT, inv_freq):
+  """The rotary ``(cos, sin)`` tables ``[B, T, 1, D/2]`` for these positions.  They depend on
+  the positions only, so :func:`forward` builds them once for every layer: built inside a
+  rematerialised layer, XLA recomputed ``cos``/``sin`` per element of every head, inside the
+  backward's layout fusions (benchmarks/NOTES.md, change 13)."""
   ang = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B,T,D/2]
-  cos = jnp.cos(ang)[:, :, None, :]
-  sin = jnp.sin(ang)[:, :, None, :]
+  return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+
+
+def apply_rope(x_BTHD, cos, sin):
+  """Rotary embedding with tables from :func:`rope_tables`, half-split convention (as Hugging
+  Face Llama)."""
+  d = x_BTHD.shape[-1]
   x = x_BTHD.astype(jnp.float32)
   x1, x2 = x[..., : d // 2], x[..., d // 2:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BTHD.dtype)
+
+
+def rope(x_BTHD, positions_BT, inv_freq):
+  """Rotary embedding, half-split convention (as Hugging Face Llama); ``inv_freq`` from
+  :func:`rope_frequencies`."""
+  return apply_rope(x_BTHD, *rope_tables(positions_BT, inv_freq))
 
 
 _REMAT_POLICIES = {
@@ -190,10 +202,10 @@ def _matmul(x_BTI, w):
   return y.reshape((b, t) + out_shape)
 
 
-def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, positions_BT, kv_mask, q_offset,
-           cache_kv):
-  """One decoder layer.  ``cache_kv`` is None or ``(k_LBKSD, v_LBKSD, layer)``: the *whole*
-  cache and this layer's index; the new keys/values are written into it in place (one slot
+def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offset, cache_kv):
+  """One decoder layer.  ``rope_cs``: the ``(cos, sin)`` pair of :func:`rope_tables`.
+  ``cache_kv`` is None or ``(k_LBKSD, v_LBKSD, layer)``: the *whole* cache and this layer's
+  index; the new keys/values are written into it in place (one slot
   range of one layer) and it is returned whole."""
   cdt = _dtype(cfg.compute_dtype)
   lp = jax.tree.map(lambda p: p.astype(cdt), lp)
@@ -203,9 +215,8 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, positions_BT, kv_mask, q
   v = _matmul(x, lp["wv"])
   if cfg.qkv_bias:
     q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-  inv_freq = rope_frequencies(cfg)
-  q = constrain(rope(q, positions_BT, inv_freq), ("batch", "seq", "heads", "head_dim"))
-  k = constrain(rope(k, positions_BT, inv_freq), ("batch", "seq", "kv_heads", "head_dim"))
+  q = constrain(apply_rope(q, *rope_cs), ("batch", "seq", "heads", "head_dim"))
+  k = constrain(apply_rope(k, *rope_cs), ("batch", "seq", "kv_heads", "head_dim"))
   v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
   if cache_kv is not None:
     ck, cv, li = cache_kv
@@ -245,6 +256,7 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
     q_offset = cache.index
     kv_mask = jax.lax.dynamic_update_slice_in_dim(cache.mask, mask_BT.astype(bool), q_offset, 1)
 
+  rope_cs = rope_tables(positions_BT, rope_frequencies(cfg))
   layer = functools.partial(_layer, cfg, attn_impl)
   if cfg.remat != "none":
     layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], static_argnums=())
@@ -254,7 +266,7 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
   def step(carry, xs):
     h, kv = carry
     lp, li = xs
-    h, kv = layer(h, lp, positions_BT, kv_mask, q_offset, None if kv is None else (*kv, li))
+    h, kv = layer(h, lp, rope_cs, kv_mask, q_offset, None if kv is None else (*kv, li))
     return (h, kv), None
 
   kv = None if cache is None else (cache.k, cache.v)
