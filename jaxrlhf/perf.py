@@ -372,6 +372,15 @@ def tune_host_allocator(mmap_threshold: int = 1 << 20) -> bool:
   return bool(lib.mallopt(_M_MMAP_MAX, 0) and lib.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
 
 
+def configure_process() -> Optional[str]:
+  """The process-wide settings every training process applies before its first jax call:
+  :func:`tune_host_allocator` (``$JAXRLHF_MALLOC``), then :func:`enable_compilation_cache`
+  (``$JAXRLHF_COMPILATION_CACHE``).  Used by :func:`jaxrlhf.train.pipeline.run` and by each
+  pool process (``--role``); returns the cache directory (None: off)."""
+  tune_host_allocator()
+  return enable_compilation_cache()
+
+
 def release_host_memory() -> None:
   """Returns the heap's free pages to the system (glibc ``malloc_trim``; elsewhere nothing).
   Called after set-up and after the first step: what their compilation and loading freed

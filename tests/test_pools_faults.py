@@ -4,7 +4,8 @@ back (appendonly, so the streams survive).  The run completes, and each pool's s
 history applies every batch id exactly once, each update with the scores of its own batch.
 
 Each pool is tests/pools_worker.py in a subprocess (one CPU device each); they share a
-persistent compilation cache, so restarts do not compile again.
+persistent compilation cache (``$JAXRLHF_COMPILATION_CACHE``, turned on by each pool process
+itself), so restarts do not compile again.
 """
 
 import os
@@ -29,10 +30,12 @@ class Pool:
     self.role = role
     self.events_path = os.path.join(workdir, f"{role}.events")
     self.out_path = os.path.join(workdir, f"{role}.{n}.out")
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_COMPILATION_CACHE_DIR": cache,
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    env.pop("XLA_FLAGS", None)
+    # The trainer's own setting: a pool process turns the cache on itself (run_role).
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAXRLHF_COMPILATION_CACHE": cache}
+    for name in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR",
+                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):
+      env.pop(name, None)
     self._out = open(self.out_path, "w")
     self.proc = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "pools_worker.py"), f"--role={role}",
@@ -103,6 +106,8 @@ def test_pools_survive_killed_pools_and_a_redis_outage(tmp_path):
     # 1. The critic dies between checkpoints (every 2 batches) and comes back.
     pools["critic"].wait_applied(2)
     pools["critic"].kill()
+    # Both pool processes filled the persistent compilation cache they were pointed at.
+    assert os.path.isdir(cache) and len(os.listdir(cache)) >= 4, os.listdir(cache)
     pools["critic"] = Pool("critic", work, server.url, cache, next(n))
     # 2. The actor dies between checkpoints and comes back.
     pools["actor"].wait_applied(4)

@@ -50,6 +50,8 @@ def run_role(cfg: ExperimentConfig, workdir: str, role: str, redis_url: str = ""
   from jaxrlhf.preemption import PreemptionHandler
   from jaxrlhf.train import pipeline
   C.check_config(cfg)
+  from jaxrlhf import perf
+  perf.configure_process()  # as a colocated run: allocator, then the compilation cache
   import jax
   if jax.process_count() > 1:
     raise ConfigError(f"--role={role} with {jax.process_count()} processes: a pool runs as one "

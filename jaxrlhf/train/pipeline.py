@@ -55,14 +55,14 @@ class StageOutcome:
 def run(cfg: ExperimentConfig, workdir: str, resume: str = "latest", profile_steps=None) -> int:
   """Trains every stage of ``cfg`` in ``workdir``; returns the process exit status (0 also
   when a signal stopped the run after writing a checkpoint, 1 when training failed)."""
-  perf.tune_host_allocator()  # before jax starts its threads ($JAXRLHF_MALLOC)
+  # Before jax starts its threads: the host allocator ($JAXRLHF_MALLOC), and compiled programs
+  # kept on disk ($JAXRLHF_COMPILATION_CACHE, "off" to disable): every run of a configuration
+  # after the first skips compilation.
+  perf.configure_process()
   plan.preflight(cfg)  # the wrong-machine guard: fail in seconds, before allocating anything
   policy = ckpt.parse_resume(resume)
   quiet_library_logs()
   profiler = perf.ProfileWindow(profile_steps, workdir)  # a bad flag fails before any work
-  # Compiled programs persist on disk ($JAXRLHF_COMPILATION_CACHE, "off" to disable): every run
-  # of a configuration after the first skips compilation.
-  perf.enable_compilation_cache()
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(to_json(cfg))
