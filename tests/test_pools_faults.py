@@ -106,7 +106,7 @@ def test_pools_survive_killed_pools_and_a_redis_outage(tmp_path):
     # 1. The critic dies between checkpoints (every 2 batches) and comes back.
     pools["critic"].wait_applied(2)
     pools["critic"].kill()
-    # Both pool processes filled the persistent compilation cache they were pointed at.
+    # The pool processes filled the compilation cache they were pointed at (run_role turns it on).
     assert os.path.isdir(cache) and len(os.listdir(cache)) >= 4, os.listdir(cache)
     pools["critic"] = Pool("critic", work, server.url, cache, next(n))
     # 2. The actor dies between checkpoints and comes back.

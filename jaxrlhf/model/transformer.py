@@ -205,8 +205,8 @@ def _matmul(x_BTI, w):
 def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offset, cache_kv):
   """One decoder layer.  ``rope_cs``: the ``(cos, sin)`` pair of :func:`rope_tables`.
   ``cache_kv`` is None or ``(k_LBKSD, v_LBKSD, layer)``: the *whole* cache and this layer's
-  index; the new keys/values are written into it in place (one slot
-  range of one layer) and it is returned whole."""
+  index; the new keys/values are written into it in place (one slot range of one layer) and it
+  is returned whole."""
   cdt = _dtype(cfg.compute_dtype)
   lp = jax.tree.map(lambda p: p.astype(cdt), lp)
   x = rms_norm(h_BTD, lp["attn_norm"], cfg.norm_eps)
