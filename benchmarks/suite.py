@@ -140,6 +140,18 @@ def _median_min_max(xs):
   return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
+def workload_flops(name: str) -> dict[str, float]:
+  """Model FLOPs per step of workload ``name`` by phase (:func:`jaxrlhf.train.work.step_flops`),
+  from its stage alone: nothing is initialised.  For scripts that time the same workload on
+  another trainer (benchmarks/peer_trl.py)."""
+  from jaxrlhf.data import DataSource
+  from jaxrlhf.mesh import make_mesh
+  from jaxrlhf.train.pipeline import stage_class
+  from jaxrlhf.train.work import step_flops
+  cfg = workload_config(name)
+  return step_flops(stage_class(name)(cfg, make_mesh(cfg.mesh), DataSource(cfg.data, cfg.seed)))
+
+
 def build(name: str, model=None, cfg=None):
   """(cfg, mesh, stage, state, frozen, n_params) of workload ``name`` (or of ``cfg``, a changed
   copy of its config): the policy initialised once and handed to the stage as an earlier
