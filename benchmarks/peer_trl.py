@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -117,22 +118,26 @@ def main(argv=None) -> int:
       if logs and "completions/mean_length" in logs:
         tokens.append(logs["completions/mean_length"] * 32)
 
+  # TRL builds its frozen reference from the policy's checkpoint directory: save it there.
+  work = tempfile.TemporaryDirectory(prefix="jaxrlhf_peer_trl_")
+  model_dir = os.path.join(work.name, "policy")
+  policy_model().save_pretrained(model_dir)
+  tok.save_pretrained(model_dir)
   config = GRPOConfig(
-      output_dir="/tmp/jaxrlhf_peer_trl", max_steps=args.steps, per_device_train_batch_size=32,
+      output_dir=os.path.join(work.name, "out"), max_steps=args.steps, per_device_train_batch_size=32,
       num_generations=4, gradient_accumulation_steps=1, num_iterations=1,
       max_completion_length=32, temperature=1.0, top_p=1.0, top_k=0, beta=0.04, epsilon=0.2,
       learning_rate=1e-5, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
       use_cpu=True, bf16=False, fp16=False, logging_steps=1, save_strategy="no", report_to=[],
       seed=0, dataloader_num_workers=0, shuffle_dataset=False,
       model_init_kwargs={"dtype": "float32"})
-  # TRL builds its frozen reference from the policy's checkpoint directory: save it there.
-  model_dir = tempfile.mkdtemp(prefix="jaxrlhf_peer_trl_")
-  policy_model().save_pretrained(model_dir)
-  tok.save_pretrained(model_dir)
   trainer = GRPOTrainer(model=model_dir, reward_funcs=exact_match, args=config,
                         train_dataset=data, processing_class=tok, callbacks=[Clock()])
   t0 = time.perf_counter()
-  trainer.train()
+  try:
+    trainer.train()
+  finally:
+    work.cleanup()
   steps = [b - a for a, b in zip(stamps[1:], stamps[2:])]  # after two warm-up steps
   med = statistics.median(steps)
 
