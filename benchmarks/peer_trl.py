@@ -94,6 +94,7 @@ def main(argv=None) -> int:
   import torch
   from datasets import Dataset
   from transformers import TrainerCallback
+  import trl
   from trl import GRPOConfig, GRPOTrainer
 
   from jaxrlhf.data import AdditionTask
@@ -124,9 +125,10 @@ def main(argv=None) -> int:
   policy_model().save_pretrained(model_dir)
   tok.save_pretrained(model_dir)
   config = GRPOConfig(
-      output_dir=os.path.join(work.name, "out"), max_steps=args.steps, per_device_train_batch_size=32,
-      num_generations=4, gradient_accumulation_steps=1, num_iterations=1,
-      max_completion_length=32, temperature=1.0, top_p=1.0, top_k=0, beta=0.04, epsilon=0.2,
+      output_dir=os.path.join(work.name, "out"), max_steps=args.steps,
+      per_device_train_batch_size=32, num_generations=4, gradient_accumulation_steps=1,
+      num_iterations=1, max_completion_length=32, temperature=1.0, top_p=1.0, top_k=0,
+      beta=0.04, epsilon=0.2,
       learning_rate=1e-5, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
       use_cpu=True, bf16=False, fp16=False, logging_steps=1, save_strategy="no", report_to=[],
       seed=0, dataloader_num_workers=0, shuffle_dataset=False,
@@ -147,14 +149,15 @@ def main(argv=None) -> int:
   rate = matmul_rate()
   gen_tokens = statistics.median(tokens) if tokens else 32 * 32
   flops = sum(workload_flops("grpo").values())
-  out = {"trainer": "trl", "trl_version": __import__("trl").__version__,
+  out = {"trainer": "trl", "trl_version": trl.__version__,
          "torch_version": torch.__version__, "threads": args.threads,
          "step_s": {"median": med, "min": min(steps), "max": max(steps), "n": len(steps)},
          "total_s": time.perf_counter() - t0, "generated_tokens_per_step": gen_tokens,
          "generated_tokens_per_s": gen_tokens / med, "matmul_flops_per_s": rate,
          "flops_per_step": flops, "floor_s": flops / rate, "floor_fraction": flops / rate / med}
   print(f"TRL {out['trl_version']} (torch {out['torch_version']}, {args.threads} threads): "
-        f"steady step {med:.3f} s (min {min(steps):.3f}, max {max(steps):.3f}, {len(steps)} steps); "
+        f"steady step {med:.3f} s (min {min(steps):.3f}, max {max(steps):.3f}, "
+        f"{len(steps)} steps); "
         f"{gen_tokens / med:.0f} generated tokens/s; floor {flops / rate:.3f} s at "
         f"{rate / 1e9:.0f} GFLOP/s: {100 * flops / rate / med:.0f}% of it")
   if args.out:

@@ -144,12 +144,16 @@ def workload_flops(name: str) -> dict[str, float]:
   """Model FLOPs per step of workload ``name`` by phase (:func:`jaxrlhf.train.work.step_flops`),
   from its stage alone: nothing is initialised.  For scripts that time the same workload on
   another trainer (benchmarks/peer_trl.py)."""
+  from jaxrlhf.train.work import step_flops
+  return step_flops(_stage(name, workload_config(name)))
+
+
+def _stage(name: str, cfg):
+  """The stage of workload ``name`` for ``cfg`` on its mesh; nothing initialised."""
   from jaxrlhf.data import DataSource
   from jaxrlhf.mesh import make_mesh
   from jaxrlhf.train.pipeline import stage_class
-  from jaxrlhf.train.work import step_flops
-  cfg = workload_config(name)
-  return step_flops(stage_class(name)(cfg, make_mesh(cfg.mesh), DataSource(cfg.data, cfg.seed)))
+  return stage_class(name)(cfg, make_mesh(cfg.mesh), DataSource(cfg.data, cfg.seed))
 
 
 def build(name: str, model=None, cfg=None):
@@ -159,13 +163,10 @@ def build(name: str, model=None, cfg=None):
   copies of it."""
   import jax
   from jaxrlhf import model as M
-  from jaxrlhf.data import DataSource
-  from jaxrlhf.mesh import make_mesh
   from jaxrlhf.perf import release_host_memory
-  from jaxrlhf.train.pipeline import stage_class
   cfg = cfg or workload_config(name, model)
-  mesh = make_mesh(cfg.mesh)
-  stage = stage_class(name)(cfg, mesh, DataSource(cfg.data, cfg.seed))
+  stage = _stage(name, cfg)
+  mesh = stage.mesh
   policy = jax.jit(lambda k: M.init_params(cfg.model, k))(jax.random.key(cfg.seed))
   n_params = sum(x.size for x in jax.tree.leaves(policy))
   if cfg.model == model_config() and n_params != PARAM_COUNT:
