@@ -1,7 +1,10 @@
 """The default experiment: SFT -> reward model -> PPO on 2-digit addition, on a laptop CPU.
 
-SFT is deliberately stopped early (about half of the held-out sums right) so that PPO has
-room to show its own improvement.
+SFT is deliberately stopped early, at a held-out accuracy rather than a step count, so that
+PPO has room to show its own improvement.  Where in its budget SFT's sharp learning
+transition falls moves with the seed and with float rounding (a jax upgrade, a kernel
+change): stopping at an accuracy gives the later stages the same kind of starting point
+whatever the run.
 """
 
 import dataclasses
@@ -17,13 +20,16 @@ TINY = ModelConfig(vocab_size=48, d_model=128, n_layers=4, n_heads=4, n_kv_heads
 ADDITION = DataConfig(task="addition", digits=2, max_prompt_len=8, max_response_len=5,
                       eval_size=256)
 GREEDY_LEN = RolloutConfig(max_new_tokens=5)
-TINY_SFT = SFTConfig(steps=200, batch_size=128, eval_every=50,
+# At most 400 steps at a constant 3e-3, stopped by held-out accuracy: over three seeds the
+# rise began anywhere from step 150 to 290.  A cosine decay made the rise regular, but the
+# decayed policy, though as accurate, left GRPO far less to improve (57% -> 60%, not -> 86%).
+TINY_SFT = SFTConfig(steps=400, batch_size=128, eval_every=10, stop_accuracy=0.5,
                      optim=OptimizerConfig(lr=3e-3, warmup_steps=10, schedule="constant"))
 
 
-# The default's own SFT runs longer (about half the held-out sums right): the reward model
-# starts from this backbone, and judging sums needs one that can nearly do them.
-PPO_SFT = dataclasses.replace(TINY_SFT, steps=300)
+# The default's own SFT stops later: the reward model starts from this backbone, and judging
+# sums needs one that can nearly do them.
+PPO_SFT = dataclasses.replace(TINY_SFT, stop_accuracy=0.8)
 
 
 @register("tiny_ppo")

@@ -190,6 +190,9 @@ class SFTConfig:
   response_only: bool = True
   optim: OptimizerConfig = OptimizerConfig(lr=3e-3)
   eval_every: int = 100
+  # Stop at the first evaluation (every ``eval_every`` steps) whose held-out exact match
+  # reaches this; 0 trains all ``steps``.  A stage stopped here counts as finished.
+  stop_accuracy: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

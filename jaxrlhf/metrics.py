@@ -448,6 +448,14 @@ class ConsoleSink:
     if self.tty or p.printed_step is None or last or now - p.last_print >= self.every_s:
       self._emit(stage)
 
+  def end(self, stage: str):
+    """The stage has finished at its latest step, before its planned total (e.g. it reached
+    its target): its bar ends there, as done."""
+    p = self._stages.get(stage)
+    if p is not None:
+      self.total_steps[stage] = p.step
+      self._emit(stage)
+
   def message(self, text: str):
     """Prints a line of text without breaking the progress line."""
     if self.tty and self._open_line is not None:
@@ -514,6 +522,11 @@ class MetricsWriter:
       self._tb.write(stage, step, values, wall_time)
     if self._console is not None:
       self._console.write(stage, step, values)
+
+  def end_stage(self, stage: str):
+    """Ends ``stage``'s progress bar at its latest step (a stage that finished early)."""
+    if self.primary and self._console is not None:
+      self._console.end(stage)
 
   def message(self, text: str):
     """A line for the user (e.g. "saved checkpoint 200") that keeps the progress bar intact."""

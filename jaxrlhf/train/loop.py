@@ -30,7 +30,10 @@ def prepare_step(stage, state, frozen, batch):
 def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer=None,
               should_stop=lambda: False, extra_fn=None, profiler=None, work=None):
   """Trains ``stage`` from ``start_step`` (steps already done) to ``stage.steps``; returns
-  ``(state, last_metrics, stopped_early)``.
+  ``(state, last_metrics, stopped_early, steps_done)``.  ``steps_done`` is below
+  ``stage.steps`` when an evaluation met the stage's target (:meth:`Stage.target_reached`):
+  the stage has then finished, and its checkpoint of that step records why
+  (``target_reached`` in its JSON).
 
   Batches are a pure function of the step (``stage.batch(step)``), so ``start_step`` is also
   the data position.  After each step: evaluation when due, one metrics record, a checkpoint
@@ -93,14 +96,23 @@ def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer
     if evaluated or done % log_every == 0 or done == stage.steps:
       writer.write(stage.name, done, metrics)
     last = metrics
+    reason = stage.target_reached(metrics) if evaluated and done < stage.steps else ""
+    extra_now = {**extra(done), "target_reached": reason} if reason else extra(done)
     if checkpointer is not None:
       t0 = time.perf_counter()
-      if checkpointer.maybe_save(done, state, extra(done), metrics):
+      if checkpointer.maybe_save(done, state, extra_now, metrics):
         how = "writing in the background" if checkpointer.cfg.async_save else "written"
         writer.message(f"{stage.name}: checkpoint {done} -> {checkpointer.directory} "
                        f"({time.perf_counter() - t0:.2f}s, {how})")
+    if reason:
+      writer.end_stage(stage.name)
+      writer.message(f"{stage.name}: {reason} at step {done} of {stage.steps}; "
+                     "the stage ends here")
+      if checkpointer is not None:
+        checkpointer.save_now(done, state, extra_now, metrics)
+      return state, last, False, done
     if should_stop():
       if checkpointer is not None:
         checkpointer.save_now(done, state, extra(done), metrics)
-      return state, last, True
-  return state, last, False
+      return state, last, True, done
+  return state, last, False, stage.steps

@@ -164,26 +164,32 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
     if accelerator is not None:
       work = step_work(stage, accelerator, tp=dict(stage.mesh.shape)["tp"],
                        n_devices=stage.mesh.devices.size, n_processes=jax.process_count())
-    state, last, stopped = run_stage(stage, state, frozen, writer=writer, start_step=start,
-                                     checkpointer=ck, should_stop=stop.should_stop,
-                                     extra_fn=extra_fn, profiler=profiler, work=work)
-    if stopped:
-      ck.wait()
-      print(stop.message(int(jax.device_get(state.step)), ck.directory), flush=True)
-      return StageOutcome({}, {}, None, stopped=True)
-    ck.save_now(stage.steps, state, extra_fn(stage.steps), last)  # no-op if already saved
+    reached = point.extra.get("target_reached", "") if point is not None else ""
+    if reached:  # the run stopped after the stage had finished early, before its result
+      print(f"{name}: {reached} at step {start}; the stage ended there")
+      last, end = {}, start
+    else:
+      state, last, stopped, end = run_stage(stage, state, frozen, writer=writer,
+                                            start_step=start, checkpointer=ck,
+                                            should_stop=stop.should_stop, extra_fn=extra_fn,
+                                            profiler=profiler, work=work)
+      if stopped:
+        ck.wait()
+        print(stop.message(int(jax.device_get(state.step)), ck.directory), flush=True)
+        return StageOutcome({}, {}, None, stopped=True)
+    ck.save_now(end, state, extra_fn(end), last)  # no-op if already saved
     final = {k: v for k, v in last.items() if k.startswith("eval/")}
     if not final:
       final = stage.evaluate(state, frozen)
       if final:
-        writer.write(name, stage.steps, final)
-  summary = {name: {**final, "time_s": time.perf_counter() - t0,
+        writer.write(name, end, final)
+  summary = {name: {**final, "time_s": time.perf_counter() - t0, "steps": end,
                     **({"kl/mean": last["kl/mean"]} if "kl/mean" in last else {})}}
   if start_eval:
     summary[f"{name}/start"] = start_eval
   outputs = stage.outputs(state, frozen)
   info = ckpt.save_stage_result(workdir, name, outputs,
-                                {"summary": summary, "steps": stage.steps,
+                                {"summary": summary, "steps": end,
                                  "config": to_dict(cfg)})
   return StageOutcome(outputs, summary, info["id"])
 
@@ -295,10 +301,13 @@ def print_summary(cfg: ExperimentConfig, summary: dict) -> None:
                    s["eval/pair_accuracy"]))
     if "kl/mean" in s:
       rows.append((f"{name}: KL to reference (last step)", None, s["kl/mean"]))
+    configured = getattr(cfg, name).steps
+    if s.get("steps", configured) < configured:
+      rows.append((f"{name}: steps (target reached; of {configured})", None, s["steps"]))
     rows.append((f"{name}: wall time (s)", None, s["time_s"]))
   if not rows:
     return
-  fmt = lambda v: "" if v is None else f"{v:.3f}"
+  fmt = lambda v: "" if v is None else (f"{v:d}" if isinstance(v, int) else f"{v:.3f}")
   width = max(len(r[0]) for r in rows)
   print(f"\n{'summary':<{width}}  {'start':>8}  {'end':>8}")
   for label, a, b in rows:

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from jaxrlhf import model as M
 from jaxrlhf.algorithms import sft_loss
+from jaxrlhf.config import ConfigError
 from jaxrlhf.train.common import TrainState, update_role
 from jaxrlhf.train.evaluate import ExactMatchEval
 from jaxrlhf.train.stage import Stage
@@ -19,6 +20,13 @@ class SFTStage(Stage):
   def __init__(self, cfg, mesh, data):
     super().__init__(cfg, mesh, data)
     self.evaluator = ExactMatchEval(self)
+    stop = self.scfg.stop_accuracy
+    if not 0.0 <= stop <= 1.0:
+      raise ConfigError(f"sft.stop_accuracy={stop}: must be in [0, 1] (0 trains all sft.steps)")
+    if stop > 0 and self.eval_every <= 0:
+      raise ConfigError(f"sft.stop_accuracy={stop} is checked at evaluations, but "
+                        f"sft.eval_every={self.eval_every}; set --set=sft.eval_every=10 (or any "
+                        "positive number of steps)")
 
   def batch_shapes(self):
     return self.sequence_shapes()
@@ -44,3 +52,9 @@ class SFTStage(Stage):
 
   def evaluate(self, state, frozen):
     return self.evaluator(state.params["policy"])
+
+  def target_reached(self, eval_metrics: dict) -> str:
+    stop, acc = self.scfg.stop_accuracy, eval_metrics.get("eval/accuracy")
+    if stop > 0 and acc is not None and acc >= stop:
+      return f"held-out exact match {acc:.3f} reached sft.stop_accuracy={stop:g}"
+    return ""

@@ -50,6 +50,11 @@ class Stage:
                 for role in self.trainable}
 
   # -- to implement -------------------------------------------------------------------------
+  def target_reached(self, eval_metrics: dict) -> str:
+    """After an evaluation: why the stage ends here although steps remain (e.g. its held-out
+    accuracy reached the configured target), or "" to go on."""
+    return ""
+
   def frozen(self) -> dict:
     """Frozen roles -> head (may depend on the config)."""
     return {}
