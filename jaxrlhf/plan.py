@@ -333,6 +333,8 @@ class StagePlan:
   tokens_per_step: float
   consumers: dict[str, int]  # resident bytes per device by what they are
   models_in_memory: list[str]
+  # Why ``steps`` is a budget the stage may end before (e.g. "sft.stop_accuracy=0.8"), or "".
+  may_end_early: str = ""
 
   @property
   def peak(self) -> ProgramPlan:
@@ -406,10 +408,12 @@ def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True
             for r, h in stage.trainable.items()]
   models += [f"{r} ({cfg.role_model(r).num_params(h) / 1e9:.3g}B, frozen)"
              for r, h in stage.frozen().items()]
+  stop = getattr(stage.scfg, "stop_accuracy", 0.0)
   return StagePlan(stage=name, steps=stage.steps, mode=mode, programs=programs,
                    est_step_seconds=step_seconds, tokens_per_step=tokens,
                    consumers=_consumers(state, frozen, batch),
-                   models_in_memory=models)
+                   models_in_memory=models,
+                   may_end_early=f"{name}.stop_accuracy={stop:g}" if stop > 0 else "")
 
 
 def _plan_phases(stage, state, frozen, batch, read, one_program: bool, step_fn):
@@ -606,7 +610,8 @@ def to_json(plan: Plan) -> dict:
                                               for s in plan.stages),
                  "largest_consumer": what, "largest_consumer_bytes": size,
                  "suggestion": fix},
-      "stages": [{"stage": s.stage, "steps": s.steps, "mode": s.mode,
+      "stages": [{"stage": s.stage, "steps": s.steps, "may_end_early": s.may_end_early,
+                  "mode": s.mode,
                   "est_step_seconds": s.est_step_seconds,
                   "tokens_per_s": s.tokens_per_step / s.est_step_seconds
                   if s.est_step_seconds > 0 else math.nan,
@@ -632,7 +637,9 @@ def format_plan(plan: Plan) -> str:
           f"{'cpu':>6} {'fits':<4} {'FLOP':>6} {'HBM':>6} {'NVLink':>6} {'net':>6} "
           f"{'est':>7}  bound")
   for s in plan.stages:
-    lines.append(f"\n{s.stage}: {s.steps} steps, {s.mode}; in memory: "
+    budget = (f"{s.steps} steps at most ({s.may_end_early} may end it sooner)"
+              if s.may_end_early else f"{s.steps} steps")
+    lines.append(f"\n{s.stage}: {budget}, {s.mode}; in memory: "
                  + ", ".join(s.models_in_memory))
     lines.append(head)
     for p in s.programs:
@@ -671,7 +678,8 @@ def format_plan(plan: Plan) -> str:
   usd_month = plan.usd_per_run * plan.runs_per_month
   lines.append(
       f"cost at ${acc.usd_per_hour:.2f}/device-hour: ${plan.usd_per_step:.3g}/step; per run "
-      f"({' + '.join(f'{s.steps} {s.stage}' for s in plan.stages)} steps): "
+      f"({' + '.join(f'{s.steps} {s.stage}' for s in plan.stages)} steps"
+      f"{'; an upper bound' if any(s.may_end_early for s in plan.stages) else ''}): "
       f"{plan.gpu_hours:,.0f} {acc.name}-hours, ${plan.usd_per_run:,.0f}; "
       f"{plan.runs_per_month:g} run(s)/month: ${usd_month:,.0f} -> {band(usd_month)}")
   return "\n".join(lines)

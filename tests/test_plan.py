@@ -62,7 +62,10 @@ def small_plans():
 def test_sft_step_peak_matches_the_program_the_trainer_runs():
   cfg = registry.get("tiny_ppo")
   mesh = make_mesh(cfg.mesh)
-  planned = plan.plan_stage(cfg, "sft", mesh, H100).programs[0]
+  sp = plan.plan_stage(cfg, "sft", mesh, H100)
+  planned = sp.programs[0]
+  # Its SFT stops at an accuracy: the plan calls its steps a budget.
+  assert (sp.steps, sp.may_end_early) == (400, "sft.stop_accuracy=0.8")
   actual = _run_footprint(cfg, "sft", mesh)
   assert planned.name == "sft/step" and planned.resident_bytes == 0
   assert abs(planned.peak_bytes_per_device - actual) <= 0.1 * actual
