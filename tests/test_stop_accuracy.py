@@ -102,6 +102,22 @@ def test_bad_settings_name_the_field_and_the_fix(changes, message):
     SFTStage(cfg, pipeline.make_mesh(cfg.mesh), DataSource(cfg.data, cfg.seed))
 
 
+def test_a_target_without_answers_to_check_is_refused(tmp_path):
+  """Your own data: held-out prompts without answers could never reach the target."""
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text('{"prompt": "1+1="}\n{"prompt": "2+2=", "answer": "4"}\n')
+  sft = tmp_path / "sft.jsonl"
+  sft.write_text('{"prompt": "1+1=", "response": "2"}\n')
+  cfg = _cfg(stop=0.5)
+  cfg = dataclasses.replace(cfg, data=dataclasses.replace(
+      cfg.data, task="jsonl", prompts_path=str(prompts), sft_path=str(sft)))
+  with pytest.raises(ConfigError, match=r"1 of the 2 evaluation prompts in .*prompts.jsonl "
+                                        r"have no \"answer\""):
+    SFTStage(cfg, pipeline.make_mesh(cfg.mesh), DataSource(cfg.data, cfg.seed))
+  prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')  # answers: accepted
+  SFTStage(cfg, pipeline.make_mesh(cfg.mesh), DataSource(cfg.data, cfg.seed))
+
+
 def test_the_tiny_experiments_stop_sft_at_an_accuracy():
   from jaxrlhf import registry
   for name, target in (("tiny_ppo", 0.8), ("tiny_grpo", 0.5), ("tiny_dpo", 0.5)):

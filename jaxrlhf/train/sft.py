@@ -27,6 +27,17 @@ class SFTStage(Stage):
       raise ConfigError(f"sft.stop_accuracy={stop} is checked at evaluations, but "
                         f"sft.eval_every={self.eval_every}; set --set=sft.eval_every=10 (or any "
                         "positive number of steps)")
+    if stop > 0 and data.task is None:
+      # Your own data: the target is held-out exact match, so the evaluation prompts need
+      # answers; without them the target could never be reached.
+      examples = data.eval_examples("prompts")
+      missing = sum(1 for ex in examples if not ex.answer)
+      if missing:
+        source = data.cfg.eval_path or data.cfg.prompts_path
+        raise ConfigError(
+            f"sft.stop_accuracy={stop} stops at a held-out exact match, but {missing} of the "
+            f"{len(examples)} evaluation prompts in {source} have no \"answer\"; add answers "
+            "(or point data.eval_path at a file with them), or set sft.stop_accuracy=0")
 
   def batch_shapes(self):
     return self.sequence_shapes()
