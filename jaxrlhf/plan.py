@@ -408,12 +408,11 @@ def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True
             for r, h in stage.trainable.items()]
   models += [f"{r} ({cfg.role_model(r).num_params(h) / 1e9:.3g}B, frozen)"
              for r, h in stage.frozen().items()]
-  stop = getattr(stage.scfg, "stop_accuracy", 0.0)
   return StagePlan(stage=name, steps=stage.steps, mode=mode, programs=programs,
                    est_step_seconds=step_seconds, tokens_per_step=tokens,
                    consumers=_consumers(state, frozen, batch),
                    models_in_memory=models,
-                   may_end_early=f"{name}.stop_accuracy={stop:g}" if stop > 0 else "")
+                   may_end_early=stage.stop_rule())
 
 
 def _plan_phases(stage, state, frozen, batch, read, one_program: bool, step_fn):

@@ -64,8 +64,12 @@ class SFTStage(Stage):
   def evaluate(self, state, frozen):
     return self.evaluator(state.params["policy"])
 
+  def stop_rule(self) -> str:
+    stop = self.scfg.stop_accuracy
+    return f"sft.stop_accuracy={stop:g}" if stop > 0 else ""
+
   def target_reached(self, eval_metrics: dict) -> str:
     stop, acc = self.scfg.stop_accuracy, eval_metrics.get("eval/accuracy")
     if stop > 0 and acc is not None and acc >= stop:
-      return f"held-out exact match {acc:.3f} reached sft.stop_accuracy={stop:g}"
+      return f"held-out exact match {acc:.3f} reached {self.stop_rule()}"
     return ""

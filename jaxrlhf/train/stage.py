@@ -50,6 +50,11 @@ class Stage:
                 for role in self.trainable}
 
   # -- to implement -------------------------------------------------------------------------
+  def stop_rule(self) -> str:
+    """The setting that may end the stage before ``steps`` (e.g. ``sft.stop_accuracy=0.8``),
+    or "" when it always trains them all; the planner then calls ``steps`` a budget."""
+    return ""
+
   def target_reached(self, eval_metrics: dict) -> str:
     """After an evaluation: why the stage ends here although steps remain (e.g. its held-out
     accuracy reached the configured target), or "" to go on."""
