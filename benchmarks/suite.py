@@ -12,7 +12,8 @@ Every workload runs in its own subprocess (so peak resident memory is that workl
    metrics on the host), peak RSS, and the fp32 matmul rate measured in the same process.
 2. ``phases``: the same step as separately-jitted, separately-timed phases
    (``logging.phase_timing``; for DPO, the reference log-probs and the update as two programs),
-   median seconds per phase.  Separate because the one-program step is what is timed above.
+   median seconds per phase, and each phase's share of its own floor (its FLOPs at the rate
+   measured in ``main``).  Separate because the one-program step is what is timed above.
 3. ``warm``: a fresh process with the compilation cache the ``main`` run filled: what the
    first step costs on every run after the first (``--no_warm`` skips it).
 
@@ -327,6 +328,14 @@ def run_worker(mode: str, name: str, args, cache_dir: str) -> dict:
   return out
 
 
+def phase_floor_fractions(r: dict) -> dict:
+  """Each phase's compute floor (its model FLOPs at the matmul rate measured beside the timed
+  steps) over its measured seconds: which phase is far from its floor and which is near."""
+  rate, flops = r.get("matmul_flops_per_s"), r.get("phase_flops", {})
+  return {k: flops[k] / rate / v for k, v in r.get("phases_s", {}).items()
+          if rate and flops.get(k) and v > 0}
+
+
 def report(r: dict) -> str:
   mib = r["peak_rss_bytes"] / 2**20
   s = r["step_s"]
@@ -354,10 +363,11 @@ def report(r: dict) -> str:
     lines.append(f"  generated tokens/s     {r['generated_tokens_per_s']:8.0f}     "
                  f"({r['generated_tokens_per_step']:.0f} per step)")
   if "phases_s" in r:
-    ph = r["phases_s"]
+    ph, share = r["phases_s"], phase_floor_fractions(r)
     lines.append("  phases (separate jits) " + ", ".join(
-        f"{k} {v:.4f}" for k, v in ph.items() if k not in ("step", "other"))
-        + f"; step {ph['step']:.4f} s")
+        f"{k} {v:.4f}" + (f" ({100 * share[k]:.0f}%)" if k in share else "")
+        for k, v in ph.items() if k not in ("step", "other"))
+        + f"; step {ph['step']:.4f} s (in brackets: each phase's share of its own floor)")
   if "one_program_step_s" in r:
     lines.append(f"  one program vs phases  {r['one_program_step_s']:8.4f} s   one-program step "
                  f"alternating with the phased one: phased / one-program = "
@@ -407,6 +417,7 @@ def main(argv=None) -> dict:
         r.update(run_worker("warm", name, args, cache))
       if args.phase_steps > 0:
         r.update(run_worker("phases", name, args, cache))
+        r["phase_floor_fraction"] = phase_floor_fractions(r)
     results[name] = r
     print(report(r), flush=True)
   if args.out:

@@ -196,3 +196,21 @@ def test_compile_ahead_leaves_the_first_call_nothing_to_compile():
     jax.monitoring.unregister_event_duration_listener(listener)
   # Anything that is not a jitted function (the phased RL step) is left to compile itself.
   assert perf.compile_ahead(lambda s, x: (s, x), s, x) is None
+
+
+def test_report_gives_each_phase_its_share_of_its_own_floor():
+  sys.path.insert(0, ROOT)
+  from benchmarks import suite
+  r = {"workload": "grpo", "params": 1, "setup_s": 1.0, "first_step_s": 2.0,
+       "step_s": {"median": 0.5, "min": 0.4, "max": 0.6, "n": 15}, "flops_per_step": 60e9,
+       "flops_by_phase": {"generate": 10e9, "update": 50e9}, "matmul_flops_per_s": 200e9,
+       "matmul_1280x256x1024_flops_per_s": 200e9, "loadavg_1min": [1.0, 1.0],
+       "floor_s": 0.3, "floor_fraction": 0.6, "model_flops_per_s": 120e9,
+       "floor_fraction_at_best": 0.6, "peak_rss_bytes": 2**29,
+       "phases_s": {"generate": 0.125, "update": 0.3125, "reward": 0.001, "step": 0.44},
+       "phase_flops": {"generate": 10e9, "update": 50e9}}
+  # generate: 10 G at 200 G/s is 0.05 s of floor in 0.125 s; update: 0.25 in 0.3125.
+  assert suite.phase_floor_fractions(r) == pytest.approx({"generate": 0.4, "update": 0.8})
+  line = next(l for l in suite.report(r).splitlines() if "phases" in l)
+  assert "generate 0.1250 (40%)" in line and "update 0.3125 (80%)" in line
+  assert "reward 0.0010;" in line  # no FLOPs counted for it: no share printed
