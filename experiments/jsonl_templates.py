@@ -23,12 +23,17 @@ from jaxrlhf.registry import register
 # Training fields for a ~1-8B model; the architecture fields are replaced from model.hf_path.
 HF_MODEL = ModelConfig(param_dtype="float32", compute_dtype="bfloat16", remat="full",
                        scan_layers=True)
-HF_DATA = DataConfig(task="jsonl", max_prompt_len=256, max_response_len=256, overlong="truncate")
+HF_DATA = DataConfig(task="jsonl", tokenizer="", max_prompt_len=256, max_response_len=256,
+                     overlong="truncate")
 
 
 def _base(name: str, stages: tuple[str, ...], description: str) -> ExperimentConfig:
+  # Without these the run would train the placeholder shape from a random init, on the
+  # built-in character tokenizer: refused up front instead (config.validate).
+  data_file = "data.pairs_path" if stages == ("dpo",) else "data.prompts_path"
   return ExperimentConfig(
       name=name, description=description, stages=stages, model=HF_MODEL, data=HF_DATA,
+      required=("model.hf_path", "data.tokenizer", data_file),
       rollout=RolloutConfig(max_new_tokens=256, temperature=1.0))
 
 

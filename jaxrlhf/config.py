@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from typing import Literal, Optional
 
@@ -371,6 +372,9 @@ Stage = Literal["sft", "rm", "ppo", "grpo", "dpo"]
 class ExperimentConfig:
   name: str = "unnamed"
   description: str = ""
+  # Dotted fields the command line must set before the experiment can run (templates for the
+  # user's model and data), e.g. ("model.hf_path", "data.tokenizer"); see validate().
+  required: tuple[str, ...] = ()
   seed: int = 0
   # The stages run in order; each later stage starts from the earlier stages' results.
   stages: tuple[Stage, ...] = ("sft",)
@@ -403,6 +407,88 @@ class ExperimentConfig:
     if other == "missing":
       raise ConfigError(f"unknown role {role!r}; valid: policy, reference, reward, value, guard")
     return other if other is not None else self.model
+
+
+# ------------------------------------------------------------------------------ validation
+
+
+def validate(cfg: "ExperimentConfig") -> "ExperimentConfig":
+  """Raises ConfigError for values no run can use, naming the field and the fix; returns
+  ``cfg``.  Checked before any work, so a bad setting of a late stage (PPO after SFT and the
+  reward model) stops the run at once instead of after the earlier stages have trained.  Checks
+  that need the data or the mesh stay with the code that has them."""
+  problems, missing = [], []
+  for field in cfg.required:
+    value = cfg
+    for part in field.split("."):
+      value = getattr(value, part, None)
+    if value in (None, "", ()):
+      missing.append(field)
+  if missing:
+    problems.append("this experiment is a template for your model and data; set "
+                    + " ".join(f"--set={f}=..." for f in missing)
+                    + f" ({', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set)")
+
+  def need(ok: bool, field: str, value, rule: str):
+    if not ok:
+      problems.append(f"{field}={value!r}: {rule}")
+
+  def at_least(obj, prefix: str, names, low: int):
+    for n in names:
+      v = getattr(obj, n)
+      need(v >= low, f"{prefix}.{n}", v, f"must be >= {low}")
+
+  def finite(obj, prefix: str, n: str, low: float = 0.0, rule: str = ""):
+    v = getattr(obj, n)
+    need(math.isfinite(v) and v >= low, f"{prefix}.{n}", v, rule or f"must be a number >= {low:g}")
+
+  def optimizer(o: OptimizerConfig, prefix: str):
+    finite(o, prefix, "lr", rule="must be a number >= 0 (the peak learning rate, e.g. 1e-4)")
+    for n in ("end_lr_ratio", "weight_decay", "grad_clip"):
+      finite(o, prefix, n)
+    finite(o, prefix, "eps", 1e-30, "must be a number > 0")
+    for n in ("b1", "b2"):
+      v = getattr(o, n)
+      need(0.0 <= v < 1.0, f"{prefix}.{n}", v, "must be in [0, 1)")
+    at_least(o, prefix, ("warmup_steps", "max_consecutive_skips"), 0)
+    at_least(o, prefix, ("grad_accum",), 1)
+
+  for role, m in (("model", cfg.model), ("reward_model", cfg.reward_model),
+                  ("value_model", cfg.value_model), ("guard_model", cfg.guard_model)):
+    if m is None:
+      continue
+    at_least(m, role, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                       "mlp_dim", "max_seq_len"), 1)
+    if m.n_heads >= 1 and m.n_kv_heads >= 1 and m.n_heads % m.n_kv_heads:
+      problems.append(f"{role}.n_heads={m.n_heads} is not a multiple of {role}.n_kv_heads="
+                      f"{m.n_kv_heads}: each key/value head serves a whole group of query heads; "
+                      f"pick n_kv_heads dividing n_heads")
+  at_least(cfg.data, "data", ("max_prompt_len", "max_response_len", "eval_size"), 1)
+  for name in cfg.stages:
+    sc = getattr(cfg, name)
+    at_least(sc, name, ("steps", "batch_size"), 1)
+    at_least(sc, name, ("eval_every",), 0)
+    optimizer(sc.optim, f"{name}.optim")
+    if name in ("ppo", "grpo"):
+      at_least(sc, name, ("num_samples", "ppo_epochs", "num_minibatches"), 1)
+      finite(sc.kl, f"{name}.kl", "coef")
+      at_least(cfg.rollout, "rollout", ("max_new_tokens",), 1)
+      at_least(cfg.rollout, "rollout", ("top_k",), 0)
+      finite(cfg.rollout, "rollout", "temperature", rule="must be a number >= 0 (0 is greedy)")
+      need(0.0 < cfg.rollout.top_p <= 1.0, "rollout.top_p", cfg.rollout.top_p,
+           "must be in (0, 1] (1 turns top-p off)")
+    if name == "ppo":
+      optimizer(sc.value_optim, "ppo.value_optim")
+    if name == "grpo" and sc.advantage in ("grpo", "drgrpo", "rloo"):
+      need(sc.num_samples >= 2, "grpo.num_samples", sc.num_samples,
+           f"must be >= 2: grpo.advantage={sc.advantage!r} compares the samples of one prompt, "
+           "so one sample gives every advantage 0")
+    if name == "dpo":
+      finite(sc, "dpo", "beta", 1e-30, "must be a number > 0 (e.g. 0.1)")
+  problems = list(dict.fromkeys(problems))  # rollout checks repeat for PPO and GRPO
+  if problems:
+    raise ConfigError(f"{cfg.name}: " + "; ".join(problems))
+  return cfg
 
 
 # ------------------------------------------------------------------------------- overrides

@@ -40,7 +40,8 @@ class CharTokenizer:
       return [self._to_id[c] for c in text]
     except KeyError as e:
       raise ConfigError(f"character {e.args[0]!r} is not in the built-in char tokenizer "
-                        f"({self.chars!r}); set data.tokenizer to a tokenizer directory") from None
+                        f"({self.chars!r}); remove it, or set data.tokenizer to a tokenizer "
+                        f"directory") from None
 
   def decode(self, ids: Sequence[int]) -> str:
     out = []
@@ -56,12 +57,29 @@ class CharTokenizer:
 class HFTokenizer:
   """A transformers tokenizer from a local directory (no hub access)."""
 
+  # One of these must be in the folder; without any, transformers fails with a message about
+  # its backends that does not name the folder.
+  FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
+           "tokenizer.model", "spiece.model")
+
   def __init__(self, path: str):
     if not os.path.isdir(path):
       raise ConfigError(f"data.tokenizer={path!r} is not a directory; give a local tokenizer "
                         f"folder (tokenizer.json / tokenizer_config.json) or 'char'")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in self.FILES):
+      raise ConfigError(f"data.tokenizer={path!r}: no tokenizer files in this folder (looked for "
+                        f"{', '.join(self.FILES)}); save the tokenizer there with "
+                        f"tokenizer.save_pretrained(DIR), or point data.tokenizer at the "
+                        f"model's folder")
     from transformers import AutoTokenizer
-    self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+      self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      reason = " ".join(str(e).split())[:300]  # one line, however transformers wraps it
+      raise ConfigError(f"data.tokenizer={path!r}: transformers cannot load a tokenizer from "
+                        f"this folder ({type(e).__name__}: {reason}); re-save it with "
+                        f"tokenizer.save_pretrained(DIR), or point data.tokenizer at the "
+                        f"model's folder") from None
     self.eos_id = self._tok.eos_token_id
     if self.eos_id is None:
       raise ConfigError(f"tokenizer in {path} has no eos_token; set one in tokenizer_config.json")
@@ -93,6 +111,7 @@ class Example:
   response: str = ""  # SFT target
   chosen: str = ""  # preference pair
   rejected: str = ""
+  line: int = dataclasses.field(default=0, compare=False)  # line in the user's file (0: built-in)
 
 
 class AdditionTask:
@@ -154,16 +173,32 @@ _REQUIRED = {"prompts": ("prompt",), "sft": ("prompt", "response"),
              "pairs": ("prompt", "chosen", "rejected")}
 
 
-def read_jsonl(path: str, kind: str) -> list[Example]:
-  """Reads a user's JSONL file of ``kind`` (prompts, sft, pairs).  Errors name file:line."""
+def read_jsonl(path: str, kind: str, field: str = "") -> list[Example]:
+  """Reads a user's JSONL file of ``kind`` (prompts, sft, pairs), given as ``data.<field>``.
+  Errors name the file and its physical line (blank lines count); examples carry their line."""
+  field = field or _PATH_FIELD[kind]
   if not path:
-    raise ConfigError(f"no {kind} file given; set data.{_PATH_FIELD[kind]}=FILE.jsonl")
+    raise ConfigError(f"no {kind} file given; set data.{field}=FILE.jsonl")
   if not os.path.exists(path):
-    raise ConfigError(f"{path}: file not found (data.{_PATH_FIELD[kind]})")
+    raise ConfigError(f"{path}: file not found (data.{field})")
+  if os.path.isdir(path):
+    raise ConfigError(f"{path}: is a directory, not a JSONL file (data.{field}); give the path "
+                      f"of a file with one JSON object per line like {_example(kind)}")
   required = _REQUIRED[kind]
   out = []
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, 1):
+  try:
+    f = open(path, "rb")  # decoded line by line, so that a bad byte is reported at its line
+  except OSError as e:
+    raise ConfigError(f"{path}: cannot be read ({e.strerror}) (data.{field}); check the path "
+                      f"and its permissions") from None
+  with f:
+    for lineno, raw in enumerate(f, 1):
+      try:
+        line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+      except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at "
+                          f"column {e.start + 1}); save the file as UTF-8 (from Latin-1: "
+                          f"iconv -f latin1 -t utf-8 {path} > NEW.jsonl)") from None
       if not line.strip():
         continue
       try:
@@ -177,17 +212,37 @@ def read_jsonl(path: str, kind: str) -> list[Example]:
       if missing:
         raise ConfigError(f"{path}:{lineno}: missing string field(s) {', '.join(missing)}; "
                           f"each line needs {_example(kind)}")
-      answer = obj.get("answer", "")
-      out.append(Example(prompt=obj["prompt"], answer=answer if isinstance(answer, str) else "",
+      answer = obj.get("answer")  # optional in every kind; null is the same as absent
+      if answer is not None and not isinstance(answer, str):
+        raise ConfigError(f"{path}:{lineno}: field \"answer\" is {_describe(answer)}, not a "
+                          f"string; write it as a string: \"answer\": "
+                          f"{json.dumps(_as_text(answer))}")
+      out.append(Example(prompt=obj["prompt"], answer=answer or "",
                          response=obj.get("response", ""), chosen=obj.get("chosen", ""),
-                         rejected=obj.get("rejected", "")))
+                         rejected=obj.get("rejected", ""), line=lineno))
   if not out:
     raise ConfigError(f"{path}: the file is empty; it needs one JSON object per line like "
                       f"{_example(kind)}")
   return out
 
 
+def _describe(value) -> str:
+  if isinstance(value, bool):
+    return f"the boolean {json.dumps(value)}"
+  if isinstance(value, (int, float)):
+    return f"the number {json.dumps(value)}"
+  return f"a JSON {'array' if isinstance(value, list) else 'object'}"
+
+
+def _as_text(value) -> str:
+  """What a non-string answer most likely meant, written as the string to put in the file."""
+  return json.dumps(value) if isinstance(value, (bool, int, float)) else "..."
+
+
 _PATH_FIELD = {"prompts": "prompts_path", "sft": "sft_path", "pairs": "pairs_path"}
+# The fields of each kind that batches encode (besides the prompt).
+_TEXT_FIELDS = {"prompts": ("answer",), "sft": ("response", "answer"),
+                "pairs": ("chosen", "rejected")}
 
 
 def _example(kind):
@@ -207,8 +262,18 @@ class Encoder:
     self.R = cfg.max_response_len
     self.counts = {"data/truncated": 0, "data/skipped": 0}
 
+  def encode(self, text: str, where: str = "", field: str = "prompt") -> list[int]:
+    """``tok.encode``; an error (a character the char tokenizer lacks) names ``where`` (FILE:LINE)
+    and the field."""
+    try:
+      return self.tok.encode(text)
+    except ConfigError as e:
+      if not where:
+        raise
+      raise ConfigError(f"{where}: \"{field}\": {e}") from None
+
   def prompt_ids(self, ex: Example, where: str = "") -> Optional[list[int]]:
-    ids = ([self.tok.bos_id] if self.tok.bos_id is not None else []) + self.tok.encode(ex.prompt)
+    ids = ([self.tok.bos_id] if self.tok.bos_id is not None else []) + self.encode(ex.prompt, where)
     if len(ids) > self.P:
       policy = self.cfg.overlong
       if policy == "error":
@@ -221,6 +286,17 @@ class Encoder:
       self.counts["data/truncated"] += 1
       ids = ids[-self.P:]
     return ids
+
+  def check(self, ex: Example, kind: str, where: str) -> Optional[Example]:
+    """Checks one example of a file up front, so that errors name ``where`` (FILE:LINE) and not a
+    batch: its prompt's length (``data.overlong``; None when skipped) and, for the char
+    tokenizer (the only one that rejects text), that every field it will encode is encodable."""
+    if self.prompt_ids(ex, where) is None:
+      return None
+    if isinstance(self.tok, CharTokenizer):
+      for field in _TEXT_FIELDS[kind]:
+        self.encode(getattr(ex, field), where, field)
+    return ex
 
   def response_ids(self, text: str) -> list[int]:
     ids = self.tok.encode(text)[: self.R - 1]
@@ -280,7 +356,7 @@ class DataSource:
     self.seed = seed + cfg.seed
     self.tokenizer = make_tokenizer(cfg)
     self.encoder = Encoder(cfg, self.tokenizer)
-    self._files: dict[str, list[Example]] = {}
+    self._files: dict[tuple[str, str], list[Example]] = {}
     if cfg.task == "addition":
       self.task = AdditionTask(cfg.digits, cfg.reverse_answer)
     elif cfg.task == "jsonl":
@@ -288,40 +364,62 @@ class DataSource:
     else:
       raise ConfigError(f"data.task={cfg.task!r}: choose 'addition' or 'jsonl'")
 
-  def _file(self, kind: str) -> list[Example]:
-    if kind not in self._files:
-      path = getattr(self.cfg, _PATH_FIELD[kind])
-      examples = read_jsonl(path, kind)
-      # Validate every prompt's length up front so errors name the line, not a batch.
-      kept = []
-      for i, ex in enumerate(examples, 1):
-        if self.encoder.prompt_ids(ex, where=f"{path}:{i}") is not None:
-          kept.append(ex)
+  def _file(self, field: str, kind: str) -> list[Example]:
+    """The examples of ``data.<field>`` read as ``kind``, each checked once (:meth:`Encoder.check`)
+    with what ``data.overlong`` did reported; the same for training and evaluation files."""
+    if (field, kind) not in self._files:
+      path = getattr(self.cfg, field)
+      examples = read_jsonl(path, kind, field)
+      before = dict(self.encoder.counts)
+      kept = [ex for ex in examples if self.encoder.check(ex, kind, f"{path}:{ex.line}")]
       if not kept:
-        raise ConfigError(f"{path}: every prompt was skipped as over-long "
-                          f"(data.max_prompt_len={self.cfg.max_prompt_len})")
+        raise ConfigError(f"{path}: every prompt (data.{field}) was skipped as over-long "
+                          f"(data.max_prompt_len={self.cfg.max_prompt_len}, data.overlong=skip); "
+                          f"raise data.max_prompt_len or shorten the prompts")
       dropped = len(examples) - len(kept)
-      truncated = self.encoder.counts["data/truncated"]
+      truncated = self.encoder.counts["data/truncated"] - before["data/truncated"]
       if dropped or truncated:
         # Never silent: say what the data.overlong policy did to this file.
         print(f"{path}: {dropped} over-long prompt(s) skipped, {truncated} truncated to "
               f"data.max_prompt_len={self.cfg.max_prompt_len} (data.overlong="
               f"{self.cfg.overlong}); {len(kept)} examples kept")
-      self._files[kind] = kept
-    return self._files[kind]
+      self._files[(field, kind)] = kept
+    return self._files[(field, kind)]
+
+  def check_answers(self, sources: Sequence[str], setting: str,
+                    weights: Optional[Sequence[float]] = None) -> None:
+    """Stops a run up front when a reward source that compares responses with the reference
+    answer (:func:`jaxrlhf.rewards.reads_answer`) meets training prompts without one: an empty
+    answer would reward empty responses.  ``setting`` names where ``sources`` come from (e.g.
+    ``grpo.reward.sources``); sources with weight 0 are off and need nothing."""
+    from jaxrlhf.rewards import reads_answer  # rewards imports jax; data stays numpy-only
+    weights = weights if weights is not None else [1.0] * len(sources)
+    needy = [s for s, w in zip(sources, weights) if w != 0 and reads_answer(s)]
+    if not needy or self.task is not None:  # the built-in task always has answers
+      return
+    examples = self._file("prompts_path", "prompts")
+    lacking = [ex for ex in examples if not ex.answer]
+    if lacking:
+      path, names = self.cfg.prompts_path, " and ".join(needy)
+      raise ConfigError(
+          f"{path}:{lacking[0].line}: {len(lacking)} of the {len(examples)} prompts in {path} "
+          f"lack \"answer\" (the first on this line), but {setting} uses {names}, which "
+          f"compares each response with it (an empty answer rewards empty responses); add an "
+          f"\"answer\" to every line, or drop {names} from {setting}")
 
   def examples(self, kind: str, step: int, n: int, stream: int = 0) -> list[Example]:
     """The ``n`` training examples of batch ``step`` (deterministic in seed, stream, step)."""
     rng = np.random.default_rng([self.seed, stream, step])
     if self.task is not None:
       return self.task.sample(rng, n, "train")
-    pool = self._file(kind)
+    pool = self._file(_PATH_FIELD[kind], kind)
     return [pool[int(i)] for i in rng.integers(0, len(pool), size=n)]
 
   def eval_examples(self, kind: str = "prompts") -> list[Example]:
     if self.task is not None:
       return self.task.sample(np.random.default_rng([self.seed, 999_999]), self.cfg.eval_size,
                               "eval")
-    if self.cfg.eval_path:
-      return read_jsonl(self.cfg.eval_path, kind)[: self.cfg.eval_size]
-    return self._file(kind)[: self.cfg.eval_size]
+    # data.eval_path gets the same checks and data.overlong policy as the training files: an
+    # over-long held-out prompt is an error at its line, or is truncated or skipped and counted.
+    field = "eval_path" if self.cfg.eval_path else _PATH_FIELD[kind]
+    return self._file(field, kind)[: self.cfg.eval_size]

@@ -13,7 +13,7 @@ import sys
 from absl import app, flags
 
 from jaxrlhf import registry
-from jaxrlhf.config import ConfigError, ExperimentConfig, apply_overrides, to_json
+from jaxrlhf.config import ConfigError, ExperimentConfig, apply_overrides, to_json, validate
 
 DEFAULT_EXPERIMENT = "tiny_ppo"
 
@@ -86,7 +86,7 @@ def resolve_config(experiment: str, overrides, steps=None, mesh=None, devices=No
     for stage in ("sft", "rm", "ppo", "grpo", "dpo"):
       sub = getattr(cfg, stage)
       cfg = dataclasses.replace(cfg, **{stage: dataclasses.replace(sub, steps=min(sub.steps, steps))})
-  return cfg
+  return validate(cfg)
 
 
 def _run(argv) -> int:
@@ -103,6 +103,10 @@ def _run(argv) -> int:
     return 0
   workdir = _WORKDIR.value or os.path.join("runs", cfg.name)
 
+  if _ROLE.value:
+    from jaxrlhf.pools.run import ROLES
+    if _ROLE.value not in ROLES:
+      raise ConfigError(f"--role={_ROLE.value!r}: use one of {', '.join(ROLES)}")
   if _PLAN.value and _ROLE.value:
     from jaxrlhf.pools import plan as pools_plan
     print(pools_plan.format_pipeline(pools_plan.plan_pools(
@@ -121,8 +125,6 @@ def _run(argv) -> int:
     distributed.initialize(cfg.distributed)
   if _ROLE.value:
     from jaxrlhf.pools import run as pools_run
-    if _ROLE.value not in pools_run.ROLES:
-      raise ConfigError(f"--role={_ROLE.value!r}: use one of {', '.join(pools_run.ROLES)}")
     return pools_run.run_role(cfg, workdir, _ROLE.value, _REDIS_URL.value, _POOL_EVENTS.value)
   from jaxrlhf.train import pipeline
   return pipeline.run(cfg, workdir, resume=_RESUME.value, profile_steps=_PROFILE.value)
@@ -138,11 +140,17 @@ def main(argv) -> None:
 
 
 def entry():
-  if any(a in ("--help", "-h", "--helpshort") for a in sys.argv[1:]):
+  if any(a in ("--help", "-h", "--helpshort", "--helpfull") for a in sys.argv[1:]):
     # absl's own --help exits with status 1; asking for help is not an error.
     print(__doc__)
     print(flags.FLAGS.main_module_help())
     sys.exit(0)
+  try:
+    flags.FLAGS(sys.argv)  # a trial parse, so a bad flag is one error line and status 2
+  except flags.Error as e:
+    print(f"error: {e} (python -m jaxrlhf.main --help lists the flags)", file=sys.stderr)
+    sys.exit(2)
+  flags.FLAGS.unparse_flags()  # app.run parses again; repeated flags (--set) must not double
   app.run(main)
 
 

@@ -201,13 +201,27 @@ RuleFn = Callable[..., jax.Array]
 RULES: dict[str, RuleFn] = {}
 
 
-def _adder(table: dict, kind: str, name: str):
+# Sources ("rule:NAME", "host:NAME") registered with needs_answer=False.  Every other rule and
+# host reward is taken to compare responses with the prompt's reference answer, so a run whose
+# prompts lack answers cannot use it (jaxrlhf.data.DataSource.check_answers).
+_ANSWER_FREE: set[str] = set()
+
+
+def _adder(table: dict, kind: str, name: str, source: str, needs_answer: bool):
   def add(fn):
     if name in table:
       raise ValueError(f"{kind} {name!r} is already registered; pick another name")
     table[name] = fn
+    (_ANSWER_FREE.discard if needs_answer else _ANSWER_FREE.add)(source)
     return fn
   return add
+
+
+def reads_answer(source: str) -> bool:
+  """Whether reward source ``source`` (``model``, ``rule:NAME``, ``host:NAME``) needs each
+  prompt's reference answer: every rule and host reward not registered with
+  ``needs_answer=False``; the reward model does not."""
+  return source.partition(":")[0] in ("rule", "host") and source not in _ANSWER_FREE
 
 
 def _lookup(table: dict, prefix: str, kind: str, register: str, name: str):
@@ -217,9 +231,10 @@ def _lookup(table: dict, prefix: str, kind: str, register: str, name: str):
   return table[name]
 
 
-def register_rule(name: str):
-  """Decorator adding a jittable rule reward to :data:`RULES` (source ``rule:NAME``)."""
-  return _adder(RULES, "rule reward", name)
+def register_rule(name: str, *, needs_answer: bool = True):
+  """Decorator adding a jittable rule reward to :data:`RULES` (source ``rule:NAME``);
+  ``needs_answer=False`` for one that ignores the answer arrays (see :func:`reads_answer`)."""
+  return _adder(RULES, "rule reward", name, f"rule:{name}", needs_answer)
 
 
 def get_rule(name: str) -> RuleFn:
@@ -276,9 +291,10 @@ HostFn = Callable[[list, list], list]
 HOST_RULES: dict[str, HostFn] = {}
 
 
-def register_host_reward(name: str):
-  """Decorator adding a host reward function to :data:`HOST_RULES` (source ``host:NAME``)."""
-  return _adder(HOST_RULES, "host reward", name)
+def register_host_reward(name: str, *, needs_answer: bool = True):
+  """Decorator adding a host reward function to :data:`HOST_RULES` (source ``host:NAME``);
+  ``needs_answer=False`` for one that ignores ``answers`` (see :func:`reads_answer`)."""
+  return _adder(HOST_RULES, "host reward", name, f"host:{name}", needs_answer)
 
 
 def get_host_reward(name: str) -> HostFn:

@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from jaxrlhf import registry
-from jaxrlhf.config import ConfigError, ExperimentConfig, apply_overrides, diff, from_dict, to_dict
+from jaxrlhf.config import (ConfigError, ExperimentConfig, apply_overrides, diff, from_dict,
+                            to_dict, validate)
 
 
 def test_overrides_parse_by_type():
@@ -54,6 +55,46 @@ def test_registry_has_the_required_experiments():
       80, 8192, 64, 8, 28672, 128256)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("sft.batch_size=0", "sft.batch_size=0: must be >= 1"),
+    ("sft.steps=-5", "sft.steps=-5: must be >= 1"),
+    ("sft.optim.lr=nan", "sft.optim.lr=nan: must be a number >= 0"),
+    ("ppo.value_optim.lr=-1", "ppo.value_optim.lr=-1.0: must be a number >= 0"),
+    ("model.n_heads=3", "model.n_heads=3 is not a multiple of model.n_kv_heads=4"),
+    ("data.max_response_len=0", "data.max_response_len=0: must be >= 1"),
+    # A setting of the last stage: refused before SFT and the reward model train.
+    ("rollout.temperature=-1", "rollout.temperature=-1.0: must be a number >= 0"),
+    ("ppo.batch_size=0", "ppo.batch_size=0: must be >= 1"),
+])
+def test_values_no_run_can_use_are_refused_up_front(override, message):
+  cfg = apply_overrides(registry.get("tiny_ppo"), [override])
+  with pytest.raises(ConfigError) as info:
+    validate(cfg)
+  assert message in str(info.value)
+
+
+def test_validation_checks_only_the_stages_that_run():
+  # GRPO compares the samples of one prompt: one sample is refused, but only where GRPO runs.
+  grpo = apply_overrides(registry.get("tiny_grpo"), ["grpo.num_samples=1"])
+  with pytest.raises(ConfigError, match="grpo.num_samples=1: must be >= 2"):
+    validate(grpo)
+  assert validate(apply_overrides(registry.get("tiny_ppo"), ["grpo.num_samples=1"]))
+  for name in registry.names():  # every shipped experiment passes, templates once filled in
+    cfg = registry.get(name)
+    validate(apply_overrides(cfg, [f"{f}=x" for f in cfg.required]))
+
+
+def test_templates_refuse_to_run_without_your_model_and_data():
+  with pytest.raises(ConfigError) as info:
+    validate(apply_overrides(registry.get("grpo_jsonl"), ["data.prompts_path=p.jsonl"]))
+  msg = str(info.value)
+  assert ("grpo_jsonl: this experiment is a template for your model and data; set "
+          "--set=model.hf_path=... "
+          "--set=data.tokenizer=... (model.hf_path, data.tokenizer are not set)") in msg
+  with pytest.raises(ConfigError, match=r"--set=data.pairs_path=\.\.\."):
+    validate(registry.get("dpo_jsonl"))
+
+
 def _main(*args):
   return subprocess.run([sys.executable, "-m", "jaxrlhf.main", *args], capture_output=True,
                         text=True, timeout=120)
@@ -64,6 +105,9 @@ def _main(*args):
     (["--set=ppo.kl.coeff=1"], "unknown config field"),
     (["--set=ppo.kl.coef=abc"], "is not a float"),
     (["--mesh=dp2"], "use AXIS=SIZE pairs"),
+    (["--set=sft.batch_size=0"], "sft.batch_size=0: must be >= 1"),
+    (["--steps=abc"], "flag --steps=abc: invalid literal"),  # absl's own parse: exit 1 before
+    (["--sett=x=1"], "Unknown command line flag 'sett'. Did you mean: set ?"),
 ])
 def test_cli_errors_exit_2_without_traceback(args, message):
   res = _main(*args, "--print_config")
@@ -71,6 +115,11 @@ def test_cli_errors_exit_2_without_traceback(args, message):
   assert message in res.stderr
   assert "Traceback" not in res.stderr
   assert res.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_cli_checks_the_role_before_planning():
+  res = _main("--experiment=ppo70b", "--plan", "--role=bogus")
+  assert res.returncode == 2 and "--role='bogus': use one of actor, critic, all" in res.stderr
 
 
 def test_cli_print_config_and_list():

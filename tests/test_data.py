@@ -89,3 +89,113 @@ def test_unknown_characters_and_tokenizer_dirs_are_clear_errors(tmp_path):
     CharTokenizer().encode("hello!")
   with pytest.raises(ConfigError, match="is not a directory"):
     DataSource(DataConfig(tokenizer=str(tmp_path / "missing")))
+
+
+# --------------------------------------------------------------- input errors (user audit)
+
+
+def _source(tmp_path, lines, name="p.jsonl", **kw):
+  return DataSource(DataConfig(task="jsonl", prompts_path=_write(tmp_path, name, lines), **kw))
+
+
+def test_a_non_string_answer_is_an_error_at_its_line(tmp_path):
+  src = _source(tmp_path, ['{"prompt": "1+1=", "answer": "2"}',
+                           '{"prompt": "12+34=", "answer": 46}'])
+  with pytest.raises(ConfigError, match=r'p.jsonl:2: field "answer" is the number 46, not a '
+                                        r'string; write it as a string: "answer": "46"'):
+    src.examples("prompts", 0, 1)
+  # A missing (or null) answer stays allowed in a prompts file.
+  src = _source(tmp_path, ['{"prompt": "1+1="}', '{"prompt": "1+2=", "answer": null}'], "n.jsonl")
+  assert [e.answer for e in src.eval_examples()] == ["", ""]
+
+
+def test_rules_that_read_the_answer_need_answers(tmp_path):
+  lines = ['{"prompt": "1+1=", "answer": "2"}', '', '{"prompt": "12+34="}', '{"prompt": "1+2="}']
+  src = _source(tmp_path, lines)
+  with pytest.raises(ConfigError) as info:
+    src.check_answers(("model", "rule:exact_match"), "grpo.reward.sources")
+  msg = str(info.value)
+  assert msg.startswith(f"{src.cfg.prompts_path}:3: 2 of the 3 prompts in ")
+  assert 'lack "answer"' in msg and "rule:exact_match" in msg
+  assert "drop rule:exact_match from grpo.reward.sources" in msg
+  for sources in (("rule:token_accuracy",), ("host:exact_match",)):
+    with pytest.raises(ConfigError, match="lack"):
+      src.check_answers(sources, "ppo.reward.sources")
+  src.check_answers(("model",), "ppo.reward.sources")  # a reward model needs no answers
+  src.check_answers(("model", "rule:exact_match"), "ppo.reward.sources", weights=(1.0, 0.0))
+  good = _source(tmp_path, ['{"prompt": "1+1=", "answer": "2"}'], "good.jsonl")
+  good.check_answers(("rule:exact_match",), "grpo.reward.sources")
+  DataSource(DataConfig()).check_answers(("rule:exact_match",), "grpo.reward.sources")
+
+
+def test_errors_report_physical_line_numbers_past_blank_lines(tmp_path):
+  src = _source(tmp_path, ['', '', '{"prompt": "1+1=", "answer": "2"}', '',
+                           json.dumps({"prompt": "1" * 20, "answer": "2"})], max_prompt_len=8)
+  with pytest.raises(ConfigError, match=r"p.jsonl:5: prompt is 21 tokens"):
+    src.examples("prompts", 0, 1)
+
+
+def test_unknown_characters_name_the_file_line_and_field(tmp_path):
+  src = _source(tmp_path, ['{"prompt": "1+1=", "answer": "2"}', '{"prompt": "HELLO=", "answer": "2"}'])
+  with pytest.raises(ConfigError, match=r"p.jsonl:2: \"prompt\": character 'H' is not in the "
+                                        r"built-in char tokenizer"):
+    src.examples("prompts", 0, 1)
+  sft = DataSource(DataConfig(task="jsonl", sft_path=_write(
+      tmp_path, "s.jsonl", ['{"prompt": "1+1=", "response": "twO"}'])))
+  with pytest.raises(ConfigError, match=r"s.jsonl:1: \"response\": character 'O'"):
+    sft.examples("sft", 0, 1)
+  ev = _source(tmp_path, ['{"prompt": "1+1=", "answer": "2"}'],
+               eval_path=_write(tmp_path, "e.jsonl", ['', '{"prompt": "1+1=", "answer": "TWO"}']))
+  with pytest.raises(ConfigError, match=r"e.jsonl:2: \"answer\": character 'T'"):
+    ev.eval_examples()
+
+
+def test_overlong_eval_prompts_name_the_line_and_follow_the_policy(tmp_path, capsys):
+  long = json.dumps({"prompt": "1" * 20, "answer": "1"})
+  short = json.dumps({"prompt": "1+1=", "answer": "2"})
+  eval_path = _write(tmp_path, "e.jsonl", [short, long])
+  kw = dict(max_prompt_len=8, eval_path=eval_path)
+  with pytest.raises(ConfigError, match=r"e.jsonl:2: prompt is 21 tokens"):
+    _source(tmp_path, [short], **kw).eval_examples()
+  skip = _source(tmp_path, [short], overlong="skip", **kw)
+  examples = skip.eval_examples()
+  assert [e.prompt for e in examples] == ["1+1="]  # dropped, never evaluated as an empty prompt
+  assert skip.encoder.prompts(examples)["prompt_mask"].sum(-1).tolist() == [5]
+  assert f"{eval_path}: 1 over-long prompt(s) skipped" in capsys.readouterr().out
+
+
+def test_unreadable_files_and_tokenizer_folders_are_config_errors(tmp_path):
+  latin = tmp_path / "latin.jsonl"
+  latin.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9=", "answer": "2"}\n')
+  with pytest.raises(ConfigError, match=r"latin.jsonl:2: not UTF-8 text .*save the file as UTF-8"):
+    DataSource(DataConfig(task="jsonl", prompts_path=str(latin))).examples("prompts", 0, 1)
+  bom = tmp_path / "bom.jsonl"
+  bom.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1=", "answer": "2"}\n')
+  assert DataSource(DataConfig(task="jsonl", prompts_path=str(bom))).eval_examples()[0].answer == "2"
+  with pytest.raises(ConfigError, match=r"is a directory, not a JSONL file \(data.prompts_path\)"):
+    DataSource(DataConfig(task="jsonl", prompts_path=str(tmp_path))).examples("prompts", 0, 1)
+  (tmp_path / "tok").mkdir()
+  with pytest.raises(ConfigError, match=r"data.tokenizer=.*tok.: no tokenizer files"):
+    DataSource(DataConfig(tokenizer=str(tmp_path / "tok")))
+
+
+def test_rules_registered_without_answers_need_none(tmp_path):
+  from jaxrlhf import rewards as R
+
+  @R.register_host_reward("test_answer_free", needs_answer=False)
+  def _length(responses, answers):
+    return [float(len(r)) for r in responses]
+
+  try:
+    assert not R.reads_answer("host:test_answer_free") and R.reads_answer("rule:exact_match")
+    _source(tmp_path, ['{"prompt": "1+1="}']).check_answers(("host:test_answer_free",),
+                                                             "grpo.reward.sources")
+  finally:
+    del R.HOST_RULES["test_answer_free"]
+
+
+def test_a_tokenizer_folder_transformers_cannot_load_is_a_config_error(tmp_path):
+  (tmp_path / "tokenizer.json").write_text("not json")
+  with pytest.raises(ConfigError, match=r"data.tokenizer=.*: transformers cannot load a "
+                                        r"tokenizer from this folder \(JSONDecodeError"):
+    DataSource(DataConfig(tokenizer=str(tmp_path)))

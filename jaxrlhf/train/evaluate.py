@@ -38,8 +38,19 @@ class ExactMatchEval:
   def __call__(self, params) -> dict:
     if self.batch is None:
       data = self.stage.data
-      self.batch = put_batch(self.stage.mesh,
-                             data.encoder.prompts(data.eval_examples("prompts")))
+      examples = data.eval_examples("prompts")
+      # A prompt without a reference answer cannot be scored (an empty answer would count an
+      # empty response as right): measure the others, and say so.
+      scored = [ex for ex in examples if ex.answer]
+      if len(scored) < len(examples):
+        print(f"{self.stage.name}: {len(examples) - len(scored)} of the {len(examples)} "
+              "held-out prompts have no \"answer\"; "
+              + (f"eval/accuracy is measured on the other {len(scored)}" if scored
+                 else "eval/accuracy is not reported"), flush=True)
+      self.batch = (put_batch(self.stage.mesh, data.encoder.prompts(scored)) if scored
+                    else {})
+    if not self.batch:
+      return {}
     with jax.set_mesh(self.stage.mesh):
       out = self._fn(params, self.batch)
     return {k: float(v) for k, v in jax.device_get(out).items()}

@@ -10,6 +10,7 @@ of training them again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -22,7 +23,7 @@ from absl import logging as absl_logging
 
 from jaxrlhf import checkpoint as ckpt
 from jaxrlhf import hardware, perf, plan
-from jaxrlhf.config import ConfigError, ExperimentConfig, to_dict, to_json
+from jaxrlhf.config import ConfigError, ExperimentConfig, to_dict, to_json, validate
 from jaxrlhf.data import DataSource
 from jaxrlhf.mesh import make_mesh
 from jaxrlhf.model import hf
@@ -55,20 +56,56 @@ class StageOutcome:
 def run(cfg: ExperimentConfig, workdir: str, resume: str = "latest", profile_steps=None) -> int:
   """Trains every stage of ``cfg`` in ``workdir``; returns the process exit status (0 also
   when a signal stopped the run after writing a checkpoint, 1 when training failed)."""
+  validate(cfg)  # every stage's settings, before the first stage trains
   # Before jax starts its threads: the host allocator ($JAXRLHF_MALLOC), and compiled programs
   # kept on disk ($JAXRLHF_COMPILATION_CACHE, "off" to disable): every run of a configuration
   # after the first skips compilation.
   perf.configure_process()
+  quiet_library_logs()  # before jax's backends start (a missing-TPU line at INFO is noise)
   plan.preflight(cfg)  # the wrong-machine guard: fail in seconds, before allocating anything
   policy = ckpt.parse_resume(resume)
-  quiet_library_logs()
   profiler = perf.ProfileWindow(profile_steps, workdir)  # a bad flag fails before any work
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
+  with config_file(workdir, cfg) as written:
+    return train_all(cfg, workdir, policy, profiler, written)
+
+
+@contextlib.contextmanager
+def config_file(workdir: str, cfg: ExperimentConfig):
+  """``WORKDIR/config.json`` is this run's config while it runs; a run refused for its settings
+  (a mesh the devices cannot form, checkpoints it cannot resume) before any stage trained puts
+  back the file that describes the folder's checkpoints.  Yields a dict whose ``"trained"`` the
+  run sets once a stage starts training under this config."""
+  path = os.path.join(workdir, "config.json")
+  previous = None
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      previous = f.read()
+  with open(path, "w", encoding="utf-8") as f:
     f.write(to_json(cfg))
+  written = {"trained": False}
+  try:
+    yield written
+  except ConfigError:
+    if written["trained"]:
+      raise
+    if previous is None:
+      os.remove(path)
+    else:
+      with open(path, "w", encoding="utf-8") as f:
+        f.write(previous)
+    raise
+
+
+def train_all(cfg: ExperimentConfig, workdir: str, policy, profiler, written: dict) -> int:
+  """The stages of :func:`run`, in order, each resumed or skipped as its folder says."""
   mesh = make_mesh(cfg.mesh)
   cfg = resolve_models(cfg, dict(mesh.shape)["tp"])
   data = DataSource(cfg.data, cfg.seed)
+  for name in cfg.stages:  # before the first stage trains, not when the RL stage starts
+    if name in ("ppo", "grpo"):
+      rcfg = getattr(cfg, name).reward
+      data.check_answers(rcfg.sources, f"{name}.reward.sources", rcfg.weights)
   print(f"{cfg.name}: stages {' -> '.join(cfg.stages)} on mesh {dict(mesh.shape)} "
         f"({jax.device_count()} {jax.default_backend()} devices); outputs in {workdir}")
   if policy == "none":
@@ -95,7 +132,8 @@ def run(cfg: ExperimentConfig, workdir: str, resume: str = "latest", profile_ste
         else:
           outcome = train_stage(stage, jax.random.fold_in(key, i), roles, sources, inputs,
                                 workdir=workdir, policy=pending, writer=writer,
-                                profiler=profiler, stop=stop, accelerator=accelerator)
+                                profiler=profiler, stop=stop, accelerator=accelerator,
+                                on_start=lambda: written.update(trained=True))
           pending = "latest"
         if outcome.stopped:
           return 0
@@ -129,7 +167,7 @@ def run(cfg: ExperimentConfig, workdir: str, resume: str = "latest", profile_ste
 
 
 def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir: str, policy,
-                writer, profiler, stop, accelerator) -> StageOutcome:
+                writer, profiler, stop, accelerator, on_start=lambda: None) -> StageOutcome:
   """Trains one stage, from its latest checkpoint when there is one (per ``policy``), and
   saves its result."""
   name, cfg = stage.name, stage.cfg
@@ -148,6 +186,16 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
     if point is not None:
       check_inputs(point.extra, inputs, f"{ck.directory}/{point.step}")
       state, start = point.state, int(point.extra.get("data_position", point.step))
+      if start > stage.steps:
+        # Training on from here would do nothing and save this state as the stage's result
+        # labelled with fewer steps: refuse, before anything is written.
+        raise ConfigError(
+            f"{name}: the checkpoint to resume, {ck.directory}/{point.step}, is at step "
+            f"{start}, beyond this run's {name}.steps={stage.steps} (--steps caps it). Rerun "
+            f"without --steps (or with --steps >= {start}) to finish the stage, set "
+            f"--set={name}.steps={start} to end it at that checkpoint, or pass --resume=STEP "
+            f"(steps kept: {', '.join(map(str, ck.all_steps()))}), or --resume=none to train "
+            "every stage again")
       start_eval = point.extra.get("start_eval", {})
       print(f"{name}: continuing after step {start} of {stage.steps} "
             f"(set up and restored in {time.perf_counter() - t0:.1f}s)")
@@ -164,6 +212,7 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
     if accelerator is not None:
       work = step_work(stage, accelerator, tp=dict(stage.mesh.shape)["tp"],
                        n_devices=stage.mesh.devices.size, n_processes=jax.process_count())
+    on_start()  # from here on the stage's folder holds what this config produces
     reached = point.extra.get("target_reached", "") if point is not None else ""
     if reached:  # the run stopped after the stage had finished early, before its result
       print(f"{name}: {reached} at step {start}; the stage ended there")
@@ -184,6 +233,7 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
       if final:
         writer.write(name, end, final)
   summary = {name: {**final, "time_s": time.perf_counter() - t0, "steps": end,
+                    "target_reached": end < stage.steps,
                     **({"kl/mean": last["kl/mean"]} if "kl/mean" in last else {})}}
   if start_eval:
     summary[f"{name}/start"] = start_eval
@@ -302,8 +352,10 @@ def print_summary(cfg: ExperimentConfig, summary: dict) -> None:
     if "kl/mean" in s:
       rows.append((f"{name}: KL to reference (last step)", None, s["kl/mean"]))
     configured = getattr(cfg, name).steps
-    if s.get("steps", configured) < configured:
+    if s.get("target_reached"):
       rows.append((f"{name}: steps (target reached; of {configured})", None, s["steps"]))
+    elif s.get("steps", configured) != configured:  # e.g. finished earlier under --steps
+      rows.append((f"{name}: steps (of {configured} now configured)", None, s["steps"]))
     rows.append((f"{name}: wall time (s)", None, s["time_s"]))
   if not rows:
     return

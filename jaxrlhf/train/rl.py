@@ -57,6 +57,7 @@ class RLStage(Stage):
             f"{self.name}.reward.sources: {src!r} is not a reward source; use 'model', "
             f"'rule:NAME' ({', '.join(sorted(RW.RULES))}) or 'host:NAME' "
             f"({', '.join(sorted(RW.HOST_RULES))})")
+    data.check_answers(rcfg.sources, f"{self.name}.reward.sources", rcfg.weights)
     self.uses_reward_model = any(s[0] == "model" for s in self.device_sources)
     if self.scfg.batch_size * self.n % self.scfg.num_minibatches:
       raise ConfigError(f"{self.name}: batch_size*num_samples={self.scfg.batch_size * self.n} "
