@@ -1,6 +1,7 @@
-"""What a rerun in the same folder must not do: train a stage past a smaller step cap into a
-mislabelled result, overwrite the folder's config.json when the run is refused, or call a stage
-cut short by ``--steps`` one that reached its target.
+"""What a run must not do with bad input: train a stage past a smaller step cap into a
+mislabelled result, overwrite the folder's config.json when the run is refused, call a stage
+cut short by ``--steps`` one that reached its target, reward responses against missing answers,
+or score held-out prompts that have none.
 
 The pipeline runs in this process on the tiny config of test_train (SFT only, a few steps).
 """
@@ -10,6 +11,7 @@ import json
 import os
 import shutil
 
+import jax
 import pytest
 
 from jaxrlhf import checkpoint as C
@@ -82,3 +84,47 @@ def test_the_summary_does_not_call_a_capped_stage_one_that_reached_its_target(tm
   assert "sft: finished earlier" in out
   assert "target reached" not in out
   assert "sft: steps (of 4 now configured)" in out
+
+
+def _prompts(tmp_path, lines):
+  path = tmp_path / "prompts.jsonl"
+  path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+  return str(path)
+
+
+def test_grpo_on_prompts_without_answers_is_refused_before_sft_trains(tmp_path):
+  """The exact-match rule would reward empty responses: refused before SFT's first step."""
+  path = _prompts(tmp_path, [{"prompt": "1+2="}, {"prompt": "3+4=", "answer": "7"}])
+  cfg = _cfg(2)
+  cfg = dataclasses.replace(
+      cfg, stages=("sft", "grpo"),
+      data=dataclasses.replace(cfg.data, task="jsonl", prompts_path=path, sft_path=path))
+  wd = str(tmp_path / "run")
+  with pytest.raises(ConfigError) as info:
+    pipeline.run(cfg, wd)
+  assert (f"{path}:1: 1 of the 2 prompts in {path} lack \"answer\"" in str(info.value)
+          and "grpo.reward.sources uses rule:exact_match" in str(info.value))
+  assert not os.path.exists(os.path.join(wd, "sft"))
+
+
+def test_held_out_prompts_without_answers_are_left_out_of_the_accuracy(tmp_path, capsys):
+  from jaxrlhf.data import DataSource
+  from jaxrlhf.train.evaluate import ExactMatchEval
+  from jaxrlhf.train.sft import SFTStage
+  cfg = _cfg(2)
+  for lines, expect in ((([{"prompt": "1+2="}] * 3) + [{"prompt": "3+4=", "answer": "7"}],
+                         "3 of the 4 held-out prompts have no \"answer\"; eval/accuracy is "
+                         "measured on the other 1"),
+                        ([{"prompt": "1+2="}] * 2, "eval/accuracy is not reported")):
+    path = _prompts(tmp_path, lines)
+    c = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, task="jsonl",
+                                                          prompts_path=path, sft_path=path))
+    mesh = pipeline.make_mesh(c.mesh)
+    stage = SFTStage(c, mesh, DataSource(c.data, c.seed))
+    state, _ = stage.init(jax.random.key(0), {})
+    out = ExactMatchEval(stage)(state.params["policy"])
+    assert expect in capsys.readouterr().out
+    if "not reported" in expect:
+      assert out == {}
+    else:
+      assert set(out) == {"eval/accuracy", "eval/response_length"}
