@@ -283,8 +283,9 @@ class DataConfig:
   eval_path: str = ""
   max_prompt_len: int = 16
   max_response_len: int = 16
-  # Over-long prompts: "error" stops with file:line, "truncate" keeps the last tokens,
-  # "skip" drops the example; truncations and skips are counted in metrics.
+  # Over-long prompts and responses (files only): "error" stops with file:line, "truncate" cuts
+  # them (a prompt keeps its last tokens, a response its first), "skip" drops the example;
+  # truncations and skips are reported.
   overlong: Literal["error", "truncate", "skip"] = "error"
 
 

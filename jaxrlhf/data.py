@@ -289,13 +289,29 @@ class Encoder:
 
   def check(self, ex: Example, kind: str, where: str) -> Optional[Example]:
     """Checks one example of a file up front, so that errors name ``where`` (FILE:LINE) and not a
-    batch: its prompt's length (``data.overlong``; None when skipped) and, for the char
-    tokenizer (the only one that rejects text), that every field it will encode is encodable."""
+    batch: that every field it will encode is encodable (the char tokenizer rejects unknown
+    characters), and the lengths of its prompt and of its response fields against
+    ``data.max_prompt_len`` / ``data.max_response_len`` under ``data.overlong`` (None when the
+    example is skipped).  A response longer than its slots would be cut silently: an SFT or
+    preference target ending mid-text in an end token, or an answer no response can match."""
     if self.prompt_ids(ex, where) is None:
       return None
-    if isinstance(self.tok, CharTokenizer):
-      for field in _TEXT_FIELDS[kind]:
-        self.encode(getattr(ex, field), where, field)
+    for field in _TEXT_FIELDS[kind]:
+      n = len(self.encode(getattr(ex, field), where, field))
+      # Responses keep one slot for the end token; an answer is compared without it.
+      room = self.R if field == "answer" else self.R - 1
+      if n > room:
+        policy = self.cfg.overlong
+        if policy == "error":
+          raise ConfigError(
+              f"{where}: \"{field}\" is {n} tokens, longer than the {room} that "
+              f"data.max_response_len={self.R} leaves for it"
+              + ("" if field == "answer" else " (one slot is the end token)")
+              + "; raise data.max_response_len, shorten it, or set data.overlong=truncate|skip")
+        if policy == "skip":
+          self.counts["data/skipped"] += 1
+          return None
+        self.counts["data/truncated"] += 1
     return ex
 
   def response_ids(self, text: str) -> list[int]:
@@ -373,16 +389,18 @@ class DataSource:
       before = dict(self.encoder.counts)
       kept = [ex for ex in examples if self.encoder.check(ex, kind, f"{path}:{ex.line}")]
       if not kept:
-        raise ConfigError(f"{path}: every prompt (data.{field}) was skipped as over-long "
-                          f"(data.max_prompt_len={self.cfg.max_prompt_len}, data.overlong=skip); "
-                          f"raise data.max_prompt_len or shorten the prompts")
+        raise ConfigError(f"{path}: every example (data.{field}) was skipped as over-long "
+                          f"(data.max_prompt_len={self.cfg.max_prompt_len}, data.max_response_len="
+                          f"{self.cfg.max_response_len}, data.overlong=skip); raise the limits or "
+                          f"shorten the examples")
       dropped = len(examples) - len(kept)
       truncated = self.encoder.counts["data/truncated"] - before["data/truncated"]
       if dropped or truncated:
         # Never silent: say what the data.overlong policy did to this file.
-        print(f"{path}: {dropped} over-long prompt(s) skipped, {truncated} truncated to "
-              f"data.max_prompt_len={self.cfg.max_prompt_len} (data.overlong="
-              f"{self.cfg.overlong}); {len(kept)} examples kept")
+        print(f"{path}: {dropped} over-long example(s) skipped, {truncated} truncated to "
+              f"data.max_prompt_len={self.cfg.max_prompt_len} / data.max_response_len="
+              f"{self.cfg.max_response_len} (data.overlong={self.cfg.overlong}); "
+              f"{len(kept)} examples kept")
       self._files[(field, kind)] = kept
     return self._files[(field, kind)]
 

@@ -76,12 +76,33 @@ def test_overlong_prompts_error_truncate_or_skip_and_are_counted(tmp_path, capsy
                                overlong="skip"))
   assert all(len(e.prompt) == 4 for e in skip.examples("prompts", 0, 10))
   assert skip.encoder.counts["data/skipped"] == 1
-  assert "1 over-long prompt(s) skipped" in capsys.readouterr().out
+  assert "1 over-long example(s) skipped" in capsys.readouterr().out
   trunc = DataSource(DataConfig(task="jsonl", prompts_path=path, max_prompt_len=8,
                                 overlong="truncate"))
   batch = trunc.encoder.prompts(trunc.examples("prompts", 0, 10))
   assert batch["prompt_mask"].sum(-1).max() == 8
   assert trunc.encoder.counts["data/truncated"] >= 1
+
+
+def test_overlong_responses_and_answers_follow_the_overlong_policy(tmp_path, capsys):
+  """A target longer than its slots used to be cut silently (an SFT response ending mid-text in
+  an end token; an answer no response can match)."""
+  sft = _write(tmp_path, "s.jsonl", [json.dumps({"prompt": "1+1=", "response": "2"}),
+                                     json.dumps({"prompt": "1+1=", "response": "1" * 8})])
+  with pytest.raises(ConfigError, match=r"s.jsonl:2: \"response\" is 8 tokens, longer than the "
+                                        r"7 that data.max_response_len=8 leaves for it \(one slot "
+                                        r"is the end token\)"):
+    DataSource(DataConfig(task="jsonl", sft_path=sft, max_response_len=8)).examples("sft", 0, 1)
+  skip = DataSource(DataConfig(task="jsonl", sft_path=sft, max_response_len=8, overlong="skip"))
+  assert {e.response for e in skip.examples("sft", 0, 10)} == {"2"}
+  assert "1 over-long example(s) skipped" in capsys.readouterr().out
+  ans = _write(tmp_path, "a.jsonl", [json.dumps({"prompt": "1+1=", "answer": "1" * 9})])
+  with pytest.raises(ConfigError, match=r"a.jsonl:1: \"answer\" is 9 tokens, longer than the 8"):
+    DataSource(DataConfig(task="jsonl", prompts_path=ans, max_response_len=8)).examples(
+        "prompts", 0, 1)
+  fits = _write(tmp_path, "f.jsonl", [json.dumps({"prompt": "1+1=", "answer": "1" * 8})])
+  DataSource(DataConfig(task="jsonl", prompts_path=fits, max_response_len=8)).examples(
+      "prompts", 0, 1)
 
 
 def test_unknown_characters_and_tokenizer_dirs_are_clear_errors(tmp_path):
@@ -161,7 +182,7 @@ def test_overlong_eval_prompts_name_the_line_and_follow_the_policy(tmp_path, cap
   examples = skip.eval_examples()
   assert [e.prompt for e in examples] == ["1+1="]  # dropped, never evaluated as an empty prompt
   assert skip.encoder.prompts(examples)["prompt_mask"].sum(-1).tolist() == [5]
-  assert f"{eval_path}: 1 over-long prompt(s) skipped" in capsys.readouterr().out
+  assert f"{eval_path}: 1 over-long example(s) skipped" in capsys.readouterr().out
 
 
 def test_unreadable_files_and_tokenizer_folders_are_config_errors(tmp_path):
