@@ -61,6 +61,9 @@ NODES: dict[str, tuple[int, float]] = {
 # XLA_PYTHON_CLIENT_MEM_FRACTION=.95 so JAX may use it).
 USABLE_FRACTION = 0.9
 
+# What a real run costs over the roofline estimate: runs reaching 60% / 40% of the roofline.
+SLOWDOWN = (1.7, 2.5)
+
 # The seed analysis's build-vs-API bands, US dollars of alignment training per month.
 BANDS = ((50_000, "under $50k/month: use API fine-tuning services (Together AI, Fireworks, "
                   "Anyscale)"),
@@ -670,18 +673,37 @@ def format_plan(plan: Plan) -> str:
   if plan.fits:
     lines.append(f"\nfits: peak {_bytes(peak)}/device of {_bytes(plan.usable_bytes)} usable; "
                  f"largest consumer: {what} ({_bytes(size)})")
+    top = max((s.peak for s in plan.stages), key=lambda p: p.peak_bytes_per_device)
+    if peak > 0.9 * plan.usable_bytes:
+      lines.append(
+          "note: the peak is within 10% of the limit"
+          + (f", after subtracting an estimate of the f32 copies only XLA's CPU compiler makes "
+             f"({_bytes(top.cpu_upcast_bytes)})" if top.cpu_upcast_bytes else "")
+          + f"; leave headroom: {fix}")
   else:
     lines.append(f"\nDOES NOT FIT: peak {_bytes(peak)}/device > {_bytes(plan.usable_bytes)} "
                  f"usable on {acc.name}; largest consumer: {what} ({_bytes(size)}); {fix}; "
                  f"or try --plan_search")
   usd_month = plan.usd_per_run * plan.runs_per_month
+  # Roofline step times are a lower bound; well-tuned runs reach 40-60% of them (docs/plan.md).
+  real = band(usd_month * SLOWDOWN[1])
   lines.append(
-      f"cost at ${acc.usd_per_hour:.2f}/device-hour: ${plan.usd_per_step:.3g}/step; per run "
+      f"{'cost' if plan.fits else 'cost if it fit (it does not, above)'} at "
+      f"${acc.usd_per_hour:.2f}/device-hour and roofline step times (a lower bound; at 40-60% "
+      f"of the roofline a run costs {SLOWDOWN[0]:g}-{SLOWDOWN[1]:g}x): "
+      f"${plan.usd_per_step:.3g}/step; per run "
       f"({' + '.join(f'{s.steps} {s.stage}' for s in plan.stages)} steps"
-      f"{'; an upper bound' if any(s.may_end_early for s in plan.stages) else ''}): "
-      f"{plan.gpu_hours:,.0f} {acc.name}-hours, ${plan.usd_per_run:,.0f}; "
-      f"{plan.runs_per_month:g} run(s)/month: ${usd_month:,.0f} -> {band(usd_month)}")
+      f"{', at most: a stage may end early' if any(s.may_end_early for s in plan.stages) else ''}"
+      f"): {_amount(plan.gpu_hours)} {acc.name}-hours, ${_amount(plan.usd_per_run)}; "
+      f"{plan.runs_per_month:g} run(s)/month: ${_amount(usd_month)} -> {band(usd_month)}"
+      + (f" (at {SLOWDOWN[1]:g}x: {real})" if real != band(usd_month) else ""))
   return "\n".join(lines)
+
+
+def _amount(x: float) -> str:
+  """Hours or dollars: whole numbers with separators, small ones with 3 significant digits
+  (a tiny run's cost is not $0)."""
+  return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
 def write_json(plan: Plan, workdir: str) -> str:
