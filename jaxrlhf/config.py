@@ -312,7 +312,7 @@ class LoggingConfig:
   console_every_s: float = 10.0
   # Metrics shown on the console line, when present.
   console_keys: tuple[str, ...] = ("loss", "reward/mean", "kl/mean", "eval/accuracy",
-                                   "time/step_s")
+                                   "eval/pair_accuracy", "time/step_s")
   tensorboard: bool = True
   # Run the step as separately-timed phases (generation, scoring, update) to see where the
   # time goes; the default one-program step reports total time only.

@@ -232,6 +232,7 @@ class ProfileWindow:
 
   def __init__(self, spec: Optional[str], workdir: str):
     parsed = parse_profile_steps(spec)
+    self.spec = spec
     self.enabled = parsed is not None
     self.stage, self.first, self.last = parsed if parsed else (None, 0, -1)
     self.trace_dir = os.path.join(workdir, "profile")
@@ -262,10 +263,16 @@ class ProfileWindow:
     jax.block_until_ready(outputs)
     jax.profiler.stop_trace()
     self.active, self.done = False, True
+    print(f"{self.stage}: trace of steps {self.first}-{self.last} written to {self.trace_dir} "
+          f"(tensorboard --logdir {self.trace_dir}, or Perfetto)", flush=True)
 
   def close(self):
     if self.active:
       self._stop()
+    elif self.enabled and not self.done:
+      print(f"--profile_steps={self.spec}: this run never reached "
+            f"{'step' if self.stage is None else self.stage + ' step'} {self.first}; "
+            "no trace was written", flush=True)
 
 
 # -------------------------------------------------------------------- compilation cache

@@ -11,6 +11,7 @@ plots once.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -183,11 +184,15 @@ def summarize(stages) -> str:
       lines.append(text)
     step_time = series(by_step, "time/step_s")
     if step_time is not None:
-      # The first step usually includes compilation; leave it out when there are others.
+      # The first step is slower (first-call work); leave it out when there are others.
       rest = step_time.values[1:] or step_time.values
       text = f"  {'time/step_s':24s} mean {_fmt(sum(rest) / len(rest))}"
       if len(step_time.values) > 1:
-        text += f" (after the first, {_fmt(step_time.values[0])})"
+        text += (f" over the logged steps after the first (the first took "
+                 f"{_fmt(step_time.values[0])})")
+      compile_s = series(by_step, "time/compile_s")
+      if compile_s is not None:
+        text += f"; compilation {_fmt(sum(compile_s.values))} s, not in the step times"
       lines.append(text)
     shares = phase_shares(by_step)
     if shares:
@@ -201,6 +206,18 @@ def summarize(stages) -> str:
 
 class ReportError(Exception):
   """A user-facing error: one line naming the file and what to do."""
+
+
+def _start_evals(workdir: str) -> dict[str, dict[str, float]]:
+  """``{stage: {eval key: value}}`` measured before each stage trained, from the run's
+  summary.json (written at its end; {} before that or when unreadable)."""
+  try:
+    with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
+      summary = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  return {k[:-len("/start")]: {m: float(v) for m, v in d.items() if m.startswith("eval/")}
+          for k, d in summary.items() if k.endswith("/start") and isinstance(d, dict)}
 
 
 def make_report(workdir: str, out_dir: Optional[str] = None) -> tuple[list[str], str]:
@@ -217,10 +234,14 @@ def make_report(workdir: str, out_dir: Optional[str] = None) -> tuple[list[str],
     raise ReportError(f"{path}: no metrics recorded yet; run training for at least one step")
   out_dir = out_dir or os.path.join(workdir, "report")
   os.makedirs(out_dir, exist_ok=True)
+  start = _start_evals(workdir)
   pngs = []
   for stage, by_step in stages.items():
+    # The evaluation before the stage trained (summary.json) is plotted at step 0, so a curve
+    # starts from its baseline rather than from the first evaluation during training.
+    plotted = {0: start[stage], **by_step} if start.get(stage) else by_step
     for name, title, ylabel, keys, band in PLOTS:
-      p = plot_lines(by_step, stage, name, title, ylabel, keys, band, out_dir)
+      p = plot_lines(plotted, stage, name, title, ylabel, keys, band, out_dir)
       if p:
         pngs.append(p)
     p = plot_step_time(by_step, stage, out_dir)

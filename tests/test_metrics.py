@@ -339,7 +339,7 @@ def test_parse_profile_steps():
       perf.parse_profile_steps(bad)
 
 
-def test_profile_window_writes_a_trace_of_the_chosen_steps(tmp_path):
+def test_profile_window_writes_a_trace_of_the_chosen_steps(tmp_path, capsys):
   f = jax.jit(lambda a: jnp.sin(a @ a).sum())
   x = jnp.ones((32, 32))
   window = perf.ProfileWindow("ppo:2:3", str(tmp_path))
@@ -354,6 +354,18 @@ def test_profile_window_writes_a_trace_of_the_chosen_steps(tmp_path):
   assert window.done and not window.active
   files = [os.path.join(r, n) for r, _, ns in os.walk(tmp_path / "profile") for n in ns]
   assert any(p.endswith(".xplane.pb") and os.path.getsize(p) > 0 for p in files), files
+  assert f"ppo: trace of steps 2-3 written to {tmp_path / 'profile'}" in capsys.readouterr().out
+
+
+def test_a_profile_window_the_run_never_reaches_says_so(tmp_path, capsys):
+  window = perf.ProfileWindow("ppo:10:12", str(tmp_path))
+  for step in range(1, 4):
+    window.before_step("ppo", step)
+    window.after_step("ppo", step)
+  window.close()
+  assert "--profile_steps=ppo:10:12: this run never reached ppo step 10; no trace was " \
+         "written" in capsys.readouterr().out
+  assert not (tmp_path / "profile").exists()
 
 
 def test_profile_window_off_does_nothing(tmp_path):

@@ -55,7 +55,8 @@ def test_report_plots_and_summarises_a_short_run(tmp_path):
   assert sft.startswith("sft: 6 logged steps (1..6)")
   assert "loss                     final 0.3333 (step 6), min 0.3333 (step 6)" in sft
   assert "eval/accuracy            final 0.6 (step 6), max 0.6 (step 6)" in sft
-  assert "time/step_s              mean 0.1 (after the first, 0.5)" in sft
+  assert ("time/step_s              mean 0.1 over the logged steps after the first (the first "
+          "took 0.5)") in sft
   assert "reward/mean              final 0.8 (step 8), max 0.8 (step 8)" in ppo
   assert "kl/mean                  final 0.08 (step 8)" in ppo
   assert "time shares              generate 67%, update 27%, other 7%" in ppo
@@ -117,3 +118,23 @@ def test_report_does_not_need_jax():
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                         timeout=60)
   assert proc.stdout.strip() == "False", proc.stderr
+
+
+def test_accuracy_plots_start_from_the_evaluation_before_training(tmp_path, monkeypatch):
+  _short_run(tmp_path)
+  (tmp_path / "summary.json").write_text(json.dumps({
+      "sft": {"eval/accuracy": 0.6}, "ppo/start": {"eval/accuracy": 0.25, "time_s": 3.0}}))
+  seen = {}
+  real = report.plot_lines
+
+  def spy(by_step, stage, name, *args):
+    if name == "accuracy":
+      seen[stage] = {s: m.get("eval/accuracy") for s, m in by_step.items()
+                     if "eval/accuracy" in m}
+    return real(by_step, stage, name, *args)
+
+  monkeypatch.setattr(report, "plot_lines", spy)
+  _, text = report.make_report(str(tmp_path))
+  assert seen["ppo"] == {0: 0.25}  # the baseline at step 0 (PPO logged no eval here)
+  assert 0 not in seen["sft"]  # no sft/start in the summary: nothing added
+  assert "ppo: 8 logged steps (1..8)" in text  # the summary still counts logged steps only

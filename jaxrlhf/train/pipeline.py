@@ -233,7 +233,8 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
       if final:
         writer.write(name, end, final)
   summary = {name: {**final, "time_s": time.perf_counter() - t0, "steps": end,
-                    "target_reached": end < stage.steps,
+                    # only for a stage that ended at its target (stop rule), before its steps
+                    **({"target_reached": stage.stop_rule()} if end < stage.steps else {}),
                     **({"kl/mean": last["kl/mean"]} if "kl/mean" in last else {})}}
   if start_eval:
     summary[f"{name}/start"] = start_eval
