@@ -27,6 +27,7 @@ exists (:func:`stage_result_exists`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -84,6 +85,26 @@ def _to_json(value, what: str):
 def checkpoint_dir(workdir: str, stage: str) -> str:
   """Where a stage's checkpoints live: ``WORKDIR/STAGE/checkpoints``."""
   return os.path.join(os.path.abspath(workdir), stage, "checkpoints")
+
+
+@contextlib.contextmanager
+def _read_errors(where: str, hint: str, annotate: bool = True):
+  """Reading checkpoint ``where``: a file missing or cut short surfaces as whatever orbax or
+  tensorstore raise; turn it into one ConfigError with ``hint`` (the fix: an earlier step).  A
+  ConfigError of our own (a structure mismatch) gets the hint added when ``annotate``, since a
+  damaged checkpoint can look like a changed config."""
+  try:
+    yield
+  except ConfigError as e:
+    if not annotate:
+      raise
+    raise ConfigError(f"{e} (if the config did not change, the checkpoint may be damaged: "
+                      f"{hint})") from None
+  except Exception as e:  # noqa: BLE001 - any reader failure: the file is unreadable
+    reason = " ".join(str(e).split())[:200]
+    raise ConfigError(f"checkpoint {where} could not be read, so it is damaged or incomplete "
+                      f"(a crash or a full disk mid-write): {hint}. The reader said: "
+                      f"{type(e).__name__}: {reason}") from None
 
 
 def _move_aside(path: str, why: str) -> Optional[str]:
@@ -402,14 +423,20 @@ class Checkpointer:
         _say(f"--resume=none: starting over; the previous checkpoints are in {moved}")
       return None
     where = f"{self.directory}/{step}"
-    changes = check_resume_config(self.saved_config(step), current, where)
+    older = [s for s in steps if s < step]
+    damaged = (f"resume from an earlier checkpoint with --resume={older[-1]} (kept: "
+               f"{', '.join(map(str, steps))})" if older else
+               "it is the only checkpoint: --resume=none starts the stage over")
+    with _read_errors(where, damaged, annotate=False):
+      changes = check_resume_config(self.saved_config(step), current, where)
     if changes:
       _say(f"resuming from {where} with config changes:\n{format_changes(changes)}")
     newer = [s for s in steps if s > step]
     if newer:
       self._abandon(newer)
-    state, extra = self.restore(abstract_state, step)
-    frozen = self.saved_frozen(step)
+    with _read_errors(where, damaged):
+      state, extra = self.restore(abstract_state, step)
+      frozen = self.saved_frozen(step)
     _say(f"resumed from {where}")
     return ResumePoint(step=step, state=state, extra=extra, frozen=frozen, changes=changes)
 

@@ -136,6 +136,18 @@ def main(argv) -> None:
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  except OSError as e:
+    # The file system refused (full disk, read-only or missing folder, a file where a folder
+    # goes): the cause and the path in one line, not a traceback through the writers.
+    where = f": {e.filename}" if getattr(e, "filename", None) else ""
+    print(f"error: {e.strerror or e}{where}; check the --workdir folder (free space, "
+          "permissions, path)", file=sys.stderr)
+    sys.exit(1)
+  except KeyboardInterrupt:
+    # Ctrl-C before training started (during training the loop stops at a step boundary and
+    # checkpoints): nothing to keep.
+    print("interrupted before training started; nothing was saved", file=sys.stderr)
+    sys.exit(130)
   sys.exit(code or 0)
 
 

@@ -78,12 +78,32 @@ def _check_keys(metrics: Mapping[str, object]):
 # -------------------------------------------------------------------------------- JSONL
 
 
+def _drop_cut_last_line(path: str) -> None:
+  """Removes a last line cut short by a crash (no newline: a partial record, which readers skip
+  anyway), so that appending does not run the next record into it."""
+  if not os.path.exists(path) or not os.path.getsize(path):
+    return
+  with open(path, "r+b") as f:
+    f.seek(0, os.SEEK_END)
+    size = f.tell()
+    f.seek(size - 1)
+    if f.read(1) == b"\n":
+      return
+    # Read back far enough to find the previous newline (records are well under 1 MiB).
+    start = max(0, size - (1 << 20))
+    f.seek(start)
+    tail = f.read()
+    cut = tail.rfind(b"\n")
+    f.truncate(start + cut + 1 if cut >= 0 else (0 if start == 0 else size))
+
+
 class JsonlSink:
   """Appends one JSON object per write to ``path`` and flushes, so a crash loses nothing."""
 
   def __init__(self, path: str):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     self.path = path
+    _drop_cut_last_line(path)
     self._f = open(path, "a", encoding="utf-8")
 
   def write(self, stage: str, step: int, metrics: Mapping[str, float], wall_time: float):

@@ -122,9 +122,13 @@ class PreemptionHandler:
     flags = multihost_utils.process_allgather(np.asarray(self.requested, np.int32))
     return bool(np.any(flags))
 
-  def message(self, step: int, where: str = "") -> str:
-    """The line a loop prints when it stops for a signal."""
+  def message(self, step: int, where: str = "", saved: bool = True) -> str:
+    """The line a loop prints when it stops for a signal (``saved``: whether a checkpoint of
+    the step was written)."""
     why = self.signal_name or "a stop signal on another host"
+    if not saved:
+      return (f"stopped by {why} after step {step}; no checkpoint was written "
+              "(checkpoint.enabled=false), so rerunning starts this stage over.")
     at = f" in {where}" if where else ""
     return (f"stopped by {why} after step {step}; checkpoint saved{at}. Rerun the same command "
             "to continue from it.")

@@ -60,6 +60,16 @@ def test_jsonl_reader_skips_a_torn_last_line_but_not_a_bad_middle_one(tmp_path):
     metrics.read_jsonl(str(path))
 
 
+def test_a_resumed_writer_drops_a_torn_last_line_instead_of_appending_to_it(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  good = json.dumps({"stage": "sft", "step": 1, "loss": 1.0})
+  path.write_text(good + "\n" + '{"stage": "sft", "step": 2, "lo')  # killed mid-write
+  w = _writer(tmp_path)
+  w.write("sft", 2, {"loss": 0.5})
+  w.close()
+  assert [(r["step"], r["loss"]) for r in metrics.read_jsonl(str(path))] == [(1, 1.0), (2, 0.5)]
+
+
 def test_writer_rejects_non_scalars_and_reserved_names(tmp_path):
   w = _writer(tmp_path)
   with pytest.raises(ValueError, match=r"'reward/mean' must be a scalar.*shape \(3,\)"):

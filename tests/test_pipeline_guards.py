@@ -128,3 +128,29 @@ def test_held_out_prompts_without_answers_are_left_out_of_the_accuracy(tmp_path,
       assert out == {}
     else:
       assert set(out) == {"eval/accuracy", "eval/response_length"}
+
+
+def test_a_damaged_checkpoint_is_one_error_naming_an_earlier_step(tmp_path):
+  wd = str(tmp_path)
+  assert pipeline.run(_cfg(6), wd) == 0
+  shutil.rmtree(C.stage_result_dir(wd, "sft"))  # as if killed before the result
+  state = os.path.join(C.checkpoint_dir(wd, "sft"), "6", "state")
+  files = [os.path.join(r, n) for r, _, ns in os.walk(state) for n in ns]
+  biggest = max(files, key=os.path.getsize)
+  with open(biggest, "r+b") as f:  # cut short, as a full disk or a crash mid-write leaves it
+    f.truncate(os.path.getsize(biggest) // 2)
+  with pytest.raises(ConfigError) as info:
+    pipeline.run(_cfg(6), wd)
+  msg = str(info.value)
+  assert "sft/checkpoints/6" in msg and "--resume=4 (kept: 2, 4, 6)" in msg, msg
+  assert pipeline.run(_cfg(6), wd, resume="4") == 0  # the fix it names works
+  assert C.stage_result_info(wd, "sft")["metrics"]["steps"] == 6
+
+
+def test_resume_none_moves_the_old_metrics_aside(tmp_path):
+  wd = str(tmp_path)
+  assert pipeline.run(_cfg(4), wd) == 0
+  assert pipeline.run(_cfg(2), wd, resume="none") == 0
+  steps = [r["step"] for r in read_jsonl(os.path.join(wd, "metrics.jsonl")) if "loss" in r]
+  assert steps == [1, 2]  # only the new run's
+  assert any(n.startswith("metrics.jsonl.replaced-") for n in os.listdir(wd))

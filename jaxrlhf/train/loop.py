@@ -111,7 +111,7 @@ def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer
       if checkpointer is not None:
         checkpointer.save_now(done, state, extra_now, metrics)
       return state, last, False, done
-    if should_stop():
+    if should_stop() and done < stage.steps:  # after the last step the stage just finishes
       if checkpointer is not None:
         checkpointer.save_now(done, state, extra(done), metrics)
       return state, last, True, done

@@ -57,11 +57,11 @@ def run(cfg: ExperimentConfig, workdir: str, resume: str = "latest", profile_ste
   """Trains every stage of ``cfg`` in ``workdir``; returns the process exit status (0 also
   when a signal stopped the run after writing a checkpoint, 1 when training failed)."""
   validate(cfg)  # every stage's settings, before the first stage trains
+  quiet_library_logs()  # before jax's backends start (a missing-TPU line at INFO is noise)
   # Before jax starts its threads: the host allocator ($JAXRLHF_MALLOC), and compiled programs
   # kept on disk ($JAXRLHF_COMPILATION_CACHE, "off" to disable): every run of a configuration
   # after the first skips compilation.
   perf.configure_process()
-  quiet_library_logs()  # before jax's backends start (a missing-TPU line at INFO is noise)
   plan.preflight(cfg)  # the wrong-machine guard: fail in seconds, before allocating anything
   policy = ckpt.parse_resume(resume)
   profiler = perf.ProfileWindow(profile_steps, workdir)  # a bad flag fails before any work
@@ -224,7 +224,8 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
                                             profiler=profiler, work=work)
       if stopped:
         ck.wait()
-        print(stop.message(int(jax.device_get(state.step)), ck.directory), flush=True)
+        print(stop.message(int(jax.device_get(state.step)), ck.directory,
+                           saved=cfg.checkpoint.enabled), flush=True)
         return StageOutcome({}, {}, None, stopped=True)
     ck.save_now(end, state, extra_fn(end), last)  # no-op if already saved
     final = {k: v for k, v in last.items() if k.startswith("eval/")}
@@ -307,9 +308,12 @@ def check_inputs(extra: dict, inputs: dict, where: str) -> None:
 
 
 def start_over(workdir: str, stages) -> None:
-  """``--resume=none``: moves every stage's checkpoints and result aside (never deletes)."""
-  moved = [ckpt._move_aside(path, "replaced") for name in stages
+  """``--resume=none``: moves every stage's checkpoints and result aside (never deletes), and
+  the run's metrics, so the new run's metrics.jsonl and TensorBoard files hold only its own."""
+  paths = [path for name in stages
            for path in (ckpt.checkpoint_dir(workdir, name), ckpt.stage_result_dir(workdir, name))]
+  paths += [os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "tensorboard")]
+  moved = [ckpt._move_aside(path, "replaced") for path in paths]
   moved = [os.path.relpath(m, workdir) for m in moved if m]
   if moved:
     print(f"--resume=none: starting over; earlier checkpoints and results moved aside in "
