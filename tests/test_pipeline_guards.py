@@ -154,3 +154,23 @@ def test_resume_none_moves_the_old_metrics_aside(tmp_path):
   steps = [r["step"] for r in read_jsonl(os.path.join(wd, "metrics.jsonl")) if "loss" in r]
   assert steps == [1, 2]  # only the new run's
   assert any(n.startswith("metrics.jsonl.replaced-") for n in os.listdir(wd))
+
+
+def test_a_stop_signal_on_the_last_step_lets_the_stage_finish(tmp_path):
+  import io
+  from jaxrlhf.data import DataSource
+  from jaxrlhf.metrics import MetricsWriter
+  from jaxrlhf.train.loop import run_stage
+  from jaxrlhf.train.sft import SFTStage
+  cfg = _cfg(2)
+  stage = SFTStage(cfg, pipeline.make_mesh(cfg.mesh), DataSource(cfg.data, cfg.seed))
+  state, frozen = stage.init(jax.random.key(0), {})
+  writer = MetricsWriter(str(tmp_path), cfg.logging, {"sft": 2}, stream=io.StringIO(), tty=False)
+  # A signal during step 1 stops after it; one during step 2, the last, does not.
+  state, _, stopped, done = run_stage(stage, state, frozen, writer=writer,
+                                      should_stop=lambda: True)
+  assert (stopped, done) == (True, 1)
+  state, _, stopped, done = run_stage(stage, state, frozen, writer=writer, start_step=1,
+                                      should_stop=lambda: True)
+  assert (stopped, done) == (False, 2)
+  writer.close()
