@@ -413,13 +413,14 @@ class ExperimentConfig:
 # ------------------------------------------------------------------------------ validation
 
 
-def validate(cfg: "ExperimentConfig") -> "ExperimentConfig":
+def validate(cfg: "ExperimentConfig", required: bool = True) -> "ExperimentConfig":
   """Raises ConfigError for values no run can use, naming the field and the fix; returns
   ``cfg``.  Checked before any work, so a bad setting of a late stage (PPO after SFT and the
   reward model) stops the run at once instead of after the earlier stages have trained.  Checks
-  that need the data or the mesh stay with the code that has them."""
+  that need the data or the mesh stay with the code that has them.  ``required=False`` skips
+  :attr:`ExperimentConfig.required` (to print a template's config)."""
   problems, missing = [], []
-  for field in cfg.required:
+  for field in cfg.required if required else ():
     value = cfg
     for part in field.split("."):
       value = getattr(value, part, None)

@@ -60,8 +60,10 @@ _POOL_EVENTS = flags.DEFINE_string("pool_events", "",
 
 def resolve_config(experiment: str, overrides, steps=None, mesh=None, devices=None,
                    accelerator=None, coordinator=None, num_processes=None,
-                   process_id=None) -> ExperimentConfig:
-  """The experiment's config with the command line applied; raises ConfigError."""
+                   process_id=None, required: bool = True) -> ExperimentConfig:
+  """The experiment's config with the command line applied and checked (config.validate;
+  ``required=False`` lets a template's config print without your model and data); raises
+  ConfigError."""
   cfg = registry.get(experiment or DEFAULT_EXPERIMENT)
   extra = []
   if mesh:
@@ -86,7 +88,7 @@ def resolve_config(experiment: str, overrides, steps=None, mesh=None, devices=No
     for stage in ("sft", "rm", "ppo", "grpo", "dpo"):
       sub = getattr(cfg, stage)
       cfg = dataclasses.replace(cfg, **{stage: dataclasses.replace(sub, steps=min(sub.steps, steps))})
-  return validate(cfg)
+  return validate(cfg, required)
 
 
 def _run(argv) -> int:
@@ -97,7 +99,8 @@ def _run(argv) -> int:
       print(f"{name:12s} {registry.get(name).description}")
     return 0
   cfg = resolve_config(_EXPERIMENT.value, _SET.value, _STEPS.value, _MESH.value, _DEVICES.value,
-                       _ACCELERATOR.value, _COORD.value, _NPROC.value, _PID.value)
+                       _ACCELERATOR.value, _COORD.value, _NPROC.value, _PID.value,
+                       required=not _PRINT_CONFIG.value)
   if _PRINT_CONFIG.value:
     print(to_json(cfg))
     return 0

@@ -93,6 +93,9 @@ def test_templates_refuse_to_run_without_your_model_and_data():
           "--set=data.tokenizer=... (model.hf_path, data.tokenizer are not set)") in msg
   with pytest.raises(ConfigError, match=r"--set=data.pairs_path=\.\.\."):
     validate(registry.get("dpo_jsonl"))
+  validate(registry.get("dpo_jsonl"), required=False)  # what --print_config shows
+  res = _main("--experiment=grpo_jsonl", "--print_config")
+  assert res.returncode == 0 and '"required"' in res.stdout, res.stderr
 
 
 def _main(*args):

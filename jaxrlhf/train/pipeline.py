@@ -191,7 +191,7 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
         # labelled with fewer steps: refuse, before anything is written.
         raise ConfigError(
             f"{name}: the checkpoint to resume, {ck.directory}/{point.step}, is at step "
-            f"{start}, beyond this run's {name}.steps={stage.steps} (--steps caps it). Rerun "
+            f"{start}, beyond this run's {name}.steps={stage.steps} (e.g. capped by --steps). Rerun "
             f"without --steps (or with --steps >= {start}) to finish the stage, set "
             f"--set={name}.steps={start} to end it at that checkpoint, or pass --resume=STEP "
             f"(steps kept: {', '.join(map(str, ck.all_steps()))}), or --resume=none to train "
