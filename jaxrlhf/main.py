@@ -147,9 +147,10 @@ def main(argv) -> None:
           "permissions, path)", file=sys.stderr)
     sys.exit(1)
   except KeyboardInterrupt:
-    # Ctrl-C before training started (during training the loop stops at a step boundary and
-    # checkpoints): nothing to keep.
-    print("interrupted before training started; nothing was saved", file=sys.stderr)
+    # Ctrl-C outside training (set-up, planning): during training the loop catches it, stops
+    # at a step boundary and checkpoints.
+    print("interrupted outside a training step (set-up or planning); nothing new was saved",
+          file=sys.stderr)
     sys.exit(130)
   sys.exit(code or 0)
 
