@@ -222,7 +222,11 @@ def test_resume_none_starts_over(tmp_path, jit_cache, ppo_straight):
   _assert_same_state(_state(wd, cfg, "ppo", 8)[0], _state(ppo_straight, cfg, "ppo", 8)[0])
   records = [r for r in read_jsonl(os.path.join(wd, "metrics.jsonl"))
              if r["stage"] == "ppo" and "loss" in r]  # training records, not the final eval
-  assert [r["step"] for r in records] == list(range(1, 9)) * 2
+  assert [r["step"] for r in records] == list(range(1, 9))  # the new run's only
+  old = [n for n in os.listdir(wd) if n.startswith("metrics.jsonl.replaced-")]
+  assert len(old) == 1  # the replaced run's metrics, moved aside with its checkpoints
+  assert [r["step"] for r in read_jsonl(os.path.join(wd, old[0]))
+          if r["stage"] == "ppo" and "loss" in r] == list(range(1, 9))
 
 
 def test_nonfinite_stop_checkpoints_the_last_good_state(tmp_path, jit_cache):
