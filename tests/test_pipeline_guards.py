@@ -174,3 +174,19 @@ def test_a_stop_signal_on_the_last_step_lets_the_stage_finish(tmp_path):
                                       should_stop=lambda: True)
   assert (stopped, done) == (False, 2)
   writer.close()
+
+
+def test_a_skipped_stage_lists_only_changes_that_would_have_trained_it_differently(tmp_path,
+                                                                                  capsys):
+  wd = str(tmp_path)
+  assert pipeline.run(_cfg(2), wd) == 0
+  cfg = _cfg(2)
+  cfg = dataclasses.replace(
+      cfg, sft=dataclasses.replace(cfg.sft, optim=dataclasses.replace(cfg.sft.optim, lr=0.5)),
+      logging=dataclasses.replace(cfg.logging, console_every_s=1.0),
+      checkpoint=dataclasses.replace(cfg.checkpoint, keep=5))
+  capsys.readouterr()
+  assert pipeline.run(cfg, wd) == 0
+  line = next(l for l in capsys.readouterr().out.splitlines() if "finished earlier" in l)
+  assert "not applied to it: sft.optim.lr" in line
+  assert "logging" not in line and "checkpoint.keep" not in line

@@ -246,6 +246,10 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
   return StageOutcome(outputs, summary, info["id"])
 
 
+RUN_ONLY_SECTIONS = ("mesh", "logging", "checkpoint", "plan", "distributed", "kernels", "pools",
+                     "name", "description", "required")
+
+
 def load_finished(stage, workdir: str) -> StageOutcome:
   """A finished stage's result, loaded onto the current mesh instead of training again."""
   name, cfg = stage.name, stage.cfg
@@ -259,6 +263,9 @@ def load_finished(stage, workdir: str) -> StageOutcome:
     saved = {**saved, "stages": list(cfg.stages),
              **{s: to_dict(getattr(cfg, s)) for s in STAGES if s != name}}
     changes = ckpt.check_resume_config(saved, cfg, where)
+    # How a run is laid out, logged or checkpointed does not change a finished result: only
+    # settings that would have trained it differently are worth a "not applied".
+    changes = [c for c in changes if c[0].split(".")[0] not in RUN_ONLY_SECTIONS]
   abstract = stage.abstract_init()[0]
   outputs = ckpt.load_stage_result(workdir, name, {r: abstract.params[r] for r in info["roles"]})
   note = ""
