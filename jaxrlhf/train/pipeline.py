@@ -102,10 +102,10 @@ def train_all(cfg: ExperimentConfig, workdir: str, policy, profiler, written: di
   mesh = make_mesh(cfg.mesh)
   cfg = resolve_models(cfg, dict(mesh.shape)["tp"])
   data = DataSource(cfg.data, cfg.seed)
-  for name in cfg.stages:  # before the first stage trains, not when the RL stage starts
-    if name in ("ppo", "grpo"):
-      rcfg = getattr(cfg, name).reward
-      data.check_answers(rcfg.sources, f"{name}.reward.sources", rcfg.weights)
+  # Every stage is built up front (construction allocates nothing): the checks in their
+  # constructors (reward sources and answers, tokenizer against vocabulary, stop rules) stop a
+  # bad setting of a late stage before the first stage trains.
+  stages = [stage_class(name)(cfg, mesh, data) for name in cfg.stages]
   print(f"{cfg.name}: stages {' -> '.join(cfg.stages)} on mesh {dict(mesh.shape)} "
         f"({jax.device_count()} {jax.default_backend()} devices); outputs in {workdir}")
   if policy == "none":
@@ -125,8 +125,7 @@ def train_all(cfg: ExperimentConfig, workdir: str, policy, profiler, written: di
   pending = policy  # --resume applies to the first stage that has not finished
   try:
     with PreemptionHandler() as stop:
-      for i, name in enumerate(cfg.stages):
-        stage = stage_class(name)(cfg, mesh, data)
+      for i, (name, stage) in enumerate(zip(cfg.stages, stages)):
         if ckpt.stage_result_exists(workdir, name):
           outcome = load_finished(stage, workdir)
         else:
