@@ -135,10 +135,11 @@ def test_a_damaged_checkpoint_is_one_error_naming_an_earlier_step(tmp_path):
   assert pipeline.run(_cfg(6), wd) == 0
   shutil.rmtree(C.stage_result_dir(wd, "sft"))  # as if killed before the result
   state = os.path.join(C.checkpoint_dir(wd, "sft"), "6", "state")
-  files = [os.path.join(r, n) for r, _, ns in os.walk(state) for n in ns]
-  biggest = max(files, key=os.path.getsize)
-  with open(biggest, "r+b") as f:  # cut short, as a full disk or a crash mid-write leaves it
-    f.truncate(os.path.getsize(biggest) // 2)
+  for root, _, names in os.walk(state):  # every file cut short, as a full disk leaves them
+    for n in names:
+      path = os.path.join(root, n)
+      with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
   with pytest.raises(ConfigError) as info:
     pipeline.run(_cfg(6), wd)
   msg = str(info.value)
