@@ -673,8 +673,8 @@ def format_plan(plan: Plan) -> str:
   if plan.fits:
     lines.append(f"\nfits: peak {_bytes(peak)}/device of {_bytes(plan.usable_bytes)} usable; "
                  f"largest consumer: {what} ({_bytes(size)})")
-    top = max((s.peak for s in plan.stages), key=lambda p: p.peak_bytes_per_device)
     if peak > 0.9 * plan.usable_bytes:
+      top = max((s.peak for s in plan.stages), key=lambda p: p.peak_bytes_per_device)
       lines.append(
           "note: the peak is within 10% of the limit"
           + (f", after subtracting an estimate of the f32 copies only XLA's CPU compiler makes "
