@@ -25,7 +25,7 @@ from jaxrlhf import registry
 from jaxrlhf.data import DataSource
 from jaxrlhf.mesh import make_mesh
 from jaxrlhf.train.common import metrics_to_host, put_batch
-from jaxrlhf.train.pipeline import stage_class
+from jaxrlhf.train.spec import build_stage
 
 
 class Timed:
@@ -34,7 +34,7 @@ class Timed:
 
   def __init__(self, cfg, name: str):
     self.mesh = make_mesh(cfg.mesh)
-    self.stage = stage_class(name)(cfg, self.mesh, DataSource(cfg.data, cfg.seed))
+    self.stage = build_stage(name, cfg, self.mesh, DataSource(cfg.data, cfg.seed))
     self.state, self.frozen = self.stage.init(jax.random.key(0), {})
     self.fn, self.step, self.first = None, 0, None
     self.times, self.tokens = [], []

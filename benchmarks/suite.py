@@ -153,8 +153,8 @@ def _stage(name: str, cfg):
   """The stage of workload ``name`` for ``cfg`` on its mesh; nothing initialised."""
   from jaxrlhf.data import DataSource
   from jaxrlhf.mesh import make_mesh
-  from jaxrlhf.train.pipeline import stage_class
-  return stage_class(name)(cfg, make_mesh(cfg.mesh), DataSource(cfg.data, cfg.seed))
+  from jaxrlhf.train.spec import build_stage
+  return build_stage(name, cfg, make_mesh(cfg.mesh), DataSource(cfg.data, cfg.seed))
 
 
 def build(name: str, model=None, cfg=None):

@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from typing import Optional
 
 from absl import app, flags
 
 from jaxrlhf import registry
-from jaxrlhf.config import ConfigError, ExperimentConfig, apply_overrides, to_json, validate
+from jaxrlhf.config import (STAGE_NAMES, ConfigError, ExperimentConfig, apply_overrides,
+                            to_json, validate)
 
 DEFAULT_EXPERIMENT = "tiny_ppo"
 
@@ -58,34 +60,47 @@ _POOL_EVENTS = flags.DEFINE_string("pool_events", "",
                                    "--role: append what the pool did (JSON lines) to this file.")
 
 
-def resolve_config(experiment: str, overrides, steps=None, mesh=None, devices=None,
-                   accelerator=None, coordinator=None, num_processes=None,
-                   process_id=None, required: bool = True) -> ExperimentConfig:
-  """The experiment's config with the command line applied and checked (config.validate;
-  ``required=False`` lets a template's config print without your model and data); raises
-  ConfigError."""
-  cfg = registry.get(experiment or DEFAULT_EXPERIMENT)
-  extra = []
+# Flags that set one config field each: flag -> (dotted field, how the value is written).
+FLAG_FIELDS = {
+    "devices": ("plan.devices", str),
+    "accelerator": ("plan.accelerator", str),
+    "coordinator_address": ("distributed.coordinator_address", str),
+    "num_processes": ("distributed.num_processes", str),
+    "process_id": ("distributed.process_id", str),
+}
+
+
+def flag_overrides(values: dict) -> list[str]:
+  """``--set``-style overrides for the flags given (``values``: flag name -> value or None):
+  each :data:`FLAG_FIELDS` flag sets its field, ``--mesh=dp=2,tp=8`` the mesh axes, and a
+  coordinator address turns multi-process start-up on."""
+  out = []
+  mesh = values.get("mesh")
   if mesh:
     for part in mesh.split(","):
       if "=" not in part:
         raise ConfigError(f"--mesh={mesh!r}: use AXIS=SIZE pairs, e.g. --mesh=dp=2,fsdp=4,tp=8")
-      extra.append("mesh." + part.strip())
-  if devices is not None:
-    extra.append(f"plan.devices={devices}")
-  if accelerator:
-    extra.append(f"plan.accelerator={accelerator}")
-  if coordinator:
-    extra += ["distributed.enabled=true", f"distributed.coordinator_address={coordinator}"]
-  if num_processes is not None:
-    extra.append(f"distributed.num_processes={num_processes}")
-  if process_id is not None:
-    extra.append(f"distributed.process_id={process_id}")
-  cfg = apply_overrides(cfg, list(overrides) + extra)
+      out.append("mesh." + part.strip())
+  if values.get("coordinator_address"):
+    out.append("distributed.enabled=true")
+  for flag, (field, text) in FLAG_FIELDS.items():
+    if values.get(flag) not in (None, ""):
+      out.append(f"{field}={text(values[flag])}")
+  return out
+
+
+def resolve_config(experiment: str, overrides, flag_values: Optional[dict] = None,
+                   steps=None, required: bool = True) -> ExperimentConfig:
+  """The experiment's config with ``--set`` overrides, then the flags' fields
+  (:func:`flag_overrides`), and ``--steps`` capping every stage, checked (config.validate;
+  ``required=False`` lets a template's config print without your model and data); raises
+  ConfigError."""
+  cfg = registry.get(experiment or DEFAULT_EXPERIMENT)
+  cfg = apply_overrides(cfg, list(overrides) + flag_overrides(flag_values or {}))
   if steps is not None:
     if steps <= 0:
       raise ConfigError(f"--steps={steps}: must be positive")
-    for stage in ("sft", "rm", "ppo", "grpo", "dpo"):
+    for stage in STAGE_NAMES:
       sub = getattr(cfg, stage)
       cfg = dataclasses.replace(cfg, **{stage: dataclasses.replace(sub, steps=min(sub.steps, steps))})
   return validate(cfg, required)
@@ -98,8 +113,8 @@ def _run(argv) -> int:
     for name in registry.names():
       print(f"{name:12s} {registry.get(name).description}")
     return 0
-  cfg = resolve_config(_EXPERIMENT.value, _SET.value, _STEPS.value, _MESH.value, _DEVICES.value,
-                       _ACCELERATOR.value, _COORD.value, _NPROC.value, _PID.value,
+  flag_values = {name: flags.FLAGS[name].value for name in (*FLAG_FIELDS, "mesh")}
+  cfg = resolve_config(_EXPERIMENT.value, _SET.value, flag_values, _STEPS.value,
                        required=not _PRINT_CONFIG.value)
   if _PRINT_CONFIG.value:
     print(to_json(cfg))
@@ -117,8 +132,9 @@ def _run(argv) -> int:
         _CRITIC_ACCELERATOR.value or cfg.plan.accelerator)))
     return 0
   if _PLAN.value or _PLAN_SEARCH.value:
-    from jaxrlhf import plan  # lazy: planning sets up simulated devices before jax starts
-    return plan.main(cfg, workdir, search=_PLAN_SEARCH.value)
+    # Lazy: planning sets up simulated devices before jax starts its backends.
+    from jaxrlhf.plan import cli as plan_cli
+    return plan_cli.main(cfg, workdir, search=_PLAN_SEARCH.value)
 
   if _ROLE.value == "all":
     from jaxrlhf.pools import run as pools_run

@@ -19,7 +19,9 @@ from jaxrlhf import perf, report
 from jaxrlhf.config import DataConfig, ModelConfig
 from jaxrlhf.data import DataSource
 from jaxrlhf.metrics import read_jsonl, read_scalars
-from jaxrlhf.train.pipeline import stage_class
+from jaxrlhf.train import phases
+from jaxrlhf.train.spec import build_stage
+from jaxrlhf.train.types import StepCarry
 from jaxrlhf.train.work import step_flops
 from test_train import config
 
@@ -131,13 +133,15 @@ def test_step_flops_agree_with_xla_cost_analysis():
   cfg = config(model=model, data=data)
   cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, num_minibatches=1))
   with jax.set_mesh(m):
-    sft = stage_class("sft")(cfg, m, DataSource(cfg.data, cfg.seed))
+    sft = build_stage("sft", cfg, m, DataSource(cfg.data, cfg.seed))
     state, frozen = sft.abstract_init()
     xla = perf.compiled_cost(jax.jit(sft.step), state, frozen, sft.abstract_batch())
     assert step_flops(sft)["update"] == pytest.approx(xla["flops"], rel=0.06)
 
-    grpo = stage_class("grpo")(cfg, m, DataSource(cfg.data, cfg.seed))
+    grpo = build_stage("grpo", cfg, m, DataSource(cfg.data, cfg.seed))
     state, frozen = grpo.abstract_init()
-    rollout = jax.eval_shape(grpo.phase_generate, state, grpo.abstract_batch())[1]
-    xla = perf.compiled_cost(jax.jit(grpo.phase_reference), frozen, rollout)
+    carry = jax.eval_shape(lambda st, b: phases.generate(grpo, {}, b, StepCarry(state=st)),
+                           state, grpo.abstract_batch())
+    ref = lambda f, c: phases.reference(grpo, f, {}, c)
+    xla = perf.compiled_cost(jax.jit(ref), frozen, carry)
     assert step_flops(grpo)["reference"] == pytest.approx(xla["flops"], rel=0.06)

@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxrlhf import hardware, plan, plan_hlo, registry
+from jaxrlhf import hardware, plan, registry
+from jaxrlhf.plan import hlo as plan_hlo
 from jaxrlhf.config import (DataConfig, ExperimentConfig, MeshConfig, ModelConfig, SFTConfig,
                             apply_overrides)
 from jaxrlhf.data import DataSource
 from jaxrlhf.mesh import make_mesh
 from jaxrlhf.train.common import put_batch
-from jaxrlhf.train.pipeline import stage_class
+from jaxrlhf.train.spec import build_stage
 
 H100 = hardware.get_accelerator("h100")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +40,7 @@ SMALL_SFT = ExperimentConfig(name="small_sft", stages=("sft",), model=SMALL,
 def _run_footprint(cfg, name: str, mesh) -> int:
   """arguments + outputs + temporaries - aliased bytes of the step program the training loop
   compiles for stage ``name``, from the real (allocated) state and batch."""
-  stage = stage_class(name)(cfg, mesh, DataSource(cfg.data, cfg.seed))
+  stage = build_stage(name, cfg, mesh, DataSource(cfg.data, cfg.seed))
   state, frozen = stage.init(jax.random.key(0), {})
   batch = put_batch(mesh, stage.batch(0))
   with jax.set_mesh(mesh):

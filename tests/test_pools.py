@@ -13,6 +13,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import redis as redis_lib
@@ -330,28 +331,39 @@ def test_truncated_importance_correction_of_stale_rollouts():
   """``pools.is_correction=c``: the ratio is taken to the current policy and advantages are
   weighted by min(pi_current / pi_behaviour, c); a fresh rollout gets weight 1, a stale
   one its truncated weight."""
-  from jaxrlhf.pools.actor import ActorStage
-  from jaxrlhf.pools.common import init_roles
+  from jaxrlhf.pools.actor import actor_programs
+  from jaxrlhf.pools.common import init_roles, pool_program
+  from jaxrlhf.train.ppo import PPOStage
+  from jaxrlhf.train.program import compose
+  from jaxrlhf.train.types import Shaped, StepCarry
   m = mesh()
 
   def setup(cap):
     cfg = pools_config(steps=2, mode="async", is_correction=cap)
-    stage = ActorStage(cfg, m, DataSource(cfg.data, cfg.seed))
+    stage = PPOStage(cfg, m, DataSource(cfg.data, cfg.seed))
     extras = {k: v for k, v in stage.initial_extras().items() if k != "reward_stats"}
     state, frozen = init_roles(stage, stage_key(cfg), {}, ["policy"], ["reference"], extras)
     return stage, state, frozen
 
   stage, state, frozen = setup(2.0)
+  rollout_phases, update_phases = actor_programs(stage)
   with jax.set_mesh(m):
-    state, ro = jax.jit(stage.phase_generate)(state, put_batch(m, stage.batch(0)))
-    ro.update(stage.phase_reference(frozen, ro))
-    rows = ro["tokens"].shape[0]
-    adv = jax.random.normal(jax.random.key(1), ro["old_logp"].shape)
-    valid = np.ones((rows,), bool)
-    upd = jax.jit(stage.actor_update)
-    _, mf = upd(state, ro, adv, valid)
-    _, stale = upd(state, {**ro, "old_logp": ro["old_logp"] - 1.0}, adv, valid)
-    _, ahead = upd(state, {**ro, "old_logp": ro["old_logp"] + 1.0}, adv, valid)
+    c = jax.jit(compose(stage, rollout_phases))(frozen, put_batch(m, stage.batch(0)),
+                                                StepCarry(state=state))
+    state, ro = c.state, c.rollout
+    adv = jax.random.normal(jax.random.key(1), ro.behaviour_logp_BN.shape)
+    shaped = Shaped(adv_BN=adv, update_mask_BN=ro.response_mask_BN)
+
+    def upd(ro):
+      # A fresh copy of the state each time: the update donates it.
+      st = jax.tree.map(jnp.copy, state)
+      out = pool_program(stage, update_phases, st)(frozen, {}, StepCarry(state=st, rollout=ro,
+                                                                        shaped=shaped))
+      return out.metrics
+
+    mf = upd(ro)
+    stale = upd(ro.replace(behaviour_logp_BN=ro.behaviour_logp_BN - 1.0))
+    ahead = upd(ro.replace(behaviour_logp_BN=ro.behaviour_logp_BN + 1.0))
   assert float(mf["pools/is_weight_mean"]) == pytest.approx(1.0, abs=1e-4)
   # Behaviour log-probs 1 nat below the current policy's: weight e > 2, truncated to 2.
   assert float(stale["pools/is_truncated_frac"]) == 1.0

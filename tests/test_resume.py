@@ -24,7 +24,7 @@ from jaxrlhf import checkpoint as C
 from jaxrlhf.config import to_dict
 from jaxrlhf.data import DataSource
 from jaxrlhf.metrics import read_jsonl
-from jaxrlhf.train.pipeline import stage_class
+from jaxrlhf.train.spec import build_stage
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -90,7 +90,7 @@ def _cfg(algo, *overrides):
 def _state(workdir, cfg, name, step):
   """Checkpoint ``step`` of stage ``name`` restored here, as flat numpy leaves."""
   m = mesh(dp=2)
-  stage = stage_class(name)(cfg, m, DataSource(cfg.data, cfg.seed))
+  stage = build_stage(name, cfg, m, DataSource(cfg.data, cfg.seed))
   abstract, _ = stage.abstract_init()
   with C.Checkpointer(C.checkpoint_dir(workdir, name), cfg.checkpoint, to_dict(cfg)) as ck:
     state, extra = ck.restore(abstract, step)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from helpers import mesh
-from jaxrlhf.config import ConfigError
+from jaxrlhf.config import validate, ConfigError
 from jaxrlhf.data import DataSource
-from jaxrlhf.train.pipeline import stage_class
+from jaxrlhf.train.spec import build_stage
 from jaxrlhf.train.stage import convert_head
 from test_train import config, run_steps
 
@@ -51,4 +51,4 @@ def test_a_different_value_model_is_refused():
   cfg = shared(config())
   cfg = dataclasses.replace(cfg, value_model=dataclasses.replace(cfg.model, d_model=64))
   with pytest.raises(ConfigError, match="value_model must be unset"):
-    stage_class("ppo")(cfg, mesh(), DataSource(cfg.data, cfg.seed))
+    validate(cfg)

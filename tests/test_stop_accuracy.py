@@ -15,10 +15,11 @@ import shutil
 import pytest
 
 from jaxrlhf import checkpoint as C
-from jaxrlhf.config import ConfigError, MeshConfig, to_dict
+from jaxrlhf.config import ConfigError, MeshConfig, to_dict, validate
 from jaxrlhf.data import DataSource
 from jaxrlhf.metrics import read_jsonl
 from jaxrlhf.train import pipeline
+from jaxrlhf.train import spec
 from jaxrlhf.train.sft import SFTStage
 from test_train import config as tiny_config
 
@@ -99,7 +100,7 @@ def test_a_run_stopped_after_the_target_checkpoint_does_not_train_on(tmp_path, c
 def test_bad_settings_name_the_field_and_the_fix(changes, message):
   cfg = _cfg(**changes)
   with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-    SFTStage(cfg, pipeline.make_mesh(cfg.mesh), DataSource(cfg.data, cfg.seed))
+    validate(cfg)
 
 
 def test_a_target_without_answers_to_check_is_refused(tmp_path):
@@ -113,9 +114,9 @@ def test_a_target_without_answers_to_check_is_refused(tmp_path):
       cfg.data, task="jsonl", prompts_path=str(prompts), sft_path=str(sft)))
   with pytest.raises(ConfigError, match=r"1 of the 2 evaluation prompts in .*prompts.jsonl "
                                         r"have no \"answer\""):
-    SFTStage(cfg, pipeline.make_mesh(cfg.mesh), DataSource(cfg.data, cfg.seed))
+    spec.get("sft").validate(cfg, DataSource(cfg.data, cfg.seed))
   prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n')  # answers: accepted
-  SFTStage(cfg, pipeline.make_mesh(cfg.mesh), DataSource(cfg.data, cfg.seed))
+  spec.get("sft").validate(cfg, DataSource(cfg.data, cfg.seed))
 
 
 def test_the_tiny_experiments_stop_sft_at_an_accuracy():

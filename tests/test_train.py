@@ -13,7 +13,7 @@ from jaxrlhf.config import (DataConfig, DPOConfig, ExperimentConfig, GRPOConfig,
                             SFTConfig)
 from jaxrlhf.data import DataSource
 from jaxrlhf.train.common import put_batch
-from jaxrlhf.train.pipeline import stage_class
+from jaxrlhf.train.spec import build_stage
 
 MODEL = ModelConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                     mlp_dim=64, max_seq_len=16)
@@ -37,7 +37,7 @@ def config(**changes) -> ExperimentConfig:
 
 
 def run_steps(cfg, name, m, steps=1, roles=None, key=None):
-  stage = stage_class(name)(cfg, m, DataSource(cfg.data, cfg.seed))
+  stage = build_stage(name, cfg, m, DataSource(cfg.data, cfg.seed))
   state, frozen = stage.init(jax.random.key(0) if key is None else key, roles or {})
   out = []
   fn = None
@@ -65,7 +65,7 @@ def test_step_on_dp2_tp2_equals_single_device(name):
 def test_optimizer_moments_are_sharded_like_their_parameters():
   cfg = config()
   m = mesh(fsdp=2, tp=2)
-  stage = stage_class("ppo")(cfg, m, DataSource(cfg.data, cfg.seed))
+  stage = build_stage("ppo", cfg, m, DataSource(cfg.data, cfg.seed))
   state, _ = stage.init(jax.random.key(0), {})
   abstract, _ = stage.abstract_init()
   for role in ("policy", "value"):
@@ -100,10 +100,10 @@ def test_value_model_takes_the_reward_models_backbone_with_a_zero_head():
   model starts from the reward model's backbone with a fresh (zero) head."""
   cfg = config()
   m = mesh()
-  rm_stage = stage_class("rm")(cfg, m, DataSource(cfg.data, cfg.seed))
+  rm_stage = build_stage("rm", cfg, m, DataSource(cfg.data, cfg.seed))
   reward = rm_stage.init(jax.random.key(1), {})[0].params["reward"]
   reward = {**reward, "score": {"w": reward["score"]["w"] + 1.0, "b": reward["score"]["b"] + 2.0}}
-  stage = stage_class("ppo")(cfg, m, DataSource(cfg.data, cfg.seed))
+  stage = build_stage("ppo", cfg, m, DataSource(cfg.data, cfg.seed))
   state, frozen = stage.init(jax.random.key(0), {"reward": reward})
   value = jax.device_get(state.params["value"])
   assert not np.any(value["score"]["w"]) and float(value["score"]["b"]) == 0.0

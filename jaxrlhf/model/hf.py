@@ -678,3 +678,14 @@ def _copy_tokenizer(tokenizer_path: Optional[str], source: str, out_dir: str):
                   f"{', '.join(TOKENIZER_FILES)})")
   for n in names:
     shutil.copyfile(os.path.join(folder, n), os.path.join(out_dir, n))
+
+
+def resolve_models(cfg, tp: int):
+  """``cfg`` with the architecture of every role that names a Hugging Face directory read
+  from it (model, reward_model, value_model, guard_model)."""
+  changes = {}
+  for field in ("model", "reward_model", "value_model", "guard_model"):
+    m = getattr(cfg, field)
+    if m is not None and m.hf_path:
+      changes[field] = resolve_hf_config(m, tp)
+  return dataclasses.replace(cfg, **changes) if changes else cfg

@@ -2,8 +2,9 @@
 
 Per batch id ``b`` (the RL step): generate with the current policy, add reference log-probs,
 publish the rollout (``policy_version`` = updates applied so far), then — once the critic's
-advantages for ``b`` arrive — apply the policy share of the PPO update
-(:meth:`PPOStage.policy_loss`, the colocated minibatch scan :meth:`RLStage._epochs`).
+advantages for ``b`` arrive — train the policy on its loss term.  Both programs are the
+actor's slices of the RL phase list (:func:`actor_programs`), the same phases the colocated
+step composes.
 
 With ``pools.mode=sync`` the actor waits for the advantages of ``b`` before generating
 ``b + 1``: the same computation as the colocated step.  With ``async`` it generates up to
@@ -26,64 +27,57 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf import model as M
-from jaxrlhf.algorithms import kl_estimate, update_kl_controller
 from jaxrlhf.config import ExperimentConfig
 from jaxrlhf.data import DataSource
 from jaxrlhf.metrics import MetricsWriter
 from jaxrlhf.pools import common as C
 from jaxrlhf.pools import wire
 from jaxrlhf.pools.store import Inbox, Store
+from jaxrlhf.train import program
 from jaxrlhf.train.common import put_batch, shardings_of
 from jaxrlhf.train.ppo import PPOStage
+from jaxrlhf.train.types import Shaped, StepCarry
 
 ROLE = "actor"
 
 
-class ActorStage(PPOStage):
-  """PPO whose update trains the policy alone (the value model lives in the critic pool)."""
+def is_correction(stage, frozen, batch, c: StepCarry) -> StepCarry:
+  """Decoupled PPO for stale rollouts (``pools.is_correction = cap > 0``): the trust region
+  around the current policy's log-probs, the lag weighted by ``min(pi_current / pi_behaviour,
+  cap)`` on the advantages."""
+  del frozen, batch
+  cap = stage.cfg.pools.is_correction
+  ro, sh = c.rollout, c.shaped
+  old = ro.behaviour_logp_BN
+  prox, _ = M.token_logprobs(c.state.params["policy"], ro.tokens_BT, ro.mask_BT,
+                             cfg=stage.model_cfg("policy"), start=stage.P,
+                             kernels=stage.cfg.kernels)
+  prox = jax.lax.stop_gradient(prox)
+  mask = sh.update_mask_BN
+  w = jnp.where(mask, jnp.minimum(jnp.exp(prox - old), cap), 0.0)
+  n = jnp.maximum(jnp.sum(mask), 1)
+  metrics = {"pools/is_weight_mean": jnp.sum(w) / n,
+             "pools/is_truncated_frac": jnp.sum(mask & (jnp.exp(prox - old) > cap)) / n}
+  return c.replace(shaped=sh.replace(adv_BN=sh.adv_BN * w, old_logp_BN=prox),
+                   metrics={**c.metrics, **metrics})
 
-  def losses(self, params, mb, *, denom, n_seq, kl_coef):
-    return self.policy_loss(params, mb, denom=denom, n_seq=n_seq, kl_coef=kl_coef)
 
-  def actor_update(self, state, ro, adv, valid):
-    """The policy half of ``RLStage.phase_update`` given the critic's advantages."""
-    scfg, cap = self.scfg, self.cfg.pools.is_correction
-    resp_mask = ro["response_mask"]
-    kl_tok = kl_estimate(ro["old_logp"], ro["ref_logp"], estimator=scfg.kl.estimator,
-                         clamp_logr=scfg.kl.clamp_logr, clamp_kl=scfg.kl.clamp_kl)
-    kl_tok = jnp.where(resp_mask, kl_tok, 0.0)
-    kl_coef = state.extras["kl"].coef
-    update_mask = resp_mask & valid[:, None]
-    old, extra = ro["old_logp"], {}
-    if cap > 0:
-      # Decoupled PPO: trust region around the current policy, importance weight for the lag.
-      prox, _ = M.token_logprobs(state.params["policy"], ro["tokens"], ro["mask"],
-                                 cfg=self.model_cfg("policy"), start=self.P,
-                                 kernels=self.cfg.kernels)
-      prox = jax.lax.stop_gradient(prox)
-      w = jnp.where(update_mask, jnp.minimum(jnp.exp(prox - old), cap), 0.0)
-      adv = adv * w
-      n = jnp.maximum(jnp.sum(update_mask), 1)
-      extra = {"pools/is_weight_mean": jnp.sum(w) / n,
-               "pools/is_truncated_frac": jnp.sum(update_mask & (jnp.exp(prox - old) > cap)) / n}
-      old = prox
-    data = {"tokens": ro["tokens"], "mask": ro["mask"], "resp_mask": update_mask,
-            "old_logp": old, "ref_logp": ro["ref_logp"], "adv": adv,
-            "rollout_logp": ro["old_logp"]}
-    state, metrics = self._epochs(state, data, kl_coef)
-    seq_kl = jnp.sum(kl_tok, axis=-1)
-    new_kl = update_kl_controller(state.extras["kl"], jnp.mean(seq_kl), resp_mask.shape[0],
-                                  target=scfg.kl.target, horizon=scfg.kl.horizon,
-                                  adaptive=scfg.kl.adaptive)
-    state = state.replace(step=state.step + 1, extras={**state.extras, "kl": new_kl})
-    lengths = ro["lengths"].astype(jnp.float32)
-    policy_loss = metrics.pop("loss")  # the colocated "loss" is this plus the critic's share
-    metrics = {**metrics, **extra, "loss/policy": policy_loss,
-               "kl/mean": jnp.mean(seq_kl), "kl/coef": kl_coef,
-               "response_length/mean": jnp.mean(lengths), "rollout/tokens": jnp.sum(lengths),
-               "rollout/finished_frac": jnp.mean(ro["finished"].astype(jnp.float32)),
-               "skips/total": state.extras["skips/total"]}
-    return state, metrics
+def policy_metrics(stage, frozen, batch, c: StepCarry) -> StepCarry:
+  """The colocated "loss" is the policy's share plus the critic's: name this one's apart."""
+  del stage, frozen, batch
+  metrics = dict(c.metrics)
+  metrics["loss/policy"] = metrics.pop("loss")
+  return c.replace(metrics=metrics)
+
+
+def actor_programs(stage):
+  """The actor's two programs from the RL phase list (train/program.py): the rollout
+  (generation, reference), and the policy update given the critic's advantages, with this
+  pool's own phases around it."""
+  rollout, update = program.pool_programs(stage.phases(("policy",), ("policy",)), ROLE)
+  if stage.cfg.pools.is_correction > 0:
+    update = [program.Phase("is_correction", is_correction)] + update
+  return rollout, update + [program.Phase("policy_metrics", policy_metrics)]
 
 
 def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: dict, *,
@@ -93,7 +87,7 @@ def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: di
   metrics (with the final held-out evaluation)."""
   C.check_config(cfg)
   events = events or C.EventLog(None)
-  stage = ActorStage(cfg, mesh, DataSource(cfg.data, cfg.seed))
+  stage = PPOStage(cfg, mesh, DataSource(cfg.data, cfg.seed))
   pcfg, steps, ahead = cfg.pools, stage.steps, C.staleness(cfg)
   frozen_roles = [r for r in stage.frozen() if r == "reference"]
   state, frozen = C.init_roles(stage, C.stage_key(cfg), roles, ["policy"], frozen_roles,
@@ -126,9 +120,9 @@ def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: di
                   consumer, kind="scores", run=run, schema=C.scores_schema(stage), log=log,
                   event=events)
     state_sh = shardings_of(state)
-    gen = jax.jit(stage.phase_generate, out_shardings=(state_sh, None), donate_argnums=(0,))
-    ref = jax.jit(stage.phase_reference)
-    upd = jax.jit(stage.actor_update, out_shardings=(state_sh, None), donate_argnums=(0,))
+    rollout_phases, update_phases = actor_programs(stage)
+    gen = C.pool_program(stage, rollout_phases, state)
+    upd = C.pool_program(stage, update_phases, state)
     skip_gen = jax.jit(lambda s: s.replace(rng=jax.random.split(s.rng)[0]),
                        out_shardings=state_sh, donate_argnums=(0,))
 
@@ -144,7 +138,7 @@ def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: di
         raise RuntimeError(f"actor: rollout {b} was published before the restart but is gone "
                            f"from {ro_stream}; the store lost data (Redis without persistence?)")
       msg = wire.decode(got[1], kind="rollout", run=run, schema=ro_schema)
-      inflight[b] = (C.to_device(mesh, msg.arrays), msg.policy_version)
+      inflight[b] = (C.rollout_of(mesh, msg.arrays), msg.policy_version)
     last: dict = {}
     t_prev = time.perf_counter()
     with jax.set_mesh(mesh):
@@ -161,14 +155,14 @@ def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: di
             # take the RNG step its generation took so the run goes on as if uninterrupted.
             msg = wire.decode(got[1], kind="rollout", run=run, schema=ro_schema)
             state = skip_gen(state)
-            ro = C.to_device(mesh, msg.arrays)
+            ro = C.rollout_of(mesh, msg.arrays)
             version = msg.policy_version
             log(f"actor: rollout {b} was published before the restart; reusing it")
             events(event="reused", batch=b)
           else:
-            state, ro = gen(state, put_batch(mesh, stage.batch(b)))
-            ro.update(ref(frozen, ro))
-            arrays = {**C.to_host(ro), "perm_key": jax.device_get(C.keys_of(state))}
+            c = gen(frozen, put_batch(mesh, stage.batch(b)), StepCarry(state=state))
+            state, ro = c.state, c.rollout
+            arrays = {**C.rollout_arrays(ro), "perm_key": jax.device_get(C.keys_of(state))}
             version = done
             msg = wire.Message(kind="rollout", run=run, batch=b, step=done,
                                policy_version=version, producer=consumer,
@@ -195,9 +189,12 @@ def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: di
         if lag > ahead:  # cannot happen by construction; a guard against a broken restart
           raise RuntimeError(f"actor: rollout {done} is {lag} updates stale (limit {ahead})")
         t0 = time.perf_counter()
-        state, metrics = upd(state, ro, jnp.asarray(scores.arrays["adv"]),
-                             jnp.asarray(scores.arrays["valid"]))
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        valid = jnp.asarray(scores.arrays["valid_B"])
+        shaped = Shaped(adv_BN=jnp.asarray(scores.arrays["adv_BN"]),
+                        update_mask_BN=ro.response_mask_BN & valid[:, None])
+        c = upd(frozen, {}, StepCarry(state=state, rollout=ro, shaped=shaped))
+        state = c.state
+        metrics = {k: float(v) for k, v in jax.device_get(c.metrics).items()}
         t_upd = time.perf_counter() - t0
         done += 1
         now = time.perf_counter()

@@ -21,8 +21,10 @@ import numpy as np
 
 from jaxrlhf import checkpoint as ckpt
 from jaxrlhf.config import ConfigError, ExperimentConfig, to_dict
-from jaxrlhf.train.common import init_state, put_batch
+from jaxrlhf.train import phases, program
+from jaxrlhf.train.common import init_state, put_batch, shardings_of
 from jaxrlhf.train.ppo import PPOStage
+from jaxrlhf.train.types import Rollout, StepCarry
 
 STAGE = "ppo"
 
@@ -104,18 +106,39 @@ GROUP = {"rollouts": "critic", "scores": "actor"}
 
 
 def rollout_schema(stage: PPOStage) -> dict:
-  """name -> (shape, dtype) of a rollout message, from the generation program's shapes."""
+  """name -> (shape, dtype) of a rollout message: the fields of
+  :class:`~jaxrlhf.train.types.Rollout` as generation and the reference phase fill them, and
+  the key of the update's minibatch permutations."""
   state, _ = stage.abstract_init()
-  out = jax.eval_shape(stage.phase_generate, state, stage.abstract_batch())[1]
-  schema = {k: (tuple(v.shape), np.dtype(v.dtype).name) for k, v in out.items()}
-  schema["ref_logp"] = schema["old_logp"]
+  c = jax.eval_shape(lambda st, b: phases.generate(stage, {}, b, StepCarry(state=st)), state,
+                     stage.abstract_batch())
+  ro = c.rollout
+  schema = {f.name: (tuple(getattr(ro, f.name).shape), np.dtype(getattr(ro, f.name).dtype).name)
+            for f in dataclasses.fields(Rollout) if getattr(ro, f.name) is not None}
+  schema["ref_logp_BN"] = schema["kl_BN"] = schema["behaviour_logp_BN"]
   schema["perm_key"] = (tuple(jax.random.key_data(jax.random.key(0)).shape), "uint32")
   return schema
 
 
 def scores_schema(stage: PPOStage) -> dict:
   rows, n = stage.scfg.batch_size * stage.n, stage.N
-  return {"adv": ((rows, n), "float32"), "valid": ((rows,), "bool")}
+  return {"adv_BN": ((rows, n), "float32"), "valid_B": ((rows,), "bool")}
+
+
+def rollout_arrays(ro: Rollout) -> dict:
+  """A rollout's fields, on the host, for the wire."""
+  return to_host({f.name: getattr(ro, f.name) for f in dataclasses.fields(Rollout)})
+
+
+def rollout_of(mesh, arrays: dict) -> Rollout:
+  """The rollout of a message, on the mesh."""
+  return Rollout(**to_device(mesh, {k: v for k, v in arrays.items() if k != "perm_key"}))
+
+
+def pool_program(stage, phases, state):
+  """``(frozen, batch, carry) -> carry`` of ``phases`` jitted, the carry's state donated."""
+  return jax.jit(program.compose(stage, phases), donate_argnums=(2,),
+                 out_shardings=StepCarry(state=shardings_of(state), metrics=None))
 
 
 def to_host(tree: dict) -> dict:
@@ -166,8 +189,8 @@ def scalar(x) -> float:
 
 
 def keys_of(state) -> jnp.ndarray:
-  """The RNG key ``RLStage._epochs`` on ``state`` draws its minibatch permutations from (it
-  splits it), as raw key data for the wire."""
+  """The RNG key the update (:func:`jaxrlhf.train.phases.epochs`) on ``state`` draws its
+  minibatch permutations from (it splits it), as raw key data for the wire."""
   return jax.random.key_data(state.rng)
 
 

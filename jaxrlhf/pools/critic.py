@@ -1,12 +1,12 @@
 """The critic pool: reward model (+ guard), value model, reward normalisation, GAE advantages
 and the value update.
 
-Per batch id ``b``, in order: take the actor's rollout, score it (:meth:`RLStage.phase_reward`,
-:meth:`RLStage.phase_values`), normalise rewards with the running statistics this pool owns,
-compute advantages (:meth:`PPOStage.advantages` with the KL coefficient the rollout carries),
-publish them, then train the value model on the rollout (:meth:`PPOStage.value_loss_terms`
-through the colocated minibatch scan, with the permutation key the actor sent — in sync mode
-the very key the actor's update uses, so minibatches match the colocated step).
+Per batch id ``b``, in order: take the actor's rollout, score it, normalise rewards with the
+running statistics this pool owns and compute advantages (with the KL coefficient the rollout
+carries), publish them, then train the value model on its loss term with the permutation key
+the actor sent (in sync mode the very key the actor's update uses, so minibatches match the
+colocated step).  Both programs are the critic's slices of the RL phase list
+(:func:`critic_programs`), the same phases the colocated step composes.
 
 Restart: the checkpoint holds the state after batch ``done``; rollouts after it are still
 unacknowledged in the stream and are processed again (their scores, already published, are
@@ -26,51 +26,32 @@ from jaxrlhf.metrics import MetricsWriter
 from jaxrlhf.pools import common as C
 from jaxrlhf.pools import wire
 from jaxrlhf.pools.store import Inbox, Store
-from jaxrlhf.train.common import put_batch, shardings_of
+from jaxrlhf.train import program
+from jaxrlhf.train.common import put_batch
 from jaxrlhf.train.ppo import PPOStage
+from jaxrlhf.train.types import StepCarry
 
 ROLE = "critic"
 
 
-class CriticStage(PPOStage):
-  """PPO whose update trains the value model alone.
+def value_metrics(stage, frozen, batch, c: StepCarry) -> StepCarry:
+  """The critic's step: the step counter, and its update's metrics named apart from the
+  actor's (the colocated "loss" is the sum of the two pools' shares)."""
+  del stage, frozen, batch
+  state = c.state.replace(step=c.state.step + 1)
+  m = c.metrics
+  metrics = {"value/loss": m["value/loss"],
+             "value/explained_variance": m["value/explained_variance"],
+             "loss/value": m["loss"], "value/grad_norm": m["grad_norm"],
+             "skips/total": state.extras["skips/total"]}
+  return c.replace(state=state, metrics=metrics)
 
-  :meth:`RLStage._epochs` reports the optimizer role named ``policy`` (grad norm, the
-  log-prob mismatch), so the value parameters ride in that slot during the scan
-  (:meth:`value_update`), with the value optimizer.
-  """
 
-  def __init__(self, cfg, mesh, data):
-    super().__init__(cfg, mesh, data)
-    self.opt = {**self.opt, "policy": self.opt["value"]}
-
-  def losses(self, params, mb, *, denom, n_seq, kl_coef):
-    loss, metrics = self.value_loss_terms({"value": params["policy"]}, mb, denom=denom)
-    return loss, {**metrics, "_mismatch": jnp.zeros((), jnp.float32)}
-
-  def score(self, state, frozen, batch, ro, kl_coef):
-    """Everything of ``RLStage.phase_update`` before the policy update: returns advantages,
-    the valid rows, the value-update data, the new reward statistics and metrics."""
-    scored, rmetrics = self.phase_reward(frozen, batch, ro)
-    ro = {**ro, **scored, **self.phase_values(state, ro)}
-    adv, extra, update_mask, _, stats, metrics = self.shape_rewards(state, ro, kl_coef)
-    valid = scored["keep"] & jnp.isfinite(scored["score"])
-    data = {"tokens": ro["tokens"], "mask": ro["mask"], "resp_mask": update_mask, **extra}
-    return adv.astype(jnp.float32), valid, data, stats, {**metrics, **rmetrics}
-
-  def value_update(self, state, data, perm_key, stats):
-    view = state.replace(rng=jax.random.wrap_key_data(perm_key),
-                         params={"policy": state.params["value"]},
-                         opt_state={"policy": state.opt_state["value"]})
-    view, m = self._epochs(view, data, jnp.zeros((), jnp.float32))
-    state = state.replace(step=state.step + 1, params={"value": view.params["policy"]},
-                          opt_state={"value": view.opt_state["policy"]},
-                          extras={**view.extras, "reward_stats": stats})
-    metrics = {"value/loss": m["value/loss"],
-               "value/explained_variance": m["value/explained_variance"],
-               "loss/value": m["loss"], "value/grad_norm": m["grad_norm"],
-               "skips/total": state.extras["skips/total"]}
-    return state, metrics
+def critic_programs(stage):
+  """The critic's two programs from the RL phase list (train/program.py): scoring (reward,
+  values, reward shaping), then the value update, with this pool's bookkeeping after it."""
+  score, update = program.pool_programs(stage.phases(("value",), ("value",)), ROLE)
+  return score, update + [program.Phase("value_metrics", value_metrics)]
 
 
 def run_critic(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: dict, *,
@@ -80,7 +61,7 @@ def run_critic(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: d
   step; returns the last metrics."""
   C.check_config(cfg)
   events = events or C.EventLog(None)
-  stage = CriticStage(cfg, mesh, DataSource(cfg.data, cfg.seed))
+  stage = PPOStage(cfg, mesh, DataSource(cfg.data, cfg.seed))
   pcfg, steps = cfg.pools, stage.steps
   frozen_roles = [r for r in stage.frozen() if r != "reference"]
   extras = {k: v for k, v in stage.initial_extras().items() if k != "kl"}
@@ -127,9 +108,9 @@ def run_critic(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: d
     inbox = Inbox(store, streams.stream("rollouts"), streams.index("rollouts"),
                   C.GROUP["rollouts"], consumer, kind="rollout", run=run,
                   schema=C.rollout_schema(stage), log=log, event=events)
-    state_sh = shardings_of(state)
-    score = jax.jit(stage.score)
-    upd = jax.jit(stage.value_update, out_shardings=(state_sh, None), donate_argnums=(0,))
+    score_phases, update_phases = critic_programs(stage)
+    score = C.pool_program(stage, score_phases, state)
+    upd = C.pool_program(stage, update_phases, state)
     last: dict = {}
     t_prev = time.perf_counter()
     with jax.set_mesh(mesh):
@@ -141,22 +122,29 @@ def run_critic(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: d
           break
         t_wait = time.perf_counter() - t0
         t0 = time.perf_counter()
-        ro = C.to_device(mesh, msg.arrays)
         batch = put_batch(mesh, stage.batch(msg.batch))
-        adv, valid, data, stats, smetrics = score(state, frozen, batch, ro,
-                                                  jnp.float32(msg.meta["kl_coef"]))
-        smetrics = {k: float(v) for k, v in jax.device_get(smetrics).items()}
+        # The update's minibatches follow the actor's key: in sync mode the very permutation
+        # the colocated step draws.
+        perm_key = jax.random.wrap_key_data(jnp.asarray(msg.arrays["perm_key"]))
+        c = StepCarry(state=state.replace(rng=perm_key), rollout=C.rollout_of(mesh, msg.arrays),
+                      kl_coef=jnp.float32(msg.meta["kl_coef"]))
+        c = score(frozen, batch, c)
+        smetrics = {k: float(v) for k, v in jax.device_get(c.metrics).items()}
+        valid = c.scored.keep_B & jnp.isfinite(c.scored.score_B)
         out = wire.Message(kind="scores", run=run, batch=msg.batch, step=done,
                            policy_version=msg.policy_version, producer=consumer,
-                           meta=smetrics, arrays=C.to_host({"adv": adv, "valid": valid}))
+                           meta=smetrics,
+                           arrays=C.to_host({"adv_BN": c.shaped.adv_BN.astype(jnp.float32),
+                                             "valid_B": valid}))
         added = store.publish(sc_stream, sc_index, msg.batch, wire.encode(out),
                               group=C.GROUP["scores"], max_queue=pcfg.max_queue,
                               should_stop=should_stop, wait_s=pcfg.peer_wait_s)
         events(event="scored", batch=msg.batch, published=added)
         t_score = time.perf_counter() - t0
         t0 = time.perf_counter()
-        state, vmetrics = upd(state, data, jnp.asarray(msg.arrays["perm_key"]), stats)
-        vmetrics = {k: float(v) for k, v in jax.device_get(vmetrics).items()}
+        c = upd(frozen, batch, c.replace(metrics={}))
+        state = c.state
+        vmetrics = {k: float(v) for k, v in jax.device_get(c.metrics).items()}
         t_upd = time.perf_counter() - t0
         done += 1
         now = time.perf_counter()

@@ -26,7 +26,8 @@ import dataclasses
 import math
 
 from jaxrlhf import hardware
-from jaxrlhf import plan as P
+from jaxrlhf.plan.cluster import node_of
+from jaxrlhf.plan.workload import Work, train_bytes, workload
 from jaxrlhf.config import ConfigError, ExperimentConfig
 from jaxrlhf.perf import decoder_flops
 
@@ -86,12 +87,12 @@ class PipelinePlan:
 
 def pool_mesh(n: int, accelerator: str) -> dict:
   """Tensor parallelism inside a node (up to its size), data parallelism across."""
-  node = P.node_of(accelerator)[0]
+  node = node_of(accelerator)[0]
   tp = math.gcd(n, min(node, 8))
   return {"dp": n // tp, "fsdp": 1, "tp": tp}
 
 
-def _seconds(work: P.Work, n: int, acc) -> float:
+def _seconds(work: Work, n: int, acc) -> float:
   return max(work.flops / n / acc.peak_flops, work.hbm_bytes / acc.hbm_bandwidth)
 
 
@@ -99,21 +100,21 @@ def plan_pool(stage, role: str, n: int, acc, mesh: dict = None) -> PoolPlan:
   """Roofline seconds of ``role``'s phases of the PPO ``stage`` on ``n`` devices of ``acc``."""
   mesh = mesh or pool_mesh(n, acc.name)
   cfg, scfg = stage.cfg, stage.scfg
-  work = P.workload(stage, mesh)
+  work = workload(stage, mesh)
   rows, T = scfg.batch_size * stage.n, stage.P + stage.N
-  passes = scfg.ppo_epochs * scfg.num_minibatches * stage.opt_accum()
+  passes = scfg.ppo_epochs * scfg.num_minibatches * scfg.optim.grad_accum
   if role == "actor":
     m = cfg.role_model("policy")
-    upd = P.Work(scfg.ppo_epochs * decoder_flops(m, rows, T, head_positions=stage.N,
+    upd = Work(scfg.ppo_epochs * decoder_flops(m, rows, T, head_positions=stage.N,
                                                  train=True),
-                 P._train_bytes(m, "lm", mesh, passes))
+                 train_bytes(m, "lm", mesh, passes))
     phases = {"generate": work["generate"], "update_policy": upd}
     if "reference" in work:
       phases["reference"] = work["reference"]
   else:
     m = cfg.role_model("value")
-    upd = P.Work(scfg.ppo_epochs * decoder_flops(m, rows, T, head="scalar", train=True),
-                 P._train_bytes(m, "scalar", mesh, passes))
+    upd = Work(scfg.ppo_epochs * decoder_flops(m, rows, T, head="scalar", train=True),
+                 train_bytes(m, "scalar", mesh, passes))
     phases = {"reward": work["reward"], "values": work["values"], "update_value": upd}
   return PoolPlan(role=role, devices=n, accelerator=acc, mesh=mesh,
                   phases={k: _seconds(w, n, acc) for k, w in phases.items()})

@@ -35,7 +35,7 @@ def earlier_roles(cfg: ExperimentConfig, mesh, data, workdir: str) -> dict:
           f"stage {name!r} has no result in {workdir}; the pools start from it. Train the "
           f"stages before ppo first (--role=all does), e.g. python -m jaxrlhf.main "
           f"--experiment={cfg.name} --set=stages={','.join(cfg.stages[:-1])} --workdir={workdir}")
-    roles.update(pipeline.load_finished(pipeline.stage_class(name)(cfg, mesh, data),
+    roles.update(pipeline.load_finished(pipeline.spec.build_stage(name, cfg, mesh, data),
                                         workdir).outputs)
   return roles
 

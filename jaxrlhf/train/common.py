@@ -15,6 +15,7 @@ from jaxrlhf.config import OptimizerConfig
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrlhf.mesh import batch_sharding
+from jaxrlhf.train.types import HostInputs
 
 
 @flax.struct.dataclass
@@ -147,8 +148,11 @@ def skip_counters() -> dict:
 
 
 def put_batch(mesh, batch: dict) -> dict:
-  """Host numpy batch -> device arrays, batch dimension over the data axes."""
+  """Host numpy batch -> device arrays, batch dimension over the data axes; host-side inputs
+  (:class:`~jaxrlhf.train.types.HostInputs`) stay as they are."""
   def put(x):
+    if isinstance(x, HostInputs):
+      return x
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, batch_sharding(mesh, x.ndim, x.shape),
                                         lambda idx: x[idx])

@@ -9,6 +9,9 @@ import numpy as np
 
 from jaxrlhf import model as M
 from jaxrlhf.algorithms import dpo_loss
+from jaxrlhf.config import DPOConfig
+from jaxrlhf.perf import decoder_flops
+from jaxrlhf.train import spec
 from jaxrlhf.train.common import put_batch, update_role
 from jaxrlhf.train.evaluate import ExactMatchEval, pair_batches
 from jaxrlhf.train.stage import Stage, stack_pairs
@@ -16,7 +19,6 @@ from jaxrlhf.train.stage import Stage, stack_pairs
 
 class DPOStage(Stage):
   name = "dpo"
-  trainable = {"policy": "lm"}
 
   def __init__(self, cfg, mesh, data):
     super().__init__(cfg, mesh, data)
@@ -44,9 +46,6 @@ class DPOStage(Stage):
                       label_smoothing=self.scfg.label_smoothing)[1]
 
     self._eval = jax.jit(eval_fn)
-
-  def frozen(self):
-    return {"reference": "lm"}
 
   def init(self, key, roles):
     state, frozen = super().init(key, roles)
@@ -105,3 +104,19 @@ class DPOStage(Stage):
            "eval/reward_margin": float(m["reward_margin"])}
     out.update(self.evaluator(state.params["policy"]))
     return out
+
+
+def flops(stage) -> dict:
+  T = stage.P + stage.R
+  cfg, b = stage.model_cfg("policy"), stage.scfg.batch_size
+  out = {"update": decoder_flops(cfg, 2 * b, T, head_positions=T - 1, train=True)}
+  if stage.scfg.reference == "step":
+    out["reference"] = decoder_flops(cfg, 2 * b, T, head_positions=T - 1)
+  return out
+
+
+SPEC = spec.register(spec.AlgorithmSpec(
+    name="dpo", config_type=DPOConfig, stage=DPOStage,
+    roles=lambda cfg: {"policy": spec.Role("lm", True), "reference": spec.Role("lm", False)},
+    batch="pairs", rows_per_example=2, flops=flops, evaluation="pairs+exact_match",
+    eval_at_start=True))

@@ -1,36 +1,36 @@
-"""GRPO: N samples per prompt, group-relative advantages, KL to the reference in the loss
-(or in the reward), no value model."""
+"""GRPO: N samples per prompt, group-relative advantages, KL to the reference in the loss (or
+in the reward), no value model.  Its spec and its advantages; the loss is the shared policy
+term (clipped surrogate, entropy, KL) of train/phases.py."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxrlhf.algorithms import aggregate, group_advantages, kl_estimate
-from jaxrlhf.train.rl import RLStage
+from jaxrlhf.algorithms import group_advantages
+from jaxrlhf.config import GRPOConfig
+from jaxrlhf.train import spec
+from jaxrlhf.train.phases import policy_term
+from jaxrlhf.train.rl import RLStage, rl_roles, rl_validate
+from jaxrlhf.train.work import rl_flops
+
+
+def advantages(stage, carry, score_B, kl_BN, kl_coef, update_mask_BN):
+  scfg = stage.scfg
+  if scfg.kl.placement == "reward":
+    score_B = score_B - kl_coef * jnp.sum(kl_BN, axis=-1)
+  valid = jnp.any(update_mask_BN, axis=-1)
+  adv = group_advantages(score_B, group_size=stage.n, method=scfg.advantage, eps=scfg.std_eps,
+                         valid_B=valid)
+  return jnp.where(update_mask_BN, adv[:, None], 0.0), None
 
 
 class GRPOStage(RLStage):
   name = "grpo"
-  trainable = {"policy": "lm"}
 
-  def advantages(self, ro, score, kl_tok, kl_coef, update_mask):
-    scfg = self.scfg
-    if scfg.kl.placement == "reward":
-      score = score - kl_coef * jnp.sum(kl_tok, axis=-1)
-    valid = jnp.any(update_mask, axis=-1)
-    adv = group_advantages(score, group_size=self.n, method=scfg.advantage, eps=scfg.std_eps,
-                           valid_B=valid)
-    return jnp.where(update_mask, adv[:, None], 0.0), {}
 
-  def losses(self, params, mb, *, denom, n_seq, kl_coef):
-    scfg = self.scfg
-    logp, loss, metrics = self.policy_terms(params, mb, denom=denom, n_seq=n_seq)
-    if scfg.kl.placement == "loss" and (scfg.kl.coef > 0 or scfg.kl.adaptive):
-      kl = kl_estimate(logp, mb["ref_logp"], estimator=scfg.kl.estimator,
-                       clamp_logr=scfg.kl.clamp_logr, clamp_kl=scfg.kl.clamp_kl)
-      kl_loss = aggregate(kl, mb["resp_mask"], mode=scfg.loss_agg,
-                          denom=denom if scfg.loss_agg == "token_mean" else n_seq,
-                          max_len=self.N)
-      loss = loss + kl_coef * kl_loss
-      metrics["kl/loss"] = kl_loss
-    return loss, metrics
+SPEC = spec.register(spec.AlgorithmSpec(
+    name="grpo", config_type=GRPOConfig, stage=GRPOStage,
+    roles=lambda cfg: rl_roles(cfg, "grpo", value_head=False),
+    batch="prompts", rows_per_example=1, flops=rl_flops, evaluation="exact_match",
+    eval_at_start=True, validate=lambda cfg, data: rl_validate(cfg, "grpo", data), generates=True, advantages=advantages,
+    terms={"policy": policy_term}))

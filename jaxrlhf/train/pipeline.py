@@ -22,26 +22,17 @@ from absl import flags
 from absl import logging as absl_logging
 
 from jaxrlhf import checkpoint as ckpt
-from jaxrlhf import hardware, perf, plan
+from jaxrlhf import hardware, perf
 from jaxrlhf.config import ConfigError, ExperimentConfig, to_dict, to_json, validate
 from jaxrlhf.data import DataSource
 from jaxrlhf.mesh import make_mesh
 from jaxrlhf.model import hf
 from jaxrlhf.metrics import MetricsWriter
 from jaxrlhf.preemption import PreemptionHandler
+from jaxrlhf.train import spec
 from jaxrlhf.train.loop import TrainingError, run_stage
+from jaxrlhf.train.preflight import preflight
 from jaxrlhf.train.work import step_work
-
-STAGES = ("sft", "rm", "ppo", "grpo", "dpo")
-# Stages whose held-out accuracy before training goes into the summary.
-EVAL_AT_START = ("sft", "dpo", "ppo", "grpo")
-
-
-def stage_class(name: str):
-  from jaxrlhf.train import dpo, grpo, ppo, rm, sft
-  return {"sft": sft.SFTStage, "rm": rm.RMStage, "ppo": ppo.PPOStage, "grpo": grpo.GRPOStage,
-          "dpo": dpo.DPOStage}[name]
-
 
 @dataclasses.dataclass(frozen=True)
 class StageOutcome:
@@ -62,7 +53,7 @@ def run(cfg: ExperimentConfig, workdir: str, resume: str = "latest", profile_ste
   # kept on disk ($JAXRLHF_COMPILATION_CACHE, "off" to disable): every run of a configuration
   # after the first skips compilation.
   perf.configure_process()
-  plan.preflight(cfg)  # the wrong-machine guard: fail in seconds, before allocating anything
+  preflight(cfg)  # the wrong-machine guard: fail in seconds, before allocating anything
   policy = ckpt.parse_resume(resume)
   profiler = perf.ProfileWindow(profile_steps, workdir)  # a bad flag fails before any work
   os.makedirs(workdir, exist_ok=True)
@@ -100,12 +91,14 @@ def config_file(workdir: str, cfg: ExperimentConfig):
 def train_all(cfg: ExperimentConfig, workdir: str, policy, profiler, written: dict) -> int:
   """The stages of :func:`run`, in order, each resumed or skipped as its folder says."""
   mesh = make_mesh(cfg.mesh)
-  cfg = resolve_models(cfg, dict(mesh.shape)["tp"])
+  cfg = hf.resolve_models(cfg, dict(mesh.shape)["tp"])
   data = DataSource(cfg.data, cfg.seed)
-  # Every stage is built up front (construction allocates nothing): the checks in their
-  # constructors (reward sources and answers, tokenizer against vocabulary, stop rules) stop a
-  # bad setting of a late stage before the first stage trains.
-  stages = [stage_class(name)(cfg, mesh, data) for name in cfg.stages]
+  # Every stage is built and checked against the data up front (construction allocates
+  # nothing): reward sources and answers, tokenizer against vocabulary, stop rules of a late
+  # stage stop the run before the first stage trains.
+  stages = [spec.build_stage(name, cfg, mesh, data) for name in cfg.stages]
+  for stage in stages:
+    stage.spec.validate(cfg, data)
   print(f"{cfg.name}: stages {' -> '.join(cfg.stages)} on mesh {dict(mesh.shape)} "
         f"({jax.device_count()} {jax.default_backend()} devices); outputs in {workdir}")
   if policy == "none":
@@ -198,7 +191,7 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
       start_eval = point.extra.get("start_eval", {})
       print(f"{name}: continuing after step {start} of {stage.steps} "
             f"(set up and restored in {time.perf_counter() - t0:.1f}s)")
-    elif name in EVAL_AT_START:
+    elif stage.spec.eval_at_start:
       start_eval = stage.evaluate(state, frozen)
 
     def extra_fn(done: int) -> dict:
@@ -260,7 +253,7 @@ def load_finished(stage, workdir: str) -> StageOutcome:
     # Only this stage's own settings and what it shares (model, data, seed) matter here:
     # adding a later stage, or changing another stage's settings, leaves its result valid.
     saved = {**saved, "stages": list(cfg.stages),
-             **{s: to_dict(getattr(cfg, s)) for s in STAGES if s != name}}
+             **{s: to_dict(getattr(cfg, s)) for s in spec.names() if s != name}}
     changes = ckpt.check_resume_config(saved, cfg, where)
     # How a run is laid out, logged or checkpointed does not change a finished result: only
     # settings that would have trained it differently are worth a "not applied".
@@ -335,16 +328,6 @@ def quiet_library_logs() -> None:
   if "verbosity" in flags.FLAGS and flags.FLAGS["verbosity"].present:
     return
   absl_logging.set_verbosity(absl_logging.WARNING)
-
-
-def resolve_models(cfg: ExperimentConfig, tp: int) -> ExperimentConfig:
-  """Reads the architecture of every role that names a Hugging Face directory."""
-  changes = {}
-  for field in ("model", "reward_model", "value_model", "guard_model"):
-    m = getattr(cfg, field)
-    if m is not None and m.hf_path:
-      changes[field] = hf.resolve_hf_config(m, tp)
-  return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
 def print_summary(cfg: ExperimentConfig, summary: dict) -> None:

@@ -6,6 +6,9 @@ import jax
 
 from jaxrlhf import model as M
 from jaxrlhf.algorithms import bradley_terry_loss
+from jaxrlhf.config import RMConfig
+from jaxrlhf.perf import decoder_flops
+from jaxrlhf.train import spec
 from jaxrlhf.train.common import update_role
 from jaxrlhf.train.evaluate import pair_batches
 from jaxrlhf.train.stage import Stage, stack_pairs
@@ -13,7 +16,6 @@ from jaxrlhf.train.stage import Stage, stack_pairs
 
 class RMStage(Stage):
   name = "rm"
-  trainable = {"reward": "scalar"}
 
   def __init__(self, cfg, mesh, data):
     super().__init__(cfg, mesh, data)
@@ -51,3 +53,15 @@ class RMStage(Stage):
     with jax.set_mesh(self.mesh):
       m = jax.device_get(self._eval(state.params["reward"], self._eval_pairs))
     return {"eval/pair_accuracy": float(m["accuracy"])}
+
+
+def flops(stage) -> dict:
+  T = stage.P + stage.R
+  return {"update": decoder_flops(stage.model_cfg("reward"), 2 * stage.scfg.batch_size, T,
+                                  head="scalar", train=True)}
+
+
+SPEC = spec.register(spec.AlgorithmSpec(
+    name="rm", config_type=RMConfig, stage=RMStage,
+    roles=lambda cfg: {"reward": spec.Role("scalar", True)}, batch="pairs", rows_per_example=2,
+    flops=flops, evaluation="pairs", eval_at_start=False))

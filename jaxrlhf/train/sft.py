@@ -7,7 +7,9 @@ import jax.numpy as jnp
 
 from jaxrlhf import model as M
 from jaxrlhf.algorithms import sft_loss
-from jaxrlhf.config import ConfigError
+from jaxrlhf.config import ConfigError, SFTConfig
+from jaxrlhf.perf import decoder_flops
+from jaxrlhf.train import spec
 from jaxrlhf.train.common import TrainState, update_role
 from jaxrlhf.train.evaluate import ExactMatchEval
 from jaxrlhf.train.stage import Stage
@@ -15,29 +17,10 @@ from jaxrlhf.train.stage import Stage
 
 class SFTStage(Stage):
   name = "sft"
-  trainable = {"policy": "lm"}
 
   def __init__(self, cfg, mesh, data):
     super().__init__(cfg, mesh, data)
     self.evaluator = ExactMatchEval(self)
-    stop = self.scfg.stop_accuracy
-    if not 0.0 <= stop <= 1.0:
-      raise ConfigError(f"sft.stop_accuracy={stop}: must be in [0, 1] (0 trains all sft.steps)")
-    if stop > 0 and self.eval_every <= 0:
-      raise ConfigError(f"sft.stop_accuracy={stop} is checked at evaluations, but "
-                        f"sft.eval_every={self.eval_every}; set --set=sft.eval_every=10 (or any "
-                        "positive number of steps)")
-    if stop > 0 and data.task is None:
-      # Your own data: the target is held-out exact match, so the evaluation prompts need
-      # answers; without them the target could never be reached.
-      examples = data.eval_examples("prompts")
-      missing = sum(1 for ex in examples if not ex.answer)
-      if missing:
-        source = data.cfg.eval_path or data.cfg.prompts_path
-        raise ConfigError(
-            f"sft.stop_accuracy={stop} stops at a held-out exact match, but {missing} of the "
-            f"{len(examples)} evaluation prompts in {source} have no \"answer\"; add answers "
-            "(or point data.eval_path at a file with them), or set sft.stop_accuracy=0")
 
   def batch_shapes(self):
     return self.sequence_shapes()
@@ -64,12 +47,40 @@ class SFTStage(Stage):
   def evaluate(self, state, frozen):
     return self.evaluator(state.params["policy"])
 
-  def stop_rule(self) -> str:
-    stop = self.scfg.stop_accuracy
-    return f"sft.stop_accuracy={stop:g}" if stop > 0 else ""
-
   def target_reached(self, eval_metrics: dict) -> str:
     stop, acc = self.scfg.stop_accuracy, eval_metrics.get("eval/accuracy")
     if stop > 0 and acc is not None and acc >= stop:
-      return f"held-out exact match {acc:.3f} reached {self.stop_rule()}"
+      return f"held-out exact match {acc:.3f} reached {stop_rule(self.scfg)}"
     return ""
+
+
+def stop_rule(scfg) -> str:
+  return f"sft.stop_accuracy={scfg.stop_accuracy:g}" if scfg.stop_accuracy > 0 else ""
+
+
+def validate(cfg, data) -> None:
+  stop = cfg.sft.stop_accuracy
+  if stop > 0 and data.task is None:
+    # Your own data: the target is held-out exact match, so the evaluation prompts need
+    # answers; without them the target could never be reached.
+    examples = data.eval_examples("prompts")
+    missing = sum(1 for ex in examples if not ex.answer)
+    if missing:
+      source = data.cfg.eval_path or data.cfg.prompts_path
+      raise ConfigError(
+          f"sft.stop_accuracy={stop} stops at a held-out exact match, but {missing} of the "
+          f"{len(examples)} evaluation prompts in {source} have no \"answer\"; add answers "
+          "(or point data.eval_path at a file with them), or set sft.stop_accuracy=0")
+
+
+def flops(stage) -> dict:
+  T = stage.P + stage.R
+  return {"update": decoder_flops(stage.model_cfg("policy"), stage.scfg.batch_size, T,
+                                  head_positions=T - 1, train=True)}
+
+
+SPEC = spec.register(spec.AlgorithmSpec(
+    name="sft", config_type=SFTConfig, stage=SFTStage,
+    roles=lambda cfg: {"policy": spec.Role("lm", True)}, batch="sequences", rows_per_example=1,
+    flops=flops, evaluation="exact_match", eval_at_start=True, validate=validate,
+    stop_rule=stop_rule))

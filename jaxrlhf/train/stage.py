@@ -15,24 +15,29 @@ from jaxrlhf.model import hf
 from jaxrlhf.config import ConfigError, ExperimentConfig, ModelConfig
 from jaxrlhf.data import DataSource
 from jaxrlhf.mesh import FROZEN_PARAM_RULES, PARAM_RULES, batch_sharding, replicated
+from jaxrlhf.train import spec
 from jaxrlhf.train.common import (TrainState, init_state, jit_step, make_optimizer,
                                   make_state_fn, shardings_of, skip_counters, state_shardings)
 
 
 class Stage:
-  """Base class.  Subclasses set ``name`` and ``trainable`` and implement ``batch``,
-  ``batch_shapes`` and ``step`` (and usually ``evaluate``).
+  """Base class.  Subclasses set ``name`` (their :class:`~jaxrlhf.train.spec.AlgorithmSpec`
+  says which roles they use) and implement ``batch``, ``batch_shapes`` and ``step`` (and
+  usually ``evaluate``).
 
   Construction allocates nothing (configs, optimizers, closures), so the planner can lower a
   stage's step on abstract arrays; :meth:`init` allocates the parameters on the mesh.
   """
 
   name = "stage"
-  # Trained roles -> head ("lm" or "scalar"), and the optimizer config field of each.
-  trainable: dict = {}
+  # The optimizer config field of each trained role.
   optim_fields: dict = {"policy": "optim", "value": "value_optim", "reward": "optim"}
 
   def __init__(self, cfg: ExperimentConfig, mesh, data: DataSource):
+    self.spec = spec.get(self.name)
+    self.roles = self.spec.roles(cfg)
+    # Trained roles -> head ("lm", "scalar" or "lm+scalar").
+    self.trainable = {r: x.head for r, x in self.roles.items() if x.trains}
     self.cfg = cfg
     self.mesh = mesh
     self.data = data
@@ -53,7 +58,7 @@ class Stage:
   def stop_rule(self) -> str:
     """The setting that may end the stage before ``steps`` (e.g. ``sft.stop_accuracy=0.8``),
     or "" when it always trains them all; the planner then calls ``steps`` a budget."""
-    return ""
+    return self.spec.stop_rule(self.scfg)
 
   def target_reached(self, eval_metrics: dict) -> str:
     """After an evaluation: why the stage ends here although steps remain (e.g. its held-out
@@ -61,8 +66,8 @@ class Stage:
     return ""
 
   def frozen(self) -> dict:
-    """Frozen roles -> head (may depend on the config)."""
-    return {}
+    """Frozen roles -> head (the spec's roles that this stage does not train)."""
+    return {r: x.head for r, x in self.roles.items() if not x.trains}
 
   def initial_extras(self) -> dict:
     return skip_counters()

@@ -24,28 +24,13 @@ from jaxrlhf.perf import decoder_flops, utilisation
 
 
 def step_flops(stage) -> dict[str, float]:
-  """Model FLOPs of one step of ``stage``, by phase (``update`` for the supervised stages)."""
-  name = stage.name
-  T = stage.P + stage.R
-  b = stage.scfg.batch_size
-  if name == "sft":
-    return {"update": decoder_flops(stage.model_cfg("policy"), b, T, head_positions=T - 1,
-                                    train=True)}
-  if name == "rm":
-    return {"update": decoder_flops(stage.model_cfg("reward"), 2 * b, T, head="scalar",
-                                    train=True)}
-  if name == "dpo":
-    cfg = stage.model_cfg("policy")
-    out = {"update": decoder_flops(cfg, 2 * b, T, head_positions=T - 1, train=True)}
-    if stage.scfg.reference == "step":
-      out["reference"] = decoder_flops(cfg, 2 * b, T, head_positions=T - 1)
-    return out
-  if name in ("ppo", "grpo"):
-    return _rl_flops(stage)
-  raise ValueError(f"no FLOP count for stage {name!r}")
+  """Model FLOPs of one step of ``stage``, by phase (``update`` for the supervised stages):
+  its spec's count."""
+  return stage.spec.flops(stage)
 
 
-def _rl_flops(stage) -> dict[str, float]:
+def rl_flops(stage) -> dict[str, float]:
+  """The phases of an RL step (train/phases.py)."""
   P, N, n = stage.P, stage.N, stage.n
   b = stage.scfg.batch_size
   rows, T = b * n, stage.P + stage.N
@@ -65,7 +50,7 @@ def _rl_flops(stage) -> dict[str, float]:
   if reward:
     out["reward"] = reward
   update = decoder_flops(policy, rows, T, head_positions=N, train=True)
-  if stage.uses_value:
+  if "value" in stage.spec.terms:
     value = stage.model_cfg("value")
     out["values"] = decoder_flops(value, rows, T, head="scalar")
     update += decoder_flops(value, rows, T, head="scalar", train=True)
@@ -86,7 +71,7 @@ def generation_bytes(stage, tp: int, n_devices: int) -> float:
   ``P + N - 1`` slots, masked).  Activations are left out: at decode they are tiny next to
   these.
   """
-  if stage.name not in ("ppo", "grpo"):
+  if not stage.spec.generates:
     return math.nan
   cfg = stage.model_cfg("policy")
   rows = stage.scfg.batch_size * stage.n

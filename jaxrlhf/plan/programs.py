@@ -1,0 +1,232 @@
+"""Compile-and-read: one stage's programs lowered on abstract arrays, XLA's memory analysis,
+the collectives read from the HLO, and a roofline time for each."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Optional
+
+from jaxrlhf.config import ExperimentConfig
+from jaxrlhf.train.preflight import dtype_bytes, tree_bytes
+from jaxrlhf.plan.cluster import node_of
+from jaxrlhf.plan.workload import Work, workload
+
+
+@dataclasses.dataclass
+class ProgramPlan:
+  """One compiled program: memory per device (bytes), work, traffic and estimated time."""
+
+  name: str
+  runs: bool  # runs in the configured mode (else compiled only to attribute time)
+  argument_bytes: int
+  output_bytes: int
+  temp_bytes: int
+  alias_bytes: int
+  cpu_upcast_bytes: int  # f32 copies the CPU compiler adds (subtracted from the peak)
+  resident_bytes: int  # held on the device while it runs, not its argument (phases)
+  peak_bytes_per_device: int
+  flops: float = math.nan  # per device, analytic
+  bytes_accessed: float = math.nan  # HBM bytes per device, analytic
+  xla_flops: float = math.nan  # XLA cost analysis (loop bodies counted once)
+  xla_bytes_accessed: float = math.nan
+  comm_intra_bytes: float = 0.0
+  comm_inter_bytes: float = 0.0
+  t_compute: float = math.nan
+  t_memory: float = math.nan
+  t_comm: float = math.nan
+  est_seconds: float = math.nan
+  bound: str = ""
+  compile_seconds: float = 0.0
+  largest_temporaries: list = dataclasses.field(default_factory=list)
+
+  @property
+  def cpu_peak_bytes(self) -> int:
+    return self.peak_bytes_per_device + self.cpu_upcast_bytes
+
+
+def compile_program(fn, *args):
+  t0 = time.perf_counter()
+  compiled = fn.lower(*args).compile()
+  return compiled, time.perf_counter() - t0
+
+
+def abstract_outputs(fn, compiled, *args):
+  """The outputs of a jitted ``fn`` as ShapeDtypeStructs with the compiled shardings."""
+  import jax
+  shapes = jax.eval_shape(fn, *args)
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      shapes, compiled.output_shardings)
+
+
+def read_program(name: str, compiled, *, runs: bool, held: int, n_devices: int,
+                 node_size: int, unknown_trip: int, half_f32_traffic: bool,
+                 compile_seconds: float) -> ProgramPlan:
+  """Memory, raw cost and collective traffic of a compiled program.  ``held``: bytes per
+  device resident while it runs (0 for a program that takes everything as arguments);
+  what of it is not an argument of the compiled program counts towards its peak (jit drops
+  unused arguments, so the compiled argument size is the measure)."""
+  from jaxrlhf.plan import hlo as plan_hlo
+  mem = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  cost = cost or {}
+  module = plan_hlo.parse_hlo(compiled.as_text())
+  upcast = plan_hlo.cpu_upcast_bytes(module)
+  traffic = plan_hlo.collective_traffic(module, n_devices, node_size, unknown_trip,
+                                        f32_scale=0.5 if half_f32_traffic else 1.0)
+  arg, out = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes)
+  temp, alias = int(mem.temp_size_in_bytes), int(mem.alias_size_in_bytes)
+  upcast = min(upcast, temp)
+  resident = max(held - arg, 0)
+  peak = arg + out + temp - alias - upcast + resident
+  return ProgramPlan(
+      name=name, runs=runs, argument_bytes=arg, output_bytes=out, temp_bytes=temp,
+      alias_bytes=alias, cpu_upcast_bytes=upcast, resident_bytes=resident,
+      peak_bytes_per_device=peak, xla_flops=float(cost.get("flops", math.nan)),
+      xla_bytes_accessed=float(cost.get("bytes accessed", math.nan)),
+      comm_intra_bytes=traffic.intra_bytes, comm_inter_bytes=traffic.inter_bytes,
+      compile_seconds=compile_seconds,
+      largest_temporaries=plan_hlo.largest_live(module, skip_upcasts=True, top=3))
+
+
+def roofline(p: ProgramPlan, work: Optional[Work], n_devices: int, acc, node_bw: float):
+  """Fills in the program's FLOPs, HBM bytes and time estimate (in place)."""
+  if work is None:
+    return
+  p.flops = work.flops / n_devices
+  p.bytes_accessed = work.hbm_bytes
+  p.t_compute = p.flops / acc.peak_flops
+  p.t_memory = p.bytes_accessed / acc.hbm_bandwidth
+  p.t_comm = p.comm_intra_bytes / (acc.interconnect_bandwidth / 2) + p.comm_inter_bytes / node_bw
+  times = {"compute": p.t_compute, "memory": p.t_memory, "collectives": p.t_comm}
+  p.bound = max(times, key=times.get)
+  p.est_seconds = times[p.bound]
+
+
+def sum_work(works) -> Work:
+  works = [w for w in works if w is not None]
+  return Work(sum(w.flops for w in works), sum(w.hbm_bytes for w in works),
+              max((w.tokens for w in works), default=0.0))
+
+
+@dataclasses.dataclass
+class StagePlan:
+  stage: str
+  steps: int
+  mode: str  # "one program" or the phased programs' names
+  programs: list[ProgramPlan]
+  est_step_seconds: float
+  tokens_per_step: float
+  consumers: dict[str, int]  # resident bytes per device by what they are
+  models_in_memory: list[str]
+  # Why ``steps`` is a budget the stage may end before (e.g. "sft.stop_accuracy=0.8"), or "".
+  may_end_early: str = ""
+
+  @property
+  def peak(self) -> ProgramPlan:
+    running = [p for p in self.programs if p.runs] or self.programs
+    return max(running, key=lambda p: p.peak_bytes_per_device)
+
+
+def _consumers(state, frozen, batch) -> dict[str, int]:
+  out = {}
+  for role, p in state.params.items():
+    out[f"{role} parameters"] = tree_bytes(p)
+    out[f"{role} optimizer state"] = tree_bytes(state.opt_state.get(role, {}))
+  for role, p in frozen.items():
+    out[f"{role} parameters (frozen)"] = tree_bytes(p)
+  out["batch"] = tree_bytes(batch)
+  return out
+
+
+def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True) -> StagePlan:
+  """Compiles one stage's programs on abstract arrays.  ``full=False`` compiles only the
+  programs that run (enough for memory; used by the search)."""
+  import jax
+  from jaxrlhf.data import DataSource
+  from jaxrlhf.train.spec import build_stage
+  n = mesh.size
+  sizes = dict(mesh.shape)
+  node_size, node_bw = node_of(acc.name)
+  stage = build_stage(name, cfg, mesh, DataSource(cfg.data, cfg.seed))
+  state, frozen = stage.abstract_init()
+  batch = stage.abstract_batch()
+  work = workload(stage, sizes)
+  sixteen_bit = any(dtype_bytes(cfg.role_model(r).compute_dtype) == 2
+                    for r in (*stage.trainable, *stage.frozen()))
+  rl = stage.spec.generates
+  unknown_trip = max(stage.N - 1, 1) if rl else 1
+  read = lambda label, c, secs, runs, held=0: read_program(
+      f"{name}/{label}", c, runs=runs, held=held, n_devices=n, node_size=node_size,
+      unknown_trip=unknown_trip, half_f32_traffic=sixteen_bit, compile_seconds=secs)
+  programs: list[ProgramPlan] = []
+  with jax.set_mesh(mesh):
+    step_fn = stage.make_step_fn(state, frozen, batch)
+    one_program = hasattr(step_fn, "lower")
+    if one_program:
+      compiled, secs = compile_program(step_fn, state, frozen, batch)
+      step = read("step", compiled, secs, runs=True)
+      programs.append(step)
+      mode = "one program per step"
+    if rl and (full or not one_program):
+      programs += _plan_phases(stage, state, frozen, batch, read, one_program, step_fn)
+      if not one_program:
+        mode = "phases: " + ", ".join(p.name.split("/")[1] for p in programs if p.runs)
+  # Time: each phase by its roofline; an RL step runs its phases one after another.
+  label = lambda p: p.name.split("/")[1]
+  for p in programs:
+    roofline(p, work.get(label(p)), n, acc, node_bw)
+    if label(p) == "rest":
+      roofline(p, sum_work(w for k, w in work.items() if k != "generate"), n, acc, node_bw)
+  if rl and one_program:
+    step = programs[0]
+    roofline(step, sum_work(work.values()), n, acc, node_bw)
+    phases = [p for p in programs if label(p) in work]
+    if phases:
+      step.est_seconds, step.bound = sum(p.est_seconds for p in phases), "sum of phases"
+    step_seconds = step.est_seconds
+  elif rl:
+    step_seconds = sum(p.est_seconds for p in programs if p.runs)
+  else:
+    step_seconds = programs[0].est_seconds
+  tokens = work["generate" if rl else "step"].tokens
+  models = [f"{r} ({cfg.role_model(r).num_params(h) / 1e9:.3g}B, trained)"
+            for r, h in stage.trainable.items()]
+  models += [f"{r} ({cfg.role_model(r).num_params(h) / 1e9:.3g}B, frozen)"
+             for r, h in stage.frozen().items()]
+  return StagePlan(stage=name, steps=stage.steps, mode=mode, programs=programs,
+                   est_step_seconds=step_seconds, tokens_per_step=tokens,
+                   consumers=_consumers(state, frozen, batch),
+                   models_in_memory=models,
+                   may_end_early=stage.stop_rule())
+
+
+def _plan_phases(stage, state, frozen, batch, read, one_program: bool, step_fn):
+  """The RL step's phased programs (train/program.py) as the trainer jits them -- around a
+  host reward, or one per timing group -- chained on abstract carries."""
+  import jax
+  import jax.numpy as jnp
+  from jaxrlhf.train import program
+  from jaxrlhf.train.types import StepCarry
+  phased = step_fn if not one_program else program.PhasedProgram(
+      stage, stage.phases(), state, timed=True)
+  held = tree_bytes(state) + tree_bytes(frozen) + tree_bytes(batch)
+  out = []
+  carry = StepCarry(state=state)
+  batch = {k: v for k, v in batch.items() if k != "host"}
+  for label, fn in phased.programs():
+    if label != phased.parts[0][0] and phased.host_fn is not None and carry.host_score_B is None:
+      rows = carry.rollout.tokens_BT.shape[0]
+      carry = carry.replace(host_score_B=jax.ShapeDtypeStruct(
+          (rows,), jnp.float32, sharding=carry.rollout.lengths_B.sharding))
+    # The rollout so far also stays on the device between programs.
+    rollout_bytes = tree_bytes((carry.rollout, carry.scored, carry.shaped))
+    compiled, secs = compile_program(fn, frozen, batch, carry)
+    name = label if phased.timed else phased.LABELS.get(label, label)
+    name = {"score_and_update": "rest"}.get(name, name)
+    out.append(read(name, compiled, secs, runs=not one_program, held=held + rollout_bytes))
+    carry = abstract_outputs(fn, compiled, frozen, batch, carry)
+  return out

@@ -1,0 +1,308 @@
+"""The pure phases of an RL step, each ``fn(stage, frozen, batch, carry) -> carry``.
+
+``stage`` is the :class:`jaxrlhf.train.rl.RLStage` (static settings only: configs, the
+algorithm's spec, reward sources); ``carry`` a :class:`~jaxrlhf.train.types.StepCarry`.
+:data:`RL_PHASES` is the list every RL algorithm composes (train/program.py); an algorithm
+changes the step through its spec's advantage function and loss terms, not here.
+
+Pools: the actor runs generation, the reference and the policy's training; the critic the
+reward, the values, reward shaping (normalisation and advantages) and the value's training.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf import model as M
+from jaxrlhf import rewards as RW
+from jaxrlhf.algorithms import (aggregate, entropy_bonus, kl_estimate, kl_penalty_loss,
+                                ppo_policy_loss, update_kl_controller)
+from jaxrlhf.config import KLConfig
+from jaxrlhf.rollout import generate as sample
+from jaxrlhf.train.common import accumulate_grads, apply_update, count_skip
+from jaxrlhf.train.program import HOST, Phase
+from jaxrlhf.train.types import Rollout, Scored, Shaped, StepCarry, UpdateBatch
+
+
+def kl_of(kl: KLConfig, logp_BN, ref_logp_BN):
+  """Per-token KL(policy || reference) with the configured estimator and clamps."""
+  return kl_estimate(logp_BN, ref_logp_BN, estimator=kl.estimator, clamp_logr=kl.clamp_logr,
+                     clamp_kl=kl.clamp_kl)
+
+
+def kl_coef_of(carry: StepCarry):
+  """The KL coefficient of this step: the one a critic pool received with the rollout, else
+  the controller's (kept in the state)."""
+  if carry.kl_coef is not None:
+    return carry.kl_coef
+  return carry.state.extras["kl"].coef
+
+
+# ------------------------------------------------------------------------------ phases
+
+
+def generate(stage, frozen, batch, c: StepCarry) -> StepCarry:
+  del frozen
+  rng, k = jax.random.split(c.state.rng)
+  tok = stage.tok
+  ro = sample(c.state.params["policy"], batch["prompt"], batch["prompt_mask"], k,
+              cfg=stage.model_cfg("policy"), rollout=stage.cfg.rollout, eos_id=tok.eos_id,
+              pad_id=tok.pad_id, num_samples=stage.n, kernels=stage.cfg.kernels)
+  rollout = Rollout(tokens_BT=ro.tokens, mask_BT=ro.mask, response_mask_BN=ro.response_mask,
+                    behaviour_logp_BN=ro.logprobs, lengths_B=ro.lengths,
+                    finished_B=ro.finished)
+  return c.replace(state=c.state.replace(rng=rng), rollout=rollout)
+
+
+def reference(stage, frozen, batch, c: StepCarry) -> StepCarry:
+  """Reference log-probs (the behaviour log-probs when no reference is needed) and the
+  per-token KL of the rollout to them."""
+  del batch
+  ro = c.rollout
+  if "reference" not in frozen:
+    ref = ro.behaviour_logp_BN
+  else:
+    ref, _ = M.token_logprobs(frozen["reference"], ro.tokens_BT, ro.mask_BT,
+                              cfg=stage.model_cfg("reference"), start=stage.P,
+                              kernels=stage.cfg.kernels)
+  kl = jnp.where(ro.response_mask_BN, kl_of(stage.scfg.kl, ro.behaviour_logp_BN, ref), 0.0)
+  return c.replace(rollout=ro.replace(ref_logp_BN=ref, kl_BN=kl))
+
+
+def reward(stage, frozen, batch, c: StepCarry) -> StepCarry:
+  """The raw sequence score (weighted sources, host scores included), missing-EOS handling,
+  the guard, and which rows stay in the update."""
+  ro = c.rollout
+  parts = []
+  response = ro.tokens_BT[:, stage.P:]
+  for kind, name, w in stage.device_sources:
+    if kind == "model":
+      s = M.sequence_scores(frozen["reward"], ro.tokens_BT, ro.mask_BT,
+                            cfg=stage.model_cfg("reward"), kernels=stage.cfg.kernels,
+                            start=stage.P)
+    else:
+      s = RW.RULES[name](response, ro.response_mask_BN, jnp.repeat(batch["answer"], stage.n, 0),
+                         jnp.repeat(batch["answer_mask"], stage.n, 0), eos_id=stage.tok.eos_id)
+    parts.append((s.astype(jnp.float32), w))
+  if c.host_score_B is not None:
+    parts.append((c.host_score_B, 1.0))
+  score = RW.combine_rewards([p for p, _ in parts], [w for _, w in parts])
+  rcfg = stage.scfg.reward
+  keep = jnp.ones(score.shape, bool)
+  metrics = {}
+  score, keep_eos = RW.apply_missing_eos(score, ro.finished_B, mode=rcfg.missing_eos,
+                                         penalty=rcfg.missing_eos_penalty)
+  keep &= keep_eos
+  if rcfg.guard:
+    g = M.sequence_scores(frozen["guard"], ro.tokens_BT, ro.mask_BT,
+                          cfg=stage.model_cfg("guard"), kernels=stage.cfg.kernels,
+                          start=stage.P)
+    score, keep_guard, gm = RW.apply_guard(score, jax.nn.sigmoid(g),
+                                           threshold=rcfg.guard_threshold,
+                                           action=rcfg.guard_action, penalty=rcfg.guard_penalty)
+    keep &= keep_guard
+    metrics.update(gm)
+  return c.replace(scored=Scored(score_B=score, keep_B=keep), metrics={**c.metrics, **metrics})
+
+
+def values(stage, frozen, batch, c: StepCarry) -> StepCarry:
+  """The value of the state *before* each response token (algorithms with a value role)."""
+  del frozen, batch
+  ro = c.rollout
+  v = M.token_scores(stage.value_params(c.state.params), ro.tokens_BT, ro.mask_BT,
+                     cfg=stage.model_cfg("value"), kernels=stage.cfg.kernels)
+  return c.replace(scored=c.scored.replace(values_BN=v[:, stage.P - 1:stage.P - 1 + stage.N]))
+
+
+def shape(stage, frozen, batch, c: StepCarry) -> StepCarry:
+  """Reward normalisation (running statistics kept in the state) and the algorithm's
+  advantages: everything the update trains on, before any gradient."""
+  del frozen, batch
+  scfg = stage.scfg
+  ro, sc = c.rollout, c.scored
+  resp_mask = ro.response_mask_BN
+  raw = sc.score_B
+  valid = sc.keep_B & jnp.isfinite(raw)
+  score, stats, norm_metrics = RW.normalize_rewards(
+      raw, valid, mode=scfg.reward.normalize, stats=c.state.extras["reward_stats"],
+      clip=scfg.reward.clip)
+  kl_tok = ro.kl_BN
+  update_mask = resp_mask & valid[:, None]
+  adv, returns = stage.spec.advantages(stage, c, score, kl_tok, kl_coef_of(c), update_mask)
+  finite = jnp.isfinite(raw)
+  # The raw score's statistics win over the normaliser's (which describe the normalised one).
+  metrics = {**norm_metrics,
+             "reward/mean": jnp.mean(jnp.where(finite, raw, 0.0)),
+             "reward/std": jnp.std(jnp.where(finite, raw, 0.0)),
+             "reward/min": jnp.min(jnp.where(finite, raw, jnp.inf)),
+             "reward/max": jnp.max(jnp.where(finite, raw, -jnp.inf))}
+  state = c.state.replace(extras={**c.state.extras, "reward_stats": stats})
+  shaped = Shaped(adv_BN=adv, update_mask_BN=update_mask, returns_BN=returns)
+  return c.replace(state=state, shaped=shaped, metrics={**c.metrics, **metrics})
+
+
+def train(stage, frozen, batch, c: StepCarry, *, roles, terms) -> StepCarry:
+  """The update of ``roles`` on the sum of the algorithm's loss ``terms`` (the colocated step
+  trains every role on every term; each pool its own)."""
+  del frozen, batch
+  ro, sh = c.rollout, c.shaped
+  policy = "policy" in terms
+  old = sh.old_logp_BN if sh.old_logp_BN is not None else ro.behaviour_logp_BN
+  # What the terms read, no more: each field is gathered per minibatch.
+  ub = UpdateBatch(tokens_BT=ro.tokens_BT, mask_BT=ro.mask_BT, update_mask_BN=sh.update_mask_BN,
+                   old_logp_BN=old if policy else None,
+                   behaviour_logp_BN=ro.behaviour_logp_BN if policy else None,
+                   ref_logp_BN=ro.ref_logp_BN if policy else None,
+                   adv_BN=sh.adv_BN if policy else None,
+                   values_BN=c.scored.values_BN if "value" in terms else None,
+                   returns_BN=sh.returns_BN if "value" in terms else None)
+  state, metrics = epochs(stage, c.state, ub, kl_coef_of(c), roles=roles, terms=terms)
+  return c.replace(state=state, metrics={**c.metrics, **metrics})
+
+
+def finish(stage, frozen, batch, c: StepCarry) -> StepCarry:
+  """The KL controller, the step counter and the rollout's metrics."""
+  del frozen, batch
+  scfg = stage.scfg
+  ro, state = c.rollout, c.state
+  kl_coef = kl_coef_of(c)
+  kl_tok = ro.kl_BN
+  seq_kl = jnp.sum(kl_tok, axis=-1)
+  new_kl = update_kl_controller(state.extras["kl"], jnp.mean(seq_kl), kl_tok.shape[0],
+                                target=scfg.kl.target, horizon=scfg.kl.horizon,
+                                adaptive=scfg.kl.adaptive)
+  state = state.replace(step=state.step + 1, extras={**state.extras, "kl": new_kl})
+  lengths = ro.lengths_B.astype(jnp.float32)
+  metrics = {"kl/mean": jnp.mean(seq_kl), "kl/coef": kl_coef,
+             "response_length/mean": jnp.mean(lengths),
+             "rollout/tokens": jnp.sum(lengths),
+             "rollout/finished_frac": jnp.mean(ro.finished_B.astype(jnp.float32)),
+             "skips/total": state.extras["skips/total"]}
+  return c.replace(state=state, metrics={**c.metrics, **metrics})
+
+
+def rl_phases(roles, terms) -> tuple[Phase, ...]:
+  """The RL step training ``roles`` on loss ``terms`` (the values phase only when a value term
+  reads its estimates).  Timing groups: generation, reference, reward, values, then the
+  update (shaping, training, bookkeeping)."""
+  return (
+      Phase("generate", generate, pool="actor"),
+      Phase(HOST, None, pool="critic"),
+      Phase("reference", reference, pool="actor"),
+      Phase("reward", reward, pool="critic"),
+      *((Phase("values", values, pool="critic"),) if "value" in terms else ()),
+      Phase("shape", shape, pool="critic", group="update"),
+      Phase("train", functools.partial(train, roles=tuple(roles), terms=tuple(terms)),
+            pool="both", group="update"),
+      Phase("finish", finish, pool="actor", group="update"),
+  )
+
+
+# ----------------------------------------------------------------------------- updating
+
+
+def epochs(stage, state, ub: UpdateBatch, kl_coef, *, roles, terms):
+  """``ppo_epochs`` passes over the batch in ``num_minibatches`` shuffled minibatches (one
+  ``lax.scan`` over (epoch, minibatch)), training ``roles`` on the sum of the loss ``terms``.  All roles skip a non-finite step together: a half-applied update
+  would desynchronise them."""
+  scfg = stage.scfg
+  rows = ub.tokens_BT.shape[0]
+  n_mb = scfg.num_minibatches
+  rng, k = jax.random.split(state.rng)
+  if n_mb == 1 and scfg.ppo_epochs == 1:
+    perms = jnp.arange(rows)[None]  # one pass over the whole batch: no shuffle, no gather
+  else:
+    perms = jnp.stack([jax.random.permutation(jax.random.fold_in(k, e), rows)
+                       for e in range(scfg.ppo_epochs)])
+
+  def minibatches(perm):
+    return jax.tree.map(lambda x: x[perm].reshape((n_mb, rows // n_mb) + x.shape[1:]), ub)
+
+  mbs = jax.vmap(minibatches)(perms)
+  mbs = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), mbs)
+  first = jnp.arange(scfg.ppo_epochs * n_mb) == 0
+  params0 = {r: state.params[r] for r in roles}
+  opt0 = {r: state.opt_state[r] for r in roles}
+
+  def body(carry, xs):
+    params, opt_state, extras = carry
+    mb, is_first = xs
+    denom = jnp.maximum(jnp.sum(mb.update_mask_BN), 1).astype(jnp.float32)
+    n_seq = jnp.maximum(jnp.sum(jnp.any(mb.update_mask_BN, axis=-1)), 1).astype(jnp.float32)
+
+    def loss_fn(p, micro):
+      total, metrics = 0.0, {}
+      for term in terms:
+        loss, m = stage.spec.terms[term](stage, p, micro, denom=denom, n_seq=n_seq,
+                                         kl_coef=kl_coef)
+        total = total + loss
+        metrics.update(m)
+      return total, metrics
+
+    loss, grads, aux = accumulate_grads(loss_fn, params, mb, scfg.optim.grad_accum)
+    new_params, new_opt, finites, norms = {}, {}, [], {}
+    for role in params:
+      new_params[role], new_opt[role], fin, norms[role] = apply_update(
+          params[role], opt_state[role], grads[role], loss, stage.opt[role])
+      finites.append(fin)
+    finite = jnp.all(jnp.stack(finites))
+    if len(params) > 1:
+      # (One role: apply_update has already kept its old state on a non-finite step.)
+      new_params = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_params, params)
+      new_opt = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_opt, opt_state)
+    extras = count_skip(extras, finite)
+    aux = {**aux, "loss": loss, "grad_norm": norms[roles[0]]}
+    if "_mismatch" in aux:
+      aux["rollout/logprob_mismatch"] = jnp.where(is_first, aux["_mismatch"], 0.0)
+    return (new_params, new_opt, extras), aux
+
+  (params, opt_state, extras), aux = jax.lax.scan(body, (params0, opt0, state.extras),
+                                                  (mbs, first))
+  metrics = {k: jnp.mean(v) for k, v in aux.items() if not k.startswith("_")}
+  if "rollout/logprob_mismatch" in aux:
+    metrics["rollout/logprob_mismatch"] = jnp.sum(aux["rollout/logprob_mismatch"])
+  state = state.replace(rng=rng, params={**state.params, **params},
+                        opt_state={**state.opt_state, **opt_state}, extras=extras)
+  return state, metrics
+
+
+_LEGACY_PPO_KL = True
+
+
+def policy_term(stage, params, mb: UpdateBatch, *, denom, n_seq, kl_coef):
+  """The policy's loss: clipped surrogate, entropy bonus and (``kl.placement=loss``) the KL to
+  the reference, each aggregated as ``loss_agg`` says; reads ``params["policy"]`` only."""
+  scfg = stage.scfg
+  logp, ent = M.token_logprobs(params["policy"], mb.tokens_BT, mb.mask_BT,
+                               cfg=stage.model_cfg("policy"), start=stage.P,
+                               kernels=stage.cfg.kernels)
+  mask = mb.update_mask_BN
+  agg = dict(agg=scfg.loss_agg, denom=denom if scfg.loss_agg == "token_mean" else n_seq,
+             max_len=stage.N)
+  pg, pm = ppo_policy_loss(logp, mb.old_logp_BN, mb.adv_BN, mask, clip_low=scfg.clip_low,
+                           clip_high=scfg.clip_high, dual_clip=scfg.dual_clip, **agg)
+  # The metric is the entropy as the loss aggregates it.
+  entropy = aggregate(ent, mask, mode=scfg.loss_agg, denom=agg["denom"], max_len=stage.N)
+  bonus, _ = entropy_bonus(ent, mask, coef=scfg.entropy_coef, **agg)
+  mismatch = jnp.sum(jnp.where(mask, jnp.abs(jax.lax.stop_gradient(logp)
+                                             - mb.behaviour_logp_BN), 0.0)) / denom
+  metrics = {"policy/loss": pg, "policy/clip_frac": pm["clip_frac"],
+             "policy/approx_kl": pm["approx_kl"], "entropy/mean": entropy,
+             "_mismatch": mismatch}
+  loss = pg + bonus
+  if _LEGACY_PPO_KL and stage.name == "ppo":  # TEMPORARY: the pre-redesign PPO loss-side KL
+    if scfg.kl.placement == "loss":
+      kl = kl_of(scfg.kl, logp, mb.ref_logp_BN)
+      loss = loss + kl_coef * aggregate(kl, mask, mode="token_mean", denom=denom)
+    return loss, metrics
+  if scfg.kl.placement == "loss" and (scfg.kl.coef > 0 or scfg.kl.adaptive):
+    # The KL to the reference aggregated like the policy loss (docs/conventions.md).
+    kl = kl_of(scfg.kl, logp, mb.ref_logp_BN)
+    penalty, _ = kl_penalty_loss(kl, mask, coef=kl_coef, **agg)
+    loss = loss + penalty
+    metrics["kl/loss"] = aggregate(kl, mask, mode=scfg.loss_agg, denom=agg["denom"],
+                                   max_len=stage.N)
+  return loss, metrics

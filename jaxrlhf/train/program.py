@@ -1,0 +1,161 @@
+"""One phase list, every program of the RL step.
+
+An RL algorithm's step is a list of :class:`Phase` s, each a pure function
+``fn(stage, frozen, batch, carry) -> carry`` over a :class:`~jaxrlhf.train.types.StepCarry`.
+:func:`compose` chains a slice of the list into one function, and every program the trainer,
+the pools and the planner run is such a slice:
+
+- the default step: every phase in one jitted program (:func:`one_program`);
+- ``logging.phase_timing``: each timing group (generate, reference, reward, values, update)
+  its own jitted, timed program (:class:`PhasedProgram`);
+- a host (Python) reward: the programs before and after :data:`HOST`, the decoded rollout
+  scored on the host in between (:class:`PhasedProgram`);
+- the disaggregated pools: the actor's and the critic's phases (:func:`pool_phases`), with the
+  pool's own exchange phases added around them;
+- ``--plan``: the same programs lowered on abstract arrays (:func:`programs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf.perf import PhaseTimer
+from jaxrlhf.train.common import shardings_of
+from jaxrlhf.train.types import StepCarry
+
+# The split point of a step with host rewards: the phases before it form one program, the
+# decoded rollout is scored in Python, the phases after it form the second program.
+HOST = "host_reward"
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+  """One pure piece of the step.  ``group`` names the timed program it belongs to (phases of
+  one group run as one program under ``logging.phase_timing``); ``pool`` is where it runs in
+  a disaggregated run (``actor``, ``critic``, or ``both``)."""
+
+  name: str
+  fn: Callable  # (stage, frozen, batch, carry) -> carry
+  pool: str = "actor"
+  group: str = ""
+
+  @property
+  def timing_group(self) -> str:
+    return self.group or self.name
+
+
+def compose(stage, phases: Sequence[Phase]) -> Callable:
+  """``(frozen, batch, carry) -> carry``: the phases one after another."""
+  phases = tuple(p for p in phases if p.name != HOST)
+
+  def run(frozen, batch, carry: StepCarry) -> StepCarry:
+    for p in phases:
+      carry = p.fn(stage, frozen, batch, carry)
+    return carry
+
+  return run
+
+
+def split(phases: Sequence[Phase], *, at_host: bool, timed: bool) -> list[tuple[str, list]]:
+  """The programs of a phased step, in order: ``(label, phases)``; with ``timed`` each timing
+  group is a program, else the host split alone cuts the list."""
+  out: list[tuple[str, list]] = []
+  for p in phases:
+    if p.name == HOST:
+      if at_host:
+        out.append((HOST, []))
+      continue
+    label = p.timing_group if timed else ("before_host" if not any(
+        lab == HOST for lab, _ in out) else "after_host")
+    if out and out[-1][0] == label:
+      out[-1][1].append(p)
+    else:
+      out.append((label, [p]))
+  return out
+
+
+def step_fn(stage, phases: Sequence[Phase]) -> Callable:
+  """``(state, frozen, batch) -> (state, metrics)`` of the whole phase list."""
+  run = compose(stage, phases)
+
+  def step(state, frozen, batch):
+    carry = run(frozen, batch, StepCarry(state=state))
+    return carry.state, carry.metrics
+
+  return step
+
+
+def one_program(stage, phases, mesh, state, frozen, batch):
+  """The whole step as one jitted program, state donated."""
+  from jaxrlhf.train.common import jit_step  # noqa: PLC0415 (kept beside its one use)
+  return jit_step(step_fn(stage, phases), mesh, state, frozen, batch)
+
+
+class PhasedProgram:
+  """The step as several jitted programs: around a host reward, or each timing group timed.
+
+  ``timed=False`` with a host reward gives two programs (``time/phase/generate_s`` for the
+  first, ``score_and_update_s`` for the second, as before); ``timed=True`` one per group.
+  """
+
+  LABELS = {"before_host": "generate", "after_host": "score_and_update"}
+
+  def __init__(self, stage, phases, state, *, host_fn=None, timed: bool):
+    self.stage = stage
+    self.timed = timed
+    self.host_fn = host_fn
+    self.parts = split(phases, at_host=host_fn is not None, timed=timed)
+    self.jitted = {}
+    state_sh = shardings_of(state)
+    for label, ps in self.parts:
+      if label == HOST:
+        continue
+      run = compose(stage, ps)
+      # The carry's state is donated (updated in place); the rest of the carry flows on.
+      self.jitted[label] = jax.jit(
+          run, donate_argnums=(2,),
+          out_shardings=StepCarry(state=state_sh, metrics=None))
+    self.timer = PhaseTimer()
+
+  def __call__(self, state, frozen, batch):
+    timer = self.timer
+    timer.start_step()
+    host = batch.get("host")
+    batch = {k: v for k, v in batch.items() if k != "host"}  # the device arrays only
+    carry = StepCarry(state=state)
+    for label, _ in self.parts:
+      if label == HOST:
+        with timer.phase(HOST):
+          carry = carry.replace(
+              host_score_B=jnp.asarray(self.host_fn(jax.device_get(carry.rollout), host)))
+        continue
+      name = label if self.timed else self.LABELS.get(label, label)
+      carry = timer.run(name, self.jitted[label], frozen, batch, carry)
+    return carry.state, {**carry.metrics, **timer.end_step()}
+
+  def programs(self):
+    """``(label, jitted fn)`` of each device program, in order (for the planner)."""
+    return [(lab, self.jitted[lab]) for lab, _ in self.parts if lab != HOST]
+
+
+def pool_programs(phases: Sequence[Phase], pool: str) -> list[list[Phase]]:
+  """The programs a pool of a disaggregated run compiles: its phases (``both`` phases run in
+  each pool), cut wherever it must exchange data with the other pool between them: before a
+  phase that follows the other pool's work, and before a phase both pools run (the other pool
+  needs what this one has computed so far)."""
+  phases = [p for p in phases if p.name != HOST]
+  out: list[list[Phase]] = []
+  prev = None
+  for i, p in enumerate(phases):
+    if p.pool not in (pool, "both"):
+      continue
+    cut = prev is None or prev != i - 1 or (p.pool == "both" and phases[prev].pool != "both")
+    if cut:
+      out.append([])
+    out[-1].append(p)
+    prev = i
+  return out

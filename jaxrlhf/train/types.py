@@ -1,0 +1,96 @@
+"""What flows between the phases of an RL step, as typed pytrees.
+
+Shape suffixes name the axes: ``B`` rows (prompts x samples), ``T`` prompt + response slots
+(``P + N``), ``N`` response slots.  One name per concept: ``response_mask_BN`` is the mask of
+generated tokens, ``update_mask_BN`` the subset that trains (rows the reward kept);
+``behaviour_logp_BN`` are the log-probs of the policy that sampled the rollout.
+
+The phases fill a :class:`StepCarry` in order (``rollout`` by generation and the reference,
+``scored`` by the reward and values, ``shaped`` by reward shaping); each program of the step
+(the one-program step, a timed phase, either side of a host reward, a pool's program) takes a
+carry and returns it, so any cut of the phase list is a valid program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Optional
+
+import flax.struct
+import jax
+
+if TYPE_CHECKING:
+  from jaxrlhf.train.common import TrainState
+
+
+@flax.struct.dataclass
+class Rollout:
+  """Generated sequences and the log-probs the update needs, ``B = prompts x samples`` rows."""
+
+  tokens_BT: jax.Array  # int32 prompt then response
+  mask_BT: jax.Array  # bool: real prompt tokens + response tokens up to and incl. the stop
+  response_mask_BN: jax.Array  # bool: generated tokens up to and including EOS / stop
+  behaviour_logp_BN: jax.Array  # f32: log p(token) under the sampling policy (temperature 1)
+  lengths_B: jax.Array  # int32 response lengths (incl. the stop token)
+  finished_B: jax.Array  # bool: ended by EOS / stop (False: ran into max_new_tokens)
+  # Filled by the reference phase:
+  ref_logp_BN: Optional[jax.Array] = None  # f32 under the frozen reference
+  kl_BN: Optional[jax.Array] = None  # f32 per-token KL(behaviour || reference), 0 where masked
+
+
+@flax.struct.dataclass
+class Scored:
+  """The reward's verdict on each row, and the value model's estimates."""
+
+  score_B: jax.Array  # f32 raw sequence score (weighted sources, missing-EOS, guard)
+  keep_B: jax.Array  # bool: rows that stay in the update
+  values_BN: Optional[jax.Array] = None  # f32 value of the state before each response token
+
+
+@flax.struct.dataclass
+class Shaped:
+  """Everything the update trains on, computed before any gradient."""
+
+  adv_BN: jax.Array  # f32 advantages (0 outside update_mask)
+  update_mask_BN: jax.Array  # bool: response tokens of kept rows
+  returns_BN: Optional[jax.Array] = None  # f32 value targets (PPO)
+  # The ratio's denominator when it is not the behaviour policy (decoupled PPO in the pools).
+  old_logp_BN: Optional[jax.Array] = None
+
+
+@flax.struct.dataclass
+class UpdateBatch:
+  """One minibatch of the update: the rows and what each loss term reads."""
+
+  tokens_BT: jax.Array
+  mask_BT: jax.Array
+  update_mask_BN: jax.Array
+  # Policy terms only (None in a value-only update):
+  old_logp_BN: Optional[jax.Array] = None  # the ratio's denominator (behaviour or proximal)
+  behaviour_logp_BN: Optional[jax.Array] = None  # what sampled the rollout (mismatch metric)
+  ref_logp_BN: Optional[jax.Array] = None
+  adv_BN: Optional[jax.Array] = None
+  values_BN: Optional[jax.Array] = None
+  returns_BN: Optional[jax.Array] = None
+
+
+@flax.struct.dataclass
+class StepCarry:
+  """The state of one RL step between its phases."""
+
+  state: "TrainState"
+  rollout: Optional[Rollout] = None
+  scored: Optional[Scored] = None
+  shaped: Optional[Shaped] = None
+  host_score_B: Optional[jax.Array] = None  # f32 weighted host rewards (the split point)
+  kl_coef: Optional[jax.Array] = None  # set by a critic pool (the actor's controller owns it)
+  metrics: dict = flax.struct.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostInputs:
+  """Host-side data of a batch (the examples behind its prompts), carried beside the device
+  arrays for a host reward; :func:`jaxrlhf.train.common.put_batch` leaves it on the host and
+  the programs never see it."""
+
+  examples: tuple
