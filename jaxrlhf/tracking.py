@@ -52,6 +52,13 @@ def redact(tree):
   return tree
 
 
+def param_text(value) -> str:
+  """A config value as ``--set`` takes it: ``sft,grpo`` for a tuple."""
+  if isinstance(value, (tuple, list)):
+    return ",".join(map(str, value))
+  return str(value)
+
+
 def flatten(tree: Mapping, prefix: str = "", sep: str = ".") -> dict:
   """``{"ppo": {"kl": {"coef": 0.1}}}`` -> ``{"ppo.kl.coef": 0.1}``."""
   out = {}
@@ -244,7 +251,7 @@ class MlflowSink:
         run = None
       if run is not None and run.info.lifecycle_stage == "deleted":
         run = None
-    params = {k: str(v)[:MLFLOW_MAX_VALUE] for k, v in flatten(redact(config)).items()}
+    params = {k: param_text(v)[:MLFLOW_MAX_VALUE] for k, v in flatten(redact(config)).items()}
     if run is None:
       name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or str(config.get("name") or "jaxrlhf")
       experiment = self.client.get_experiment_by_name(name)
