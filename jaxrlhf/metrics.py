@@ -320,7 +320,11 @@ class MetricsWriter:
       try:
         self._sinks.append((sink, tracking.make_sink(sink, workdir, config or {}, name)))
       except Exception as e:  # noqa: BLE001 - a tracker's failure must not stop training
-        self._failed(sink, "starting", e)
+        try:
+          self._failed(sink, "starting", e)
+        except SinkError:
+          self.close()  # the trackers already started end their runs
+          raise
 
   def _failed(self, name: str, doing: str, error: Exception):
     """A tracker raised: ends the run (``sink_errors=stop``) or reports it once and drops it."""

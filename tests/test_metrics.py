@@ -206,6 +206,18 @@ def test_sink_errors_stop_ends_the_run_at_the_failure(tmp_path, monkeypatch):
   assert [r["step"] for r in metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))] == [1, 2]
 
 
+def test_a_tracker_that_cannot_start_is_reported_or_stops_the_run(tmp_path, monkeypatch):
+  monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://tracking")
+  out = io.StringIO()
+  w = _writer(tmp_path, LoggingConfig(sinks=("mlflow", "tensorboard")), stream=out)
+  assert w.sinks == ["tensorboard"]
+  assert out.getvalue().startswith("warning: the mlflow sink failed starting (")
+  w.write("sft", 1, {"loss": 1.0})
+  w.close()
+  with pytest.raises(metrics.SinkError, match="the mlflow sink failed starting"):
+    _writer(tmp_path, LoggingConfig(sinks=("tensorboard", "mlflow"), sink_errors="stop"))
+
+
 def test_trackers_get_the_config_without_credentials():
   cfg = {"name": "x", "pools": {"redis_url": "redis://:pw@host:6379/0", "mode": "sync"},
          "hub": {"api_key": "k", "hf_token_password": "p"}, "rollout": {"max_new_tokens": 8}}

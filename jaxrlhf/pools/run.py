@@ -80,6 +80,8 @@ def run_role(cfg: ExperimentConfig, workdir: str, role: str, redis_url: str = ""
     with PreemptionHandler() as stop:
       out = fn(cfg, workdir, store, mesh, roles, events=events, log=log,
                should_stop=stop.should_stop, writer=writer)
+    if out.get("done") == cfg.ppo.steps:  # the pool's trackers mark its run as finished
+      writer.finish({role: {k: v for k, v in out.items() if isinstance(v, (int, float))}})
   except (S.Unreachable, S.PeerTimeout) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     return 1
