@@ -213,3 +213,15 @@ def test_sink_errors_stop_ends_the_run_keeping_the_checkpoints(tmp_path, failing
     pipeline.run(_sft("stop"), wd)
   assert os.listdir(C.checkpoint_dir(wd, "sft")) == ["1"]
   assert not C.stage_result_exists(wd, "sft")
+
+
+def test_resume_none_starts_new_tracker_runs(tmp_path):
+  wd = str(tmp_path)
+  for name in ("metrics.jsonl", "wandb_run.json", "mlflow_run.json"):
+    (tmp_path / name).write_text("{}")
+  (tmp_path / "tensorboard").mkdir()
+  pipeline.start_over(wd, ("sft",))
+  left = sorted(os.listdir(wd))
+  assert [n.split(".replaced-")[0] for n in left] == ["metrics.jsonl", "mlflow_run.json",
+                                                      "tensorboard", "wandb_run.json"]
+  assert all(".replaced-" in n for n in left)  # moved aside, so the next run starts new runs
