@@ -8,6 +8,7 @@ list the valid choices, so a typo fails with a one-line message naming what woul
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import typing
@@ -391,6 +392,11 @@ class CheckpointConfig:
   async_save: bool = True
 
 
+Sink = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
+# sink -> (the module it needs, the extra that installs it); the others come with jaxrlhf.
+SINK_PACKAGES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+
+
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
   every_steps: int = 1
@@ -401,7 +407,12 @@ class LoggingConfig:
   # Metrics shown on the console line, when present.
   console_keys: tuple[str, ...] = ("loss", "reward/mean", "kl/mean", "eval/accuracy",
                                    "eval/pair_accuracy", "time/step_s")
-  tensorboard: bool = True
+  # Where metrics go besides the console: "jsonl" (WORKDIR/metrics.jsonl, always written),
+  # "tensorboard", "wandb", "mlflow" (docs/observability.md).
+  sinks: tuple[Sink, ...] = ("jsonl", "tensorboard")
+  # A sink other than jsonl that raises mid-run: "disable" reports it once and trains on
+  # without it; "stop" ends the run (the checkpoints written so far are kept).
+  sink_errors: Literal["disable", "stop"] = "disable"
   # Run the step as separately-timed phases (generation, scoring, update) to see where the
   # time goes; the default one-program step reports total time only.
   phase_timing: bool = False
@@ -537,10 +548,26 @@ def validate(cfg: "ExperimentConfig", required: bool = True) -> "ExperimentConfi
   c.at_least(cfg.data, "data", ("max_prompt_len", "max_response_len", "eval_size"), 1)
   for name in cfg.stages:
     getattr(cfg, name).check(name, cfg, c)
+  problems += sink_problems(cfg.logging.sinks)
   problems = list(dict.fromkeys(problems))  # rollout checks repeat for PPO and GRPO
   if problems:
     raise ConfigError(f"{cfg.name}: " + "; ".join(problems))
   return cfg
+
+
+def sink_problems(sinks) -> list[str]:
+  """What stops ``logging.sinks`` from working here: an unknown sink, or one whose package is
+  not installed (checked without importing it, before any work)."""
+  problems = []
+  valid = typing.get_args(Sink)
+  for name in sinks:
+    if name not in valid:
+      problems.append(f"logging.sinks: unknown sink {name!r}; choose from {', '.join(valid)}")
+    elif name in SINK_PACKAGES and importlib.util.find_spec(SINK_PACKAGES[name][0]) is None:
+      module, extra = SINK_PACKAGES[name]
+      problems.append(f"logging.sinks has {name!r} but the {module} package is not installed: "
+                      f"pip install -e '.[{extra}]' (or drop {name} from logging.sinks)")
+  return problems
 
 
 # ------------------------------------------------------------------------------- overrides

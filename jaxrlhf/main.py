@@ -16,6 +16,7 @@ from absl import app, flags
 from jaxrlhf import registry
 from jaxrlhf.config import (STAGE_NAMES, ConfigError, ExperimentConfig, apply_overrides,
                             to_json, validate)
+from jaxrlhf.metrics import SinkError
 
 DEFAULT_EXPERIMENT = "tiny_ppo"
 
@@ -155,6 +156,9 @@ def main(argv) -> None:
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  except SinkError as e:  # logging.sink_errors=stop
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
   except OSError as e:
     # The file system refused (full disk, read-only or missing folder, a file where a folder
     # goes): the cause and the path in one line, not a traceback through the writers.

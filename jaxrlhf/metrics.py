@@ -1,35 +1,35 @@
-"""Where training metrics go: the console, ``WORKDIR/metrics.jsonl`` and TensorBoard files.
+"""Where training metrics go: the console, ``WORKDIR/metrics.jsonl`` and the trackers of
+``logging.sinks`` (TensorBoard, Weights & Biases, MLflow; :mod:`jaxrlhf.tracking`).
 
 One small interface, :class:`MetricsWriter`, fans each ``write(stage, step, metrics)`` out to
-three sinks:
+the sinks:
 
 * the console: one progress line per stage (bar, ETA, a few key metrics), redrawn in place on a
   terminal and printed as plain periodic lines elsewhere (CI logs);
-* ``metrics.jsonl``: one JSON object per write, ``{"stage", "step", "wall_time", **metrics}``,
-  appended, so a resumed run continues the same file.  JSON has no NaN or infinity, so
-  non-finite values are written as the strings ``"nan"``, ``"inf"`` and ``"-inf"``;
-  :func:`read_jsonl` turns them back into floats;
-* TensorBoard event files under ``WORKDIR/tensorboard/<stage>/``, written by a small writer of
-  our own (TFRecord framing around hand-encoded ``Event`` protos with scalar summaries), so
-  neither TensorFlow nor the tensorboard package is needed to write them.  :func:`read_events`
-  parses them back.
+* ``metrics.jsonl``, always: one JSON object per write, ``{"stage", "step", "wall_time",
+  **metrics}``, appended, so a resumed run continues the same file.  JSON has no NaN or
+  infinity, so non-finite values are written as the strings ``"nan"``, ``"inf"`` and
+  ``"-inf"``; :func:`read_jsonl` turns them back into floats;
+* the trackers named in ``logging.sinks``.  One that raises is reported once and left out for
+  the rest of the run (``logging.sink_errors=disable``), or ends the run (``stop``):
+  metrics.jsonl and the checkpoints never depend on a tracker.
 
 The module imports nothing heavy: the report command reads metrics without starting jax.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
-import socket
-import struct
 import sys
 import time
-from typing import IO, Callable, Iterator, Mapping, Optional
+from typing import IO, Callable, Mapping, Optional
 
-from jaxrlhf.config import LoggingConfig
+from jaxrlhf import tracking
+from jaxrlhf.config import ConfigError, LoggingConfig, sink_problems
 
 # Keys every JSONL record carries besides the metrics themselves.
 RECORD_KEYS = ("stage", "step", "wall_time")
@@ -140,238 +140,6 @@ def read_jsonl(path: str) -> list[dict]:
     rec["step"] = int(raw["step"])
     records.append(rec)
   return records
-
-
-# -------------------------------------------------------------------------- TensorBoard
-#
-# File format (what TensorBoard reads): a sequence of TFRecords, each
-#   uint64 length | uint32 masked_crc32c(length bytes) | data | uint32 masked_crc32c(data)
-# (little-endian), where data is a serialized tensorflow.Event proto:
-#   Event   { double wall_time = 1; int64 step = 2; string file_version = 3;
-#             Summary summary = 5; }
-#   Summary { repeated Value value = 1; }
-#   Value   { string tag = 1; float simple_value = 2; }
-# The first record of a file carries file_version "brain.Event:2".
-
-_WIRE_VARINT, _WIRE_FIXED64, _WIRE_BYTES, _WIRE_FIXED32 = 0, 1, 2, 5
-FILE_VERSION = "brain.Event:2"
-
-
-def _crc32c_table() -> list[int]:
-  poly = 0x82F63B78  # Castagnoli, reflected
-  table = []
-  for n in range(256):
-    c = n
-    for _ in range(8):
-      c = (c >> 1) ^ poly if c & 1 else c >> 1
-    table.append(c)
-  return table
-
-
-_CRC_TABLE = _crc32c_table()
-
-
-def crc32c(data: bytes) -> int:
-  crc = 0xFFFFFFFF
-  table = _CRC_TABLE
-  for b in data:
-    crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
-  return crc ^ 0xFFFFFFFF
-
-
-def masked_crc32c(data: bytes) -> int:
-  """TFRecord's CRC: rotated and offset so a CRC of data containing CRCs stays well-mixed."""
-  crc = crc32c(data)
-  return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def tfrecord(data: bytes) -> bytes:
-  length = struct.pack("<Q", len(data))
-  return (length + struct.pack("<I", masked_crc32c(length)) + data
-          + struct.pack("<I", masked_crc32c(data)))
-
-
-def _varint(n: int) -> bytes:
-  n &= (1 << 64) - 1  # negative int64 as two's complement, as protobuf does
-  out = bytearray()
-  while True:
-    byte = n & 0x7F
-    n >>= 7
-    if n:
-      out.append(byte | 0x80)
-    else:
-      out.append(byte)
-      return bytes(out)
-
-
-def _key(field: int, wire: int) -> bytes:
-  return _varint(field << 3 | wire)
-
-
-def _bytes_field(field: int, payload: bytes) -> bytes:
-  return _key(field, _WIRE_BYTES) + _varint(len(payload)) + payload
-
-
-def encode_event(wall_time: float, step: int = 0, scalars: Optional[Mapping[str, float]] = None,
-                 file_version: Optional[str] = None) -> bytes:
-  """A serialized Event proto with the given scalar summaries (float32, as TensorBoard keeps)."""
-  out = _key(1, _WIRE_FIXED64) + struct.pack("<d", wall_time)
-  if step:
-    out += _key(2, _WIRE_VARINT) + _varint(int(step))
-  if file_version is not None:
-    out += _bytes_field(3, file_version.encode())
-  if scalars:
-    summary = b"".join(
-        _bytes_field(1, _bytes_field(1, tag.encode()) + _key(2, _WIRE_FIXED32)
-                     + struct.pack("<f", value))
-        for tag, value in scalars.items())
-    out += _bytes_field(5, summary)
-  return out
-
-
-def _parse_fields(buf: bytes) -> Iterator[tuple[int, int, object]]:
-  """(field number, wire type, value) of each field of a serialized proto message."""
-  i, n = 0, len(buf)
-
-  def varint():
-    nonlocal i
-    shift = result = 0
-    while True:
-      b = buf[i]
-      i += 1
-      result |= (b & 0x7F) << shift
-      shift += 7
-      if not b & 0x80:
-        return result
-
-  while i < n:
-    key = varint()
-    field, wire = key >> 3, key & 7
-    if wire == _WIRE_VARINT:
-      value = varint()
-    elif wire == _WIRE_FIXED64:
-      value, i = buf[i:i + 8], i + 8
-    elif wire == _WIRE_BYTES:
-      size = varint()
-      value, i = buf[i:i + size], i + size
-    elif wire == _WIRE_FIXED32:
-      value, i = buf[i:i + 4], i + 4
-    else:
-      raise ValueError(f"unsupported protobuf wire type {wire} (field {field})")
-    yield field, wire, value
-
-
-@dataclasses.dataclass(frozen=True)
-class Event:
-  wall_time: float
-  step: int
-  file_version: str
-  scalars: dict  # tag -> float
-
-
-def decode_event(data: bytes) -> Event:
-  wall_time, step, version, scalars = 0.0, 0, "", {}
-  for field, wire, value in _parse_fields(data):
-    if field == 1 and wire == _WIRE_FIXED64:
-      wall_time = struct.unpack("<d", value)[0]
-    elif field == 2 and wire == _WIRE_VARINT:
-      step = value - (1 << 64) if value >= 1 << 63 else value
-    elif field == 3 and wire == _WIRE_BYTES:
-      version = bytes(value).decode()
-    elif field == 5 and wire == _WIRE_BYTES:
-      for vfield, vwire, vbytes in _parse_fields(value):
-        if vfield != 1 or vwire != _WIRE_BYTES:
-          continue
-        tag, simple = None, None
-        for f, w, v in _parse_fields(vbytes):
-          if f == 1 and w == _WIRE_BYTES:
-            tag = bytes(v).decode()
-          elif f == 2 and w == _WIRE_FIXED32:
-            simple = struct.unpack("<f", v)[0]
-        if tag is not None and simple is not None:
-          scalars[tag] = simple
-  return Event(wall_time, step, version, scalars)
-
-
-def read_events(path: str) -> list[Event]:
-  """The events of one event file; raises ValueError if a length or data CRC is wrong."""
-  with open(path, "rb") as f:
-    buf = f.read()
-  events, i = [], 0
-  while i < len(buf):
-    if len(buf) - i < 12:
-      raise ValueError(f"{path}: truncated record header at byte {i}")
-    header = buf[i:i + 8]
-    (length,) = struct.unpack("<Q", header)
-    (len_crc,) = struct.unpack("<I", buf[i + 8:i + 12])
-    if masked_crc32c(header) != len_crc:
-      raise ValueError(f"{path}: bad length CRC at byte {i}")
-    data = buf[i + 12:i + 12 + length]
-    (data_crc,) = struct.unpack("<I", buf[i + 12 + length:i + 16 + length])
-    if len(data) != length or masked_crc32c(data) != data_crc:
-      raise ValueError(f"{path}: bad data CRC at byte {i}")
-    events.append(decode_event(data))
-    i += 16 + length
-  return events
-
-
-def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
-  """Every scalar under ``logdir`` (recursively), as tag -> [(step, value)] in file order."""
-  out: dict[str, list[tuple[int, float]]] = {}
-  for root, _, files in sorted(os.walk(logdir)):
-    for name in sorted(files):
-      if "tfevents" not in name:
-        continue
-      for ev in read_events(os.path.join(root, name)):
-        for tag, value in ev.scalars.items():
-          out.setdefault(tag, []).append((ev.step, value))
-  return out
-
-
-class EventFileWriter:
-  """Writes scalar summaries to a new ``events.out.tfevents.*`` file in ``logdir``."""
-
-  _count = 0  # disambiguates files opened in the same second by one process
-
-  def __init__(self, logdir: str):
-    os.makedirs(logdir, exist_ok=True)
-    EventFileWriter._count += 1
-    name = (f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}."
-            f"{os.getpid()}.{EventFileWriter._count}")
-    self.path = os.path.join(logdir, name)
-    self._f = open(self.path, "wb")
-    self._f.write(tfrecord(encode_event(time.time(), file_version=FILE_VERSION)))
-    self._f.flush()
-
-  def add_scalars(self, step: int, scalars: Mapping[str, float],
-                  wall_time: Optional[float] = None):
-    event = encode_event(time.time() if wall_time is None else wall_time, step, scalars)
-    self._f.write(tfrecord(event))
-
-  def flush(self):
-    self._f.flush()
-
-  def close(self):
-    self._f.close()
-
-
-class TensorBoardSink:
-  """One event file per stage, in ``root/<stage>/``, so TensorBoard shows stages as runs."""
-
-  def __init__(self, root: str):
-    self.root = root
-    self._writers: dict[str, EventFileWriter] = {}
-
-  def write(self, stage: str, step: int, metrics: Mapping[str, float], wall_time: float):
-    if stage not in self._writers:
-      self._writers[stage] = EventFileWriter(os.path.join(self.root, stage))
-    writer = self._writers[stage]
-    writer.add_scalars(step, metrics, wall_time)
-    writer.flush()
-
-  def close(self):
-    for w in self._writers.values():
-      w.close()
 
 
 # ------------------------------------------------------------------------------ console
@@ -499,17 +267,30 @@ class ConsoleSink:
 # ------------------------------------------------------------------------------ fan-out
 
 
+class SinkError(RuntimeError):
+  """A tracker failed and ``logging.sink_errors=stop`` asked the run to end there."""
+
+
+def run_files(workdir: str) -> list[str]:
+  """What the writer keeps in ``workdir`` for one run: ``--resume=none`` moves these aside,
+  so the new run's files and tracker runs hold only its own records."""
+  return [os.path.join(workdir, name) for name in ("metrics.jsonl", *tracking.RUN_FILES)]
+
+
 class MetricsWriter:
-  """Fans ``write(stage, step, metrics)`` out to the console, metrics.jsonl and TensorBoard.
+  """Fans ``write(stage, step, metrics)`` out to the console, metrics.jsonl and the trackers of
+  ``cfg.sinks``.
 
   ``step`` counts completed steps of the stage (1..total), so ``step == total`` is the end of
   the bar.  Only the primary process (``jax.process_index() == 0`` unless ``primary`` says
   otherwise) writes anything; other processes' writers do nothing, so the trainer can call
-  every method on every process.
+  every method on every process.  ``config`` (the resolved config as a dict) is what W&B and
+  MLflow record; ``run_name`` names their run (default: the workdir's name).
   """
 
   def __init__(self, workdir: str, cfg: LoggingConfig = LoggingConfig(),
                total_steps_by_stage: Optional[Mapping[str, int]] = None, *,
+               config: Optional[Mapping] = None, run_name: Optional[str] = None,
                primary: Optional[bool] = None, stream: Optional[IO[str]] = None,
                tty: Optional[bool] = None):
     if primary is None:
@@ -519,16 +300,59 @@ class MetricsWriter:
     self.workdir = workdir
     self.jsonl_path = os.path.join(workdir, "metrics.jsonl")
     self.tensorboard_dir = os.path.join(workdir, "tensorboard")
-    self._jsonl = self._tb = self._console = None
+    self.sink_errors = cfg.sink_errors
+    self._jsonl = self._console = None
+    self._sinks: list[tuple[str, object]] = []  # (name, tracker), in logging.sinks order
     if not primary:
       return
+    problems = sink_problems(cfg.sinks)
+    if problems:
+      raise ConfigError("; ".join(problems))
     os.makedirs(workdir, exist_ok=True)
     self._jsonl = JsonlSink(self.jsonl_path)
-    if cfg.tensorboard:
-      self._tb = TensorBoardSink(self.tensorboard_dir)
     if cfg.console:
       self._console = ConsoleSink(total_steps_by_stage or {}, cfg.console_keys,
                                   cfg.console_every_s, stream=stream, tty=tty)
+    name = run_name or os.path.basename(os.path.abspath(workdir))
+    for sink in dict.fromkeys(cfg.sinks):
+      if sink == "jsonl":
+        continue
+      try:
+        self._sinks.append((sink, tracking.make_sink(sink, workdir, config or {}, name)))
+      except Exception as e:  # noqa: BLE001 - a tracker's failure must not stop training
+        try:
+          self._failed(sink, "starting", e)
+        except SinkError:
+          self.close()  # the trackers already started end their runs
+          raise
+
+  def _failed(self, name: str, doing: str, error: Exception):
+    """A tracker raised: ends the run (``sink_errors=stop``) or reports it once and drops it."""
+    lines = str(error).strip().splitlines()
+    what = type(error).__name__ + (f": {lines[0]}" if lines else "")
+    if self.sink_errors == "stop":
+      raise SinkError(f"the {name} sink failed {doing} ({what}); logging.sink_errors=stop ends "
+                      "the run here. The checkpoints written so far are kept: fix the cause and "
+                      "rerun the same command to resume, or set logging.sink_errors=disable to "
+                      "train on without it") from error
+    self.message(f"warning: the {name} sink failed {doing} ({what}); it is off for the rest of "
+                 "this run (metrics.jsonl keeps every record; logging.sink_errors=stop ends "
+                 "the run instead)")
+
+  def _each(self, doing: str, call: Callable[[object], None]):
+    for entry in list(self._sinks):
+      try:
+        call(entry[1])
+      except Exception as e:  # noqa: BLE001 - see _failed
+        self._sinks.remove(entry)
+        with contextlib.suppress(Exception):
+          entry[1].close()
+        self._failed(entry[0], doing, e)
+
+  @property
+  def sinks(self) -> list[str]:
+    """The trackers still writing."""
+    return [name for name, _ in self._sinks]
 
   def write(self, stage: str, step: int, metrics: Mapping[str, object]):
     """Converts every value to a float (fetching device arrays) and writes one record."""
@@ -538,10 +362,15 @@ class MetricsWriter:
     values = {k: to_float(k, v) for k, v in metrics.items()}
     wall_time = time.time()
     self._jsonl.write(stage, step, values, wall_time)
-    if self._tb is not None:
-      self._tb.write(stage, step, values, wall_time)
+    self._each(f"writing {stage} step {step}",
+               lambda sink: sink.write(stage, step, values, wall_time))
     if self._console is not None:
       self._console.write(stage, step, values)
+
+  def finish(self, summary: Mapping):
+    """The run completed: the trackers record its summary (MLflow also the report)."""
+    if self.primary:
+      self._each("recording the summary", lambda sink: sink.finish(summary))
 
   def end_stage(self, stage: str):
     """Ends ``stage``'s progress bar at its latest step (a stage that finished early)."""
@@ -558,10 +387,19 @@ class MetricsWriter:
       print(text, flush=True)
 
   def close(self):
-    for sink in (self._console, self._tb, self._jsonl):
-      if sink is not None:
+    """Closes every sink; a tracker failing to close is reported, never raised (training has
+    ended, and this runs while an error may be on its way out)."""
+    if self._console is not None:
+      self._console.close()
+    for name, sink in self._sinks:
+      try:
         sink.close()
-    self._jsonl = self._tb = self._console = None
+      except Exception as e:  # noqa: BLE001
+        print(f"warning: the {name} sink failed closing ({type(e).__name__}: {e})", flush=True)
+    if self._jsonl is not None:
+      self._jsonl.close()
+    self._jsonl = self._console = None
+    self._sinks = []
     self.primary = False  # writes after close are no-ops rather than errors on closed files
 
   def __enter__(self):

@@ -46,7 +46,7 @@ def _base(**changes):
   cfg = dataclasses.replace(
       cfg, mesh=MeshConfig(dp=-1, fsdp=1, tp=2),
       checkpoint=CheckpointConfig(enabled=False),
-      logging=LoggingConfig(console=False, tensorboard=False))
+      logging=LoggingConfig(console=False, sinks=("jsonl",)))
   return dataclasses.replace(cfg, **changes)
 
 

@@ -36,7 +36,7 @@ def build(steps: int, every: int, mode: str):
       cfg, name="pools_faults", stages=("ppo",),
       ppo=dataclasses.replace(cfg.ppo, steps=steps),
       checkpoint=CheckpointConfig(every_steps=every, keep=2),
-      logging=LoggingConfig(console=False, tensorboard=False),
+      logging=LoggingConfig(console=False, sinks=("jsonl",)),
       pools=PoolsConfig(mode=mode, redis_wait_s=60.0, peer_wait_s=240.0))
 
 

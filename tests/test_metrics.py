@@ -1,6 +1,8 @@
-"""Metric sinks (console, metrics.jsonl, TensorBoard files), the accelerator table, and the
+"""Metric sinks (console, metrics.jsonl, TensorBoard files read back by TensorBoard, a failing
+tracker, the config trackers receive), the accelerator table, and the
 performance tools (cost analysis, MFU, phase timer, profiler window, memory)."""
 
+import dataclasses
 import io
 import json
 import math
@@ -12,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrlhf import hardware, metrics, perf
-from jaxrlhf.config import ConfigError, LoggingConfig, ModelConfig
+from jaxrlhf import hardware, metrics, perf, tracking
+from jaxrlhf.config import (ConfigError, ExperimentConfig, LoggingConfig, ModelConfig, set_field,
+                            validate)
 
 # ------------------------------------------------------------------------------ sinks
 
@@ -79,65 +82,54 @@ def test_writer_rejects_non_scalars_and_reserved_names(tmp_path):
   w.close()
 
 
-def test_crc32c_matches_the_standard_check_value():
-  # CRC-32C (Castagnoli) of "123456789" is 0xE3069283 (RFC 3720, appendix B.4).
-  assert metrics.crc32c(b"123456789") == 0xE3069283
+def tb_scalars(logdir):
+  """TensorBoard's own reading of ``logdir``: run (folder) -> tag -> [(step, value, wall_time)],
+  as its UI shows them (a resumed run's purged points left out)."""
+  from tensorboard.backend.event_processing import event_multiplexer
+  mux = event_multiplexer.EventMultiplexer().AddRunsFromDirectory(str(logdir))
+  mux.Reload()
+  return {run: {tag: [(e.step, e.value, e.wall_time) for e in mux.Scalars(run, tag)]
+                for tag in tags["scalars"]}
+          for run, tags in mux.Runs().items()}
 
 
-def test_tensorboard_event_files_parse_back(tmp_path):
+def test_tensorboard_reads_the_event_files_back(tmp_path):
   w = _writer(tmp_path)
   w.write("sft", 1, {"loss": 2.0, "eval/accuracy": 0.125})
   w.write("sft", 2, {"loss": 1.5})
   w.write("ppo", 7, {"reward/mean": -0.3, "kl/mean": float("nan")})
   w.close()
 
-  sft_files = os.listdir(tmp_path / "tensorboard" / "sft")
-  assert len(sft_files) == 1 and sft_files[0].startswith("events.out.tfevents.")
-  events = metrics.read_events(str(tmp_path / "tensorboard" / "sft" / sft_files[0]))
-  assert events[0].file_version == "brain.Event:2"
-  assert [(e.step, e.scalars) for e in events[1:]] == [
-      (1, {"loss": 2.0, "eval/accuracy": 0.125}), (2, {"loss": 1.5})]
-  assert all(abs(e.wall_time - time.time()) < 600 for e in events)
-
-  ppo = metrics.read_scalars(str(tmp_path / "tensorboard" / "ppo"))
-  assert ppo["reward/mean"] == [(7, pytest.approx(-0.3, abs=1e-7))]  # stored as float32
-  assert math.isnan(ppo["kl/mean"][0][1])
-
-
-def test_event_reader_detects_corruption(tmp_path):
-  w = metrics.EventFileWriter(str(tmp_path))
-  w.add_scalars(3, {"loss": 1.0})
-  w.close()
-  data = bytearray(open(w.path, "rb").read())
-  data[-6] ^= 0xFF  # a byte of the last record's payload
-  open(w.path, "wb").write(bytes(data))
-  with pytest.raises(ValueError, match="bad data CRC"):
-    metrics.read_events(w.path)
+  runs = tb_scalars(tmp_path / "tensorboard")
+  assert set(runs) == {"sft", "ppo"}  # one TensorBoard run per stage
+  assert set(runs["sft"]) == {"loss", "eval/accuracy"} and set(runs["ppo"]) == {"reward/mean",
+                                                                                "kl/mean"}
+  assert [(s, v) for s, v, _ in runs["sft"]["loss"]] == [(1, 2.0), (2, 1.5)]
+  assert [(s, v) for s, v, _ in runs["sft"]["eval/accuracy"]] == [(1, 0.125)]
+  assert runs["ppo"]["reward/mean"][0][:2] == (7, pytest.approx(-0.3, abs=1e-7))  # float32
+  assert math.isnan(runs["ppo"]["kl/mean"][0][1])
+  recs = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))
+  # The same wall time as the JSONL record of the step.
+  assert runs["sft"]["loss"][0][2] == pytest.approx(recs[0]["wall_time"], abs=1e-3)
 
 
-def test_event_encoding_handles_large_and_negative_steps():
-  for step in (0, 1, 300, 2**40, -5):
-    ev = metrics.decode_event(metrics.encode_event(12.5, step, {"a": 1.0}))
-    assert (ev.wall_time, ev.step, ev.scalars) == (12.5, step, {"a": 1.0})
-
-
-def test_tensorboard_itself_reads_our_files(tmp_path):
-  """Optional cross-check with TensorBoard's own reader; skipped where it is not installed."""
-  ea_mod = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+def test_a_resumed_stage_replaces_its_rewritten_steps_in_tensorboard(tmp_path):
   w = _writer(tmp_path)
-  for step in range(1, 4):
-    w.write("ppo", step, {"reward/mean": step / 4})
+  for step in (1, 2, 3):
+    w.write("ppo", step, {"reward/mean": step / 10})
   w.close()
-  acc = ea_mod.EventAccumulator(str(tmp_path / "tensorboard" / "ppo"))
-  acc.Reload()
-  assert "reward/mean" in acc.Tags()["scalars"]
-  assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [
-      (1, 0.25), (2, 0.5), (3, 0.75)]
+  # Resumed from the checkpoint of step 2: step 3 runs again, with its own value.
+  w = _writer(tmp_path)
+  for step in (3, 4):
+    w.write("ppo", step, {"reward/mean": 1 + step / 10})
+  w.close()
+  points = tb_scalars(tmp_path / "tensorboard")["ppo"]["reward/mean"]
+  assert [(s, round(v, 5)) for s, v, _ in points] == [(1, 0.1), (2, 0.2), (3, 1.3), (4, 1.4)]
 
 
 def test_sinks_can_be_turned_off_and_non_primary_writes_nothing(tmp_path):
   out = io.StringIO()
-  w = _writer(tmp_path / "a", LoggingConfig(console=False, tensorboard=False), stream=out)
+  w = _writer(tmp_path / "a", LoggingConfig(console=False, sinks=("jsonl",)), stream=out)
   w.write("sft", 1, {"loss": 1.0})
   w.close()
   assert (tmp_path / "a" / "metrics.jsonl").exists()
@@ -148,6 +140,107 @@ def test_sinks_can_be_turned_off_and_non_primary_writes_nothing(tmp_path):
   w.message("hello")
   w.close()
   assert not (tmp_path / "b").exists()
+
+
+def test_a_tracker_missing_its_package_is_one_line_naming_the_extra(tmp_path, monkeypatch):
+  import importlib.util
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "mlflow" else real(name, *a))
+  cfg = dataclasses.replace(ExperimentConfig(), logging=LoggingConfig(sinks=("mlflow",)))
+  want = (r"^unnamed: logging.sinks has 'mlflow' but the mlflow package is not installed: "
+          r"pip install -e '\.\[mlflow\]' \(or drop mlflow from logging.sinks\)$")
+  with pytest.raises(ConfigError, match=want):
+    validate(cfg)
+  # The writer, made before any training, says the same.
+  with pytest.raises(ConfigError, match="pip install -e '.\\[mlflow\\]'"):
+    _writer(tmp_path, LoggingConfig(sinks=("mlflow",)))
+  with pytest.raises(ConfigError, match=r"logging.sinks: 'tb' is not valid; choose one of "
+                     r"'jsonl', 'tensorboard', 'wandb', 'mlflow'"):
+    set_field(ExperimentConfig(), "logging.sinks", "jsonl,tb")
+
+
+def _failing_tensorboard(monkeypatch, at_step):
+  """TensorBoard's sink raising at ``at_step`` (a full disk, a lost server)."""
+  real = tracking.TensorBoardSink.write
+  calls = []
+
+  def write(self, stage, step, metrics, wall_time):
+    calls.append(step)
+    if step == at_step:
+      raise OSError(28, "No space left on device")
+    real(self, stage, step, metrics, wall_time)
+
+  monkeypatch.setattr(tracking.TensorBoardSink, "write", write)
+  return calls
+
+
+def test_a_failing_tracker_is_reported_once_and_left_out(tmp_path, monkeypatch):
+  calls = _failing_tensorboard(monkeypatch, at_step=2)
+  out = io.StringIO()
+  w = _writer(tmp_path, LoggingConfig(console_keys=()), stream=out)
+  for step in (1, 2, 3, 4):
+    w.write("sft", step, {"loss": 1.0 / step})
+  assert w.sinks == []
+  w.close()
+  warnings = [l for l in out.getvalue().splitlines() if "warning" in l]
+  assert warnings == ["warning: the tensorboard sink failed writing sft step 2 (OSError: [Errno "
+                      "28] No space left on device); it is off for the rest of this run "
+                      "(metrics.jsonl keeps every record; logging.sink_errors=stop ends the run "
+                      "instead)"]
+  assert calls == [1, 2]  # never called again
+  assert [r["step"] for r in metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))] == [1, 2, 3, 4]
+  assert [s for s, _, _ in tb_scalars(tmp_path / "tensorboard")["sft"]["loss"]] == [1]
+
+
+def test_sink_errors_stop_ends_the_run_at_the_failure(tmp_path, monkeypatch):
+  _failing_tensorboard(monkeypatch, at_step=2)
+  w = _writer(tmp_path, LoggingConfig(sink_errors="stop"))
+  w.write("sft", 1, {"loss": 1.0})
+  with pytest.raises(metrics.SinkError, match=r"the tensorboard sink failed writing sft step 2 "
+                     r"\(OSError.*logging.sink_errors=stop ends the run here. The checkpoints "
+                     r"written so far are kept"):
+    w.write("sft", 2, {"loss": 0.5})
+  w.close()
+  # metrics.jsonl is written before the trackers: the failing step is in it.
+  assert [r["step"] for r in metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))] == [1, 2]
+
+
+def test_a_tracker_that_cannot_start_is_reported_or_stops_the_run(tmp_path, monkeypatch):
+  monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://tracking")
+  out = io.StringIO()
+  w = _writer(tmp_path, LoggingConfig(sinks=("mlflow", "tensorboard")), stream=out)
+  assert w.sinks == ["tensorboard"]
+  assert out.getvalue().startswith("warning: the mlflow sink failed starting (")
+  w.write("sft", 1, {"loss": 1.0})
+  w.close()
+  with pytest.raises(metrics.SinkError, match="the mlflow sink failed starting"):
+    _writer(tmp_path, LoggingConfig(sinks=("tensorboard", "mlflow"), sink_errors="stop"))
+
+
+def test_trackers_get_the_config_without_credentials():
+  cfg = {"name": "x", "pools": {"redis_url": "redis://:pw@host:6379/0", "mode": "sync"},
+         "hub": {"api_key": "k", "hf_token_password": "p"}, "rollout": {"max_new_tokens": 8}}
+  assert tracking.redact(cfg) == {"name": "x", "pools": {"mode": "sync"}, "hub": {},
+                                  "rollout": {"max_new_tokens": 8}}
+  assert tracking.flatten(tracking.redact(cfg)) == {"name": "x", "pools.mode": "sync",
+                                                    "hub": {}, "rollout.max_new_tokens": 8}
+
+
+def test_run_state_sends_each_step_once(tmp_path):
+  path = str(tmp_path / "x_run.json")
+  state = tracking.RunState(path, {"run_id": "abc"})
+  assert state.unsent("ppo", 1, {"loss": 1.0}) == {"loss": 1.0}
+  state.sent("ppo", 1, ["loss"])
+  state.sent("ppo", 2, ["loss"])
+  # A resumed run (read back from the file) rewrites steps 2 and 3; its evaluation record of
+  # step 2 arrives apart.
+  state = tracking.RunState.load(path)
+  assert state.data["run_id"] == "abc"
+  assert state.unsent("ppo", 1, {"loss": 1.0}) == {}
+  assert state.unsent("ppo", 2, {"loss": 1.0, "eval/accuracy": 0.5}) == {"eval/accuracy": 0.5}
+  assert state.unsent("ppo", 3, {"loss": 1.0}) == {"loss": 1.0}
+  assert state.unsent("sft", 1, {"loss": 1.0}) == {"loss": 1.0}
 
 
 class _Clock:

@@ -18,11 +18,12 @@ from helpers import mesh
 from jaxrlhf import perf, report
 from jaxrlhf.config import DataConfig, ModelConfig
 from jaxrlhf.data import DataSource
-from jaxrlhf.metrics import read_jsonl, read_scalars
+from jaxrlhf.metrics import read_jsonl
 from jaxrlhf.train import phases
 from jaxrlhf.train.spec import build_stage
 from jaxrlhf.train.types import StepCarry
 from jaxrlhf.train.work import step_flops
+from test_metrics import tb_scalars
 from test_train import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,12 +98,13 @@ def test_phase_times_add_up_to_the_step_time(run):
 
 def test_tensorboard_events_hold_the_same_numbers(run):
   wd, _, records = run
-  scalars = read_scalars(os.path.join(wd, "tensorboard", "grpo"))
+  runs = tb_scalars(os.path.join(wd, "tensorboard"))  # read by TensorBoard itself
+  assert set(runs) == {"rm", "grpo"}
   grpo = _merged(records, "grpo")
   for tag in ("reward/mean", "kl/mean", "time/step_s", "perf/mfu", "eval/accuracy"):
     want = [(s, np.float32(m[tag])) for s, m in sorted(grpo.items()) if tag in m]
-    assert [(s, np.float32(v)) for s, v in scalars[tag]] == want, tag
-  assert "eval/pair_accuracy" in read_scalars(os.path.join(wd, "tensorboard", "rm"))
+    assert [(s, np.float32(v)) for s, v, _ in runs["grpo"][tag]] == want, tag
+  assert "eval/pair_accuracy" in runs["rm"]
 
 
 def test_report_draws_pngs_of_the_run(run):

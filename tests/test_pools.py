@@ -65,7 +65,7 @@ def pools_config(steps=10, **pools):
   return dataclasses.replace(
       cfg, name="pools_test", stages=("ppo",), ppo=dataclasses.replace(cfg.ppo, steps=steps),
       checkpoint=CheckpointConfig(every_steps=5, keep=2, async_save=False),
-      logging=LoggingConfig(console=False, tensorboard=False),
+      logging=LoggingConfig(console=False, sinks=("jsonl",)),
       pools=PoolsConfig(**pools))
 
 

@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 
 from helpers import mesh
-from jaxrlhf.config import validate, ConfigError
-from jaxrlhf.data import DataSource
-from jaxrlhf.train.spec import build_stage
+from jaxrlhf.config import ConfigError, validate
 from jaxrlhf.train.stage import convert_head
 from test_train import config, run_steps
 

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from jaxrlhf.config import ConfigError, ExperimentConfig
+from jaxrlhf.config import ConfigError, ExperimentConfig, to_dict
 
 ROLES = ("actor", "critic", "all")
 
@@ -74,11 +74,14 @@ def run_role(cfg: ExperimentConfig, workdir: str, role: str, redis_url: str = ""
     from jaxrlhf.pools.critic import run_critic as fn
   from jaxrlhf.metrics import MetricsWriter
   writer = MetricsWriter(C.pool_dir(workdir, role), cfg.logging,
-                         {f"{C.STAGE}.{role}": cfg.ppo.steps})
+                         {f"{C.STAGE}.{role}": cfg.ppo.steps}, config=to_dict(cfg),
+                         run_name=f"{os.path.basename(os.path.abspath(workdir))}.{role}")
   try:
     with PreemptionHandler() as stop:
       out = fn(cfg, workdir, store, mesh, roles, events=events, log=log,
                should_stop=stop.should_stop, writer=writer)
+    if out.get("done") == cfg.ppo.steps:  # the pool's trackers mark its run as finished
+      writer.finish({role: {k: v for k, v in out.items() if isinstance(v, (int, float))}})
   except (S.Unreachable, S.PeerTimeout) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     return 1

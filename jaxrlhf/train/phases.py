@@ -269,9 +269,6 @@ def epochs(stage, state, ub: UpdateBatch, kl_coef, *, roles, terms):
   return state, metrics
 
 
-_LEGACY_PPO_KL = True
-
-
 def policy_term(stage, params, mb: UpdateBatch, *, denom, n_seq, kl_coef):
   """The policy's loss: clipped surrogate, entropy bonus and (``kl.placement=loss``) the KL to
   the reference, each aggregated as ``loss_agg`` says; reads ``params["policy"]`` only."""
@@ -293,11 +290,6 @@ def policy_term(stage, params, mb: UpdateBatch, *, denom, n_seq, kl_coef):
              "policy/approx_kl": pm["approx_kl"], "entropy/mean": entropy,
              "_mismatch": mismatch}
   loss = pg + bonus
-  if _LEGACY_PPO_KL and stage.name == "ppo":  # TEMPORARY: the pre-redesign PPO loss-side KL
-    if scfg.kl.placement == "loss":
-      kl = kl_of(scfg.kl, logp, mb.ref_logp_BN)
-      loss = loss + kl_coef * aggregate(kl, mask, mode="token_mean", denom=denom)
-    return loss, metrics
   if scfg.kl.placement == "loss" and (scfg.kl.coef > 0 or scfg.kl.adaptive):
     # The KL to the reference aggregated like the policy loss (docs/conventions.md).
     kl = kl_of(scfg.kl, logp, mb.ref_logp_BN)

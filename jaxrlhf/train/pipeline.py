@@ -27,7 +27,7 @@ from jaxrlhf.config import ConfigError, ExperimentConfig, to_dict, to_json, vali
 from jaxrlhf.data import DataSource
 from jaxrlhf.mesh import make_mesh
 from jaxrlhf.model import hf
-from jaxrlhf.metrics import MetricsWriter
+from jaxrlhf.metrics import MetricsWriter, run_files
 from jaxrlhf.preemption import PreemptionHandler
 from jaxrlhf.train import spec
 from jaxrlhf.train.loop import TrainingError, run_stage
@@ -109,7 +109,8 @@ def train_all(cfg: ExperimentConfig, workdir: str, policy, profiler, written: di
           "utilisation metrics are left out")
   else:
     print(f"perf/mfu is measured against {accelerator.describe()}")
-  writer = MetricsWriter(workdir, cfg.logging, {s: getattr(cfg, s).steps for s in cfg.stages})
+  writer = MetricsWriter(workdir, cfg.logging, {s: getattr(cfg, s).steps for s in cfg.stages},
+                         config=to_dict(cfg))
   roles: dict = {}  # role -> params, from the stages so far
   sources: dict = {}  # role -> the stage whose result it is
   inputs: dict = {}  # finished stage -> its result's id
@@ -137,6 +138,7 @@ def train_all(cfg: ExperimentConfig, workdir: str, policy, profiler, written: di
           print(f"stopped by {stop.signal_name or 'a stop signal'} after stage {name} finished; "
                 "rerun the same command to continue with the next stage")
           return 0
+    writer.finish(summary)
   except TrainingError as e:
     print(f"error: {e}")
     return 1
@@ -308,10 +310,11 @@ def check_inputs(extra: dict, inputs: dict, where: str) -> None:
 
 def start_over(workdir: str, stages) -> None:
   """``--resume=none``: moves every stage's checkpoints and result aside (never deletes), and
-  the run's metrics, so the new run's metrics.jsonl and TensorBoard files hold only its own."""
+  the run's metrics, so the new run's metrics.jsonl, TensorBoard files and W&B / MLflow runs
+  hold only its own."""
   paths = [path for name in stages
            for path in (ckpt.checkpoint_dir(workdir, name), ckpt.stage_result_dir(workdir, name))]
-  paths += [os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "tensorboard")]
+  paths += run_files(workdir)
   moved = [ckpt._move_aside(path, "replaced") for path in paths]
   moved = [os.path.relpath(m, workdir) for m in moved if m]
   if moved:
