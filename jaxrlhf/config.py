@@ -182,6 +182,10 @@ class RewardConfig:
   guard_threshold: float = 0.5
   guard_action: Literal["penalty", "mask"] = "penalty"
   guard_penalty: float = -1.0
+  # A host reward that raises or returns a non-number for a response: "mask" scores it as
+  # unscorable (masked out of the update, counted in reward/host_errors and
+  # reward/host_invalid); "raise" stops the run with the function's error.
+  host_errors: Literal["mask", "raise"] = "mask"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,6 +291,22 @@ class DataConfig:
   # them (a prompt keeps its last tokens, a response its first), "skip" drops the example;
   # truncations and skips are reported.
   overlong: Literal["error", "truncate", "skip"] = "error"
+  # How each data file is read: "auto" by its name (a .parquet file, a folder written by
+  # datasets' save_to_disk, else JSONL), or one format for all of them.
+  format: Literal["auto", "jsonl", "parquet", "hf_disk"] = "auto"
+  # Column renames applied to every row before use, "SOURCE:TARGET" pairs, e.g.
+  # ("question:prompt", "solution:answer"); other columns pass through to host rewards.
+  fields: tuple[str, ...] = ()
+  # Evaluation data per kind of file; empty: data.eval_path if set, else split off the training
+  # file by data.eval_split, else the first data.eval_size training examples (said on the
+  # console: they are not held out).
+  # SFT, PPO and GRPO evaluate greedy answers on prompts with an "answer"; RM and DPO
+  # evaluate preference pairs.
+  prompts_eval_path: str = ""
+  pairs_eval_path: str = ""
+  # > 0: this fraction of each training file (chosen by data.seed) is held out for evaluation
+  # and never trained on (at most data.eval_size examples of it are evaluated).
+  eval_split: float = 0.0
 
 
 # ---------------------------------------------------------------------- outputs and kernels
@@ -466,6 +486,7 @@ def validate(cfg: "ExperimentConfig", required: bool = True) -> "ExperimentConfi
                       f"{m.n_kv_heads}: each key/value head serves a whole group of query heads; "
                       f"pick n_kv_heads dividing n_heads")
   at_least(cfg.data, "data", ("max_prompt_len", "max_response_len", "eval_size"), 1)
+  _validate_data(cfg, problems)
   for name in cfg.stages:
     sc = getattr(cfg, name)
     at_least(sc, name, ("steps", "batch_size"), 1)
@@ -491,6 +512,36 @@ def validate(cfg: "ExperimentConfig", required: bool = True) -> "ExperimentConfi
   if problems:
     raise ConfigError(f"{cfg.name}: " + "; ".join(problems))
   return cfg
+
+
+# The kind of held-out data each stage evaluates on: greedy answers on prompts with an
+# "answer" (exact match), or preference pairs (pair accuracy).
+EVAL_KIND = {"sft": "prompts", "rm": "pairs", "ppo": "prompts", "grpo": "prompts",
+             "dpo": "pairs"}
+
+
+def _validate_data(cfg: "ExperimentConfig", problems: list) -> None:
+  d = cfg.data
+  targets = []
+  for item in d.fields:
+    src, sep, dst = item.partition(":")
+    if not sep or not src.strip() or not dst.strip() or ":" in dst:
+      problems.append(f"data.fields: {item!r} is not SOURCE:TARGET; write e.g. "
+                      f"data.fields=question:prompt,solution:answer")
+    else:
+      targets.append(dst.strip())
+  for dup in sorted({t for t in targets if targets.count(t) > 1}):
+    problems.append(f"data.fields: two columns are renamed to {dup!r}; keep one")
+  if not (math.isfinite(d.eval_split) and 0.0 <= d.eval_split < 1.0):
+    problems.append(f"data.eval_split={d.eval_split!r}: must be in [0, 1) (e.g. 0.05 holds out "
+                    f"5% of each training file; 0 turns it off)")
+  kinds = sorted({EVAL_KIND[s] for s in cfg.stages})
+  if d.task == "jsonl" and d.eval_path and len(kinds) > 1:
+    problems.append(f"data.eval_path={d.eval_path!r} serves every stage, but the stages "
+                    f"({', '.join(cfg.stages)}) read different kinds of data ({', '.join(kinds)}); "
+                    f"give each its own: " + " ".join(f"--set=data.{k}_eval_path=FILE"
+                                                      for k in kinds)
+                    + " (or --set=data.eval_split=0.05 to hold out part of each training file)")
 
 
 # ------------------------------------------------------------------------------- overrides

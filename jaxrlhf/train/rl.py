@@ -50,13 +50,14 @@ class RLStage(Stage):
         self.device_sources.append(("model", None, w))
       elif kind == "rule" and fname in RW.RULES:
         self.device_sources.append(("rule", fname, w))
-      elif kind == "host" and fname in RW.HOST_RULES:
-        self.host_sources.append((fname, w))
+      elif kind == "host":
+        self.host_sources.append((RW.resolve_host_reward(src, f"{self.name}.reward.sources"), w))
       else:
         raise ConfigError(
             f"{self.name}.reward.sources: {src!r} is not a reward source; use 'model', "
-            f"'rule:NAME' ({', '.join(sorted(RW.RULES))}) or 'host:NAME' "
-            f"({', '.join(sorted(RW.HOST_RULES))})")
+            f"'rule:NAME' ({', '.join(sorted(RW.RULES))}), 'host:NAME' "
+            f"({', '.join(sorted(RW.HOST_RULES))}), 'host:path/to/file.py:function' or "
+            f"'host:package.module:function'")
     data.check_answers(rcfg.sources, f"{self.name}.reward.sources", rcfg.weights)
     self.uses_reward_model = any(s[0] == "model" for s in self.device_sources)
     if self.scfg.batch_size * self.n % self.scfg.num_minibatches:
@@ -315,15 +316,22 @@ class RLStage(Stage):
       return jit_step(self.step, self.mesh, state, frozen, batch)
     return PhasedStep(self, state, frozen, batch)
 
-  def host_scores(self, ro_host) -> np.ndarray:
-    """Runs the host reward functions on decoded responses (the split point of the step)."""
+  def host_scores(self, ro_host) -> tuple[np.ndarray, dict]:
+    """Runs the host reward functions on decoded responses (the split point of the step):
+    the weighted scores (NaN where a function failed: masked) and failure counts."""
     tokens = ro_host["tokens"][:, self.P:]
     responses = [self.tok.decode(t) for t in tokens]
-    answers = [ex.answer for ex in self._last_examples for _ in range(self.n)]
+    examples = [ex.record() for ex in self._last_examples]
     total = np.zeros(len(responses), np.float32)
-    for name, w in self.host_sources:
-      total += w * np.asarray(RW.HOST_RULES[name](responses, answers), np.float32)
-    return total
+    metrics = {}
+    for reward, w in self.host_sources:
+      if w == 0:  # switched off: its NaN must not poison the sum (0 * NaN = NaN)
+        continue
+      got = RW.score_host(reward, responses, examples, self.n, self.scfg.reward.host_errors)
+      total += np.float32(w) * got.scores
+      for k, v in got.metrics().items():
+        metrics[k] = metrics.get(k, 0.0) + v
+    return total, metrics
 
 
 class PhasedStep:
@@ -361,10 +369,11 @@ class PhasedStep:
     timer = self.timer
     timer.start_step()
     state, ro = timer.run("generate", self.gen, state, batch)
-    host = None
+    host, host_metrics = None, {}
     if s.host_sources:
       with timer.phase("host_reward"):
-        host = jnp.asarray(s.host_scores(jax.device_get(ro)))
+        host, host_metrics = s.host_scores(jax.device_get(ro))
+        host = jnp.asarray(host)
     if not self.timed:
       state, metrics = timer.run("score_and_update", self.rest, state, frozen, batch, ro, host)
     else:
@@ -374,5 +383,5 @@ class PhasedStep:
       ro.update(timer.run("values", self.val, state, ro))
       state, metrics = timer.run("update", self.upd, state, frozen, batch, ro)
       metrics = {**metrics, **rm}
-    return state, {**metrics, **timer.end_step()}
+    return state, {**metrics, **host_metrics, **timer.end_step()}
 
