@@ -689,3 +689,70 @@ def diff(a, b, prefix: str = "") -> list[tuple[str, object, object]]:
     elif va != vb:
       out.append((prefix + f.name, va, vb))
   return out
+
+
+def _from_json(tp, value, where: str, path: str):
+  """``value`` (parsed JSON) as type ``tp``, checked; errors name the file and dotted key."""
+  def bad(expected):
+    raise ConfigError(f"{path}: {where} is {json.dumps(value)[:60]}, not {expected}; fix the "
+                      f"file (python -m jaxrlhf.main --print_config writes a valid one)")
+  origin, args = typing.get_origin(tp), typing.get_args(tp)
+  if origin is typing.Union:  # Optional[X]
+    if value is None:
+      return None
+    return _from_json([a for a in args if a is not type(None)][0], value, where, path)
+  cls = _dataclass_of(tp)
+  if cls is not None:
+    if not isinstance(value, dict):
+      bad("a JSON object (a config section)")
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in value if k not in hints]
+    if unknown:
+      raise ConfigError(f"{path}: unknown config field {where + '.' if where else ''}"
+                        f"{unknown[0]}; valid fields here: {', '.join(names)}")
+    return cls(**{k: _from_json(hints[k], v, f"{where}.{k}" if where else k, path)
+                  for k, v in value.items()})
+  if origin is Literal:
+    if value not in args:
+      bad(_type_name(tp))
+    return value
+  if origin is tuple:
+    if not isinstance(value, list):
+      bad(_type_name(tp) + " (a JSON list)")
+    return tuple(_from_json(args[0], v, f"{where}[{i}]", path) for i, v in enumerate(value))
+  if tp is bool:
+    if not isinstance(value, bool):
+      bad("true or false")
+    return value
+  if tp is int:
+    if isinstance(value, bool) or not (isinstance(value, int) or
+                                       (isinstance(value, float) and value.is_integer())):
+      bad("an int")
+    return int(value)
+  if tp is float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      bad("a number")
+    return float(value)
+  if tp is str:
+    if not isinstance(value, str):
+      bad("a string")
+    return value
+  bad(_type_name(tp))
+
+
+def load_config_file(path: str) -> ExperimentConfig:
+  """``--config=run.json``: a config written by ``--print_config`` (or saved with a run) read
+  back and checked field by field; missing fields keep their defaults."""
+  try:
+    with open(path) as f:
+      text = f.read()
+  except OSError as e:
+    raise ConfigError(f"--config={path}: cannot be read ({e.strerror}); give the path of a JSON "
+                      f"file written by --print_config") from None
+  try:
+    data = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"--config={path}:{e.lineno}: not valid JSON ({e.msg}); write the file "
+                      f"with python -m jaxrlhf.main --experiment=NAME --print_config > {path}") from None
+  return _from_json(ExperimentConfig, data, "", path)

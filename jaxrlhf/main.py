@@ -1,4 +1,5 @@
-"""Entry point: ``python -m jaxrlhf.main --experiment=NAME [--set=a.b=v ...]``.
+"""Entry point: ``python -m jaxrlhf.main --experiment=NAME|path/to/exp.py [--set=a.b=v ...]``
+(or ``--config=run.json``, a config ``--print_config`` wrote).
 
 Flags -> experiment config -> train (default), or ``--plan`` (size the run for a cluster).
 Configuration mistakes print one line naming the valid choices and exit with status 2.
@@ -13,13 +14,18 @@ import sys
 from absl import app, flags
 
 from jaxrlhf import registry
-from jaxrlhf.config import ConfigError, ExperimentConfig, apply_overrides, to_json, validate
+from jaxrlhf.config import (ConfigError, ExperimentConfig, apply_overrides, load_config_file,
+                            to_json, validate)
 
 DEFAULT_EXPERIMENT = "tiny_ppo"
 
 _EXPERIMENT = flags.DEFINE_string(
     "experiment", DEFAULT_EXPERIMENT,
-    "Experiment to run (experiments/NAME.py). One of: " + ", ".join(registry.names()))
+    "Experiment to run (experiments/NAME.py), or your own file path/to/my_experiment.py that "
+    "registers one. One of: " + ", ".join(registry.names()))
+_CONFIG = flags.DEFINE_string(
+    "config", None, "Read the whole config from a JSON file (what --print_config writes, or a "
+    "run's saved config); --set and the other flags apply on top. Replaces --experiment.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: runs/EXPERIMENT).")
 _STEPS = flags.DEFINE_integer("steps", None, "Cap the steps of every stage (smoke runs).")
 _SET = flags.DEFINE_multi_string(
@@ -60,11 +66,14 @@ _POOL_EVENTS = flags.DEFINE_string("pool_events", "",
 
 def resolve_config(experiment: str, overrides, steps=None, mesh=None, devices=None,
                    accelerator=None, coordinator=None, num_processes=None,
-                   process_id=None, required: bool = True) -> ExperimentConfig:
-  """The experiment's config with the command line applied and checked (config.validate;
+                   process_id=None, required: bool = True,
+                   config_file=None) -> ExperimentConfig:
+  """The experiment's config (a registered name, a user's .py file, or ``config_file``: JSON
+  from --print_config) with the command line applied and checked (config.validate;
   ``required=False`` lets a template's config print without your model and data); raises
   ConfigError."""
-  cfg = registry.get(experiment or DEFAULT_EXPERIMENT)
+  cfg = (load_config_file(config_file) if config_file
+         else registry.resolve(experiment or DEFAULT_EXPERIMENT))
   extra = []
   if mesh:
     for part in mesh.split(","):
@@ -98,9 +107,12 @@ def _run(argv) -> int:
     for name in registry.names():
       print(f"{name:12s} {registry.get(name).description}")
     return 0
+  if _CONFIG.value and flags.FLAGS["experiment"].present:
+    raise ConfigError(f"--config={_CONFIG.value} holds the whole experiment; drop "
+                      f"--experiment={_EXPERIMENT.value} (change fields with --set)")
   cfg = resolve_config(_EXPERIMENT.value, _SET.value, _STEPS.value, _MESH.value, _DEVICES.value,
                        _ACCELERATOR.value, _COORD.value, _NPROC.value, _PID.value,
-                       required=not _PRINT_CONFIG.value)
+                       required=not _PRINT_CONFIG.value, config_file=_CONFIG.value)
   if _PRINT_CONFIG.value:
     print(to_json(cfg))
     return 0
