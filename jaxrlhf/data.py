@@ -784,8 +784,13 @@ class DataSource:
     if self.cfg.eval_path:
       return "eval_path", "file"
     field = _PATH_FIELD[kind]
-    if kind == "prompts" and not self.cfg.prompts_path and self.cfg.sft_path:
-      field = "sft_path"  # an SFT-only run: its prompts with answers
+    if kind == "prompts" and not self.cfg.prompts_path:
+      # No prompts file (an SFT or DPO run): the prompts (and any answers) of the file it has,
+      # a DPO run's held-out pairs included.
+      if self.cfg.sft_path:
+        field = "sft_path"
+      elif self.cfg.pairs_path:
+        return self.eval_source("pairs")
     return field, ("split" if self.cfg.eval_split > 0 else "train")
 
   def eval_examples(self, kind: str = "prompts") -> list[Example]:
@@ -798,7 +803,8 @@ class DataSource:
     # An evaluation file gets the same checks and data.overlong policy as the training files: an
     # over-long held-out prompt is an error at its line, or is truncated or skipped and counted.
     field, how = self.eval_source(kind)
-    read_as = "sft" if field == "sft_path" else kind
+    read_as = {"sft_path": "sft", "pairs_path": "pairs", "pairs_eval_path": "pairs"}.get(field,
+                                                                                        kind)
     path = getattr(self.cfg, field)
     if how == "file":
       examples = self._file(field, read_as)[: self.cfg.eval_size]
