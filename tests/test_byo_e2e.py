@@ -95,6 +95,11 @@ def test_grpo_on_chat_parquet_with_the_users_reward(tmp_path):
   steps = [r for r in records if "reward/host_errors" in r]
   assert len(steps) == 2 and all(r["reward/host_errors"] == 0 for r in steps)
   _export_and_reload(str(tmp_path / "work"), model, "grpo")
+  # The run's saved config reads back as --config, the host source and renames included.
+  saved = tmp_path / "work" / "config.json"
+  again = json.loads(_main(str(tmp_path), f"--config={saved}", "--print_config"))
+  assert again == json.loads(saved.read_text())
+  assert again["grpo"]["reward"]["sources"] == ["host:my_reward.py:score", "host:math_format"]
 
 
 def test_dpo_on_chat_pairs(tmp_path):

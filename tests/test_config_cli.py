@@ -148,6 +148,9 @@ def test_experiments_from_a_users_file(tmp_path):
   cfg = resolve_config(str(one), ["grpo.steps=3"])
   assert (cfg.name, cfg.seed, cfg.description, cfg.grpo.steps) == ("byo_one", 5, "mine", 3)
   assert resolve_config(str(one), []).name == "byo_one"  # a second use loads it once
+  res = _main(f"--experiment={one}", "--set=grpo.steps=4", "--print_config")
+  assert res.returncode == 0, res.stderr
+  assert json.loads(res.stdout)["name"] == "byo_one" and json.loads(res.stdout)["seed"] == 5
   two = tmp_path / "two.py"
   two.write_text("from jaxrlhf import registry\n"
                  "registry.register('byo_a')(lambda: registry.get('tiny_ppo'))\n"
