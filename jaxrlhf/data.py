@@ -12,6 +12,7 @@ step, and a resumed run sees exactly the batches it would have seen.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -166,8 +167,9 @@ class Example:
 
   def record(self) -> dict:
     """The example as its data row: ``prompt`` (a string, or the list of messages),
-    ``answer``, the response fields it has, and every other field of the row."""
-    out = dict(self.extra)
+    ``answer``, the response fields it has, and every other field of the row: a fresh copy, so
+    a reward function that changes it cannot change the data."""
+    out = copy.deepcopy(self.extra)
     for name in ("prompt", "answer", "response", "chosen", "rejected"):
       value = getattr(self, name)
       if name in ("prompt", "answer") or value:

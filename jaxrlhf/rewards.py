@@ -2,7 +2,9 @@
 
 Sources come in two kinds (DESIGN.md): jittable rule functions over token arrays (:data:`RULES`,
 run inside the step program, like the learned reward model's scalar head) and host functions
-over decoded strings (:data:`HOST_RULES`, arbitrary Python, run between two programs).  Several
+over decoded strings (arbitrary Python, run between two programs): registered ones
+(:data:`HOST_RULES`, e.g. the math verifier) or the user's own, ``host:path/to/file.py:function``
+and ``host:package.module:function`` (:func:`resolve_host_reward`, :func:`score_host`).  Several
 sources combine with weights (:func:`combine_rewards`).  Then, in this order: missing-EOS
 handling, the reward-hacking guard, and normalisation with non-finite rewards masked out and
 counted.  Every jittable function here is a pure array function; configs stay outside.
@@ -357,7 +359,7 @@ def resolve_host_reward(source: str, setting: str = "reward.sources") -> HostRew
     module, path = registry.load_python_file(target, what), target
     where = f"{target}:{fname}"
   else:
-    if target.endswith(".py") or "/" in target or os.sep in target:
+    if "/" in target or os.sep in target:
       raise ConfigError(f"{what}: {target} is not a .py file nor a module name; write "
                         f"host:path/to/file.py:function or host:package.module:function")
     module, path = registry.import_module(target, what), ""

@@ -24,6 +24,8 @@ REWARD = textwrap.dedent("""
     def score(responses, examples):
       with open(os.path.join(os.path.dirname(__file__), "calls.jsonl"), "a") as f:
         f.write(json.dumps({"responses": responses, "examples": examples}) + "\\n")
+      if any(e["level"] == 2 for e in examples):
+        raise ValueError("level 2 is not supported yet")  # masked and counted, not fatal
       return [float(r.strip() == e["answer"]) + 0.01 * e["level"]
               for r, e in zip(responses, examples)]
     """)
@@ -83,17 +85,22 @@ def test_grpo_on_chat_parquet_with_the_users_reward(tmp_path):
               "--set=grpo.num_samples=2", "--set=grpo.num_minibatches=1", *SMALL)
   assert "4 examples held out of data.prompts_path=prompts.parquet by data.eval_split=0.25" in out
   calls = [json.loads(l) for l in open(tmp_path / "calls.jsonl")]
-  assert len(calls) == 2  # one call per step
-  for call in calls:
+  batches = [c for c in calls if len(c["responses"]) > 1]
+  assert len(batches) == 2  # one call per step (then one per response where it raised)
+  for call in batches:
     assert len(call["responses"]) == len(call["examples"]) == 8
     ex = call["examples"][0]
     # Every field of the row, renamed by data.fields, once per sample of its prompt.
     assert set(ex) == {"prompt", "answer", "level"} and ex == call["examples"][1]
     assert ex["prompt"][0]["role"] == "user" and ex["answer"] == str(eval(ex["prompt"][0]
                                                                           ["content"][:-1]))
+  # The responses whose scoring raised were masked and counted, step by step.
   records = [json.loads(l) for l in open(tmp_path / "work" / "metrics.jsonl")]
   steps = [r for r in records if "reward/host_errors" in r]
-  assert len(steps) == 2 and all(r["reward/host_errors"] == 0 for r in steps)
+  raised = [sum(e["level"] == 2 for e in c["examples"]) for c in batches]
+  assert [r["reward/host_errors"] for r in steps] == raised and sum(raised) > 0
+  assert all(np.isfinite(r["loss"]) for r in steps)
+  assert "my_reward.py:score: " in out and "ValueError: level 2 is not supported yet" in out
   _export_and_reload(str(tmp_path / "work"), model, "grpo")
   # The run's saved config reads back as --config, the host source and renames included.
   saved = tmp_path / "work" / "config.json"

@@ -121,6 +121,8 @@ def test_tables_map_columns_and_keep_every_other_field(tmp_path, tok_dir, writer
   assert ex.answer == "4" and ex.line == 4
   assert ex.record() == {"prompt": ROWS[3]["question"], "answer": "4",
                          "tests": ["assert x == 4"], "id": 3}
+  ex.record()["tests"].append("changed by a reward function")
+  assert ex.record()["tests"] == ["assert x == 4"]
   # Without the renames the rows lack a prompt: the error names the file and row.
   with pytest.raises(ConfigError, match=rf"{name}:1: missing string field\(s\) prompt"):
     _src(tok_dir, prompts_path=path).examples("prompts", 0, 1)
