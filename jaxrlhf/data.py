@@ -151,9 +151,6 @@ class Chat:
     return json.loads(self.json)
 
 
-Text = "str | Chat"  # a prompt or response: plain text, or chat messages
-
-
 @dataclasses.dataclass(frozen=True)
 class Example:
   prompt: "str | Chat"
@@ -469,6 +466,13 @@ def read_examples(path: str, kind: str, field: str = "", fmt: str = "auto",
         raise ConfigError(f"{where}: data.fields renames {', '.join(map(repr, absent))}, but this "
                           f"row has no such field (it has: {', '.join(map(str, obj))}); fix "
                           f"data.fields=SOURCE:TARGET,...")
+      clash = [k for k in obj if k not in renames and k in renames.values()]
+      if clash:
+        src = next(s for s, d in renames.items() if d == clash[0])
+        raise ConfigError(f"{where}: data.fields renames {src!r} to {clash[0]!r}, but this row "
+                          f"already has a {clash[0]!r} field, which would be lost; rename that "
+                          f"one too (e.g. data.fields={src}:{clash[0]},{clash[0]}:original_"
+                          f"{clash[0]}) or drop the column")
       obj = {renames.get(k, k): v for k, v in obj.items()}
     out.append(_to_example(obj, kind, where, line))
   if not out:
@@ -582,7 +586,9 @@ class Encoder:
 
   def prompt_ids(self, ex: Example, where: str = "") -> Optional[list[int]]:
     if isinstance(ex.prompt, Chat):
-      ids = self._chat(ex.prompt.messages, True, where)  # the template writes any BOS
+      if ex.prompt not in self._chat_cache:  # rendered once per prompt, not once per batch
+        self._chat_cache[ex.prompt] = self._chat(ex.prompt.messages, True, where)
+      ids = self._chat_cache[ex.prompt]  # the template writes any BOS
     else:
       ids = ([self.tok.bos_id] if self.tok.bos_id is not None else []) + self.encode(ex.prompt,
                                                                                       where)

@@ -129,6 +129,11 @@ def test_tables_map_columns_and_keep_every_other_field(tmp_path, tok_dir, writer
   with pytest.raises(ConfigError, match=rf"{name}:1: data.fields renames 'query', but this row "
                                         r"has no such field \(it has: question, solution"):
     _src(tok_dir, prompts_path=path, fields=("query:prompt",)).examples("prompts", 0, 1)
+  # A rename onto a column the row already has would drop that column: refused.
+  with pytest.raises(ConfigError, match=rf"{name}:1: data.fields renames 'solution' to 'id', "
+                                        r"but this row already has a 'id' field"):
+    _src(tok_dir, prompts_path=path, fields=("question:prompt", "solution:id")).examples(
+        "prompts", 0, 1)
 
 
 def test_bad_table_rows_get_file_row_errors(tmp_path, tok_dir):
