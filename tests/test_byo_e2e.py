@@ -80,8 +80,8 @@ def test_grpo_on_chat_parquet_with_the_users_reward(tmp_path):
               f"--set=model.hf_path={model}", f"--set=data.tokenizer={model}",
               "--set=data.prompts_path=prompts.parquet",
               "--set=data.fields=question:prompt,solution:answer", "--set=data.eval_split=0.25",
-              "--set=grpo.reward.sources=host:my_reward.py:score,host:math_format",
-              "--set=grpo.reward.weights=1,0.1", "--set=grpo.batch_size=4",
+              "--set=grpo.reward.sources=host:my_reward.py:score,host:math_verify,"
+              "host:math_format", "--set=grpo.reward.weights=1,1,0.1", "--set=grpo.batch_size=4",
               "--set=grpo.num_samples=2", "--set=grpo.num_minibatches=1", *SMALL)
   assert "4 examples held out of data.prompts_path=prompts.parquet by data.eval_split=0.25" in out
   calls = [json.loads(l) for l in open(tmp_path / "calls.jsonl")]
@@ -106,7 +106,8 @@ def test_grpo_on_chat_parquet_with_the_users_reward(tmp_path):
   saved = tmp_path / "work" / "config.json"
   again = json.loads(_main(str(tmp_path), f"--config={saved}", "--print_config"))
   assert again == json.loads(saved.read_text())
-  assert again["grpo"]["reward"]["sources"] == ["host:my_reward.py:score", "host:math_format"]
+  assert again["grpo"]["reward"]["sources"] == ["host:my_reward.py:score", "host:math_verify",
+                                                "host:math_format"]
 
 
 def test_dpo_on_chat_pairs(tmp_path):
