@@ -101,6 +101,13 @@ def test_preference_pairs_as_whole_conversations(tmp_path, tok_dir):
     toks, loss = b[name][0], b[f"{name}_loss_mask"][0]
     assert _text(src, toks[loss]) == want
     assert _text(src, toks[:40][b[f"{name}_mask"][0][:40]]) == "<s>U:2+2=\nA:"
+  # A prompt of messages with plain-string replies: each reply is the assistant's turn.
+  mixed = [{"prompt": user, "chosen": "4", "rejected": "5", "source": "human"}]
+  src = _src(tok_dir, pairs_path=write_jsonl(tmp_path / "mixed.jsonl", mixed))
+  ex = src.examples("pairs", 0, 1)[0]
+  assert ex.record()["source"] == "human"
+  for name, arrays in ((n, src.encoder.pairs([ex])) for n in ("chosen", "rejected")):
+    assert np.array_equal(arrays[name], b[name])  # the same tokens as the conversations
   bad = [{"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "user",
                                                                       "content": "b"}]}]
   with pytest.raises(ConfigError, match=r"bad.jsonl:1: \"chosen\" and \"rejected\" share no "
@@ -215,3 +222,18 @@ def test_each_kind_has_its_own_eval_file(tmp_path, capsys):
   with pytest.raises(ConfigError, match=r"data.fields: 'question' is not SOURCE:TARGET.*"
                                         r"data.eval_split=1.5: must be in \[0, 1\)"):
     validate(bad)
+
+
+def test_chat_lengths_follow_the_overlong_policy(tmp_path, tok_dir, capsys):
+  rows = [{"prompt": [{"role": "user", "content": "1+1="}], "response": "2"},
+          {"prompt": [{"role": "user", "content": "1+1="}], "response": "a long reply"}]
+  path = write_jsonl(tmp_path / "sft.jsonl", rows)
+  with pytest.raises(ConfigError, match=r'sft.jsonl:2: "response" is 12 tokens, longer than the '
+                                        r"7 that data.max_response_len=8 leaves"):
+    _src(tok_dir, sft_path=path).examples("sft", 0, 1)
+  src = _src(tok_dir, sft_path=path, overlong="truncate", max_prompt_len=8)
+  b = src.encoder.sequences(src.examples("sft", 0, 4), "response")
+  assert "3 truncated" in capsys.readouterr().out  # the long reply and both 10-token prompts
+  for toks, mask in zip(b["tokens"], b["mask"]):
+    assert toks[8:][mask[8:]][-1] == src.tokenizer.eos_id  # a cut reply still ends with EOS
+    assert _text(src, toks[:8][mask[:8]]).endswith("1+1=\nA:")  # a prompt keeps its end
