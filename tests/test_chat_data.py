@@ -237,3 +237,16 @@ def test_chat_lengths_follow_the_overlong_policy(tmp_path, tok_dir, capsys):
   for toks, mask in zip(b["tokens"], b["mask"]):
     assert toks[8:][mask[8:]][-1] == src.tokenizer.eos_id  # a cut reply still ends with EOS
     assert _text(src, toks[:8][mask[:8]]).endswith("1+1=\nA:")  # a prompt keeps its end
+
+
+def test_settings_that_change_which_rows_train_break_resume():
+  from jaxrlhf.checkpoint import check_resume_config
+  from jaxrlhf.config import apply_overrides, to_dict
+  saved = ExperimentConfig(data=DataConfig(task="jsonl", prompts_path="p.parquet"))
+  for change in ("data.eval_split=0.1", "data.fields=q:prompt", "data.format=jsonl"):
+    with pytest.raises(ConfigError, match="cannot resume from .*" + change.split("=")[0]):
+      check_resume_config(to_dict(saved), apply_overrides(saved, [change]))
+  # Another held-out file changes evaluation only.
+  assert check_resume_config(to_dict(saved), apply_overrides(
+      saved, ["data.prompts_eval_path=held.jsonl"])) == [
+          ("data.prompts_eval_path", "", "held.jsonl")]
