@@ -475,7 +475,8 @@ def score_host(reward: HostReward, responses: Sequence[str], examples: Sequence[
     if v is None:
       unscored += 1
       continue
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+    # Numbers and booleans (a pass/fail check: 1.0 / 0.0); strings are not parsed.
+    if not isinstance(v, (int, float, np.integer, np.floating, np.bool_)):
       if on_error == "raise":
         raise ConfigError(f"{reward.where} returned {v!r} ({type(v).__name__}) for response {i}; "
                           f"return a float (or None when it cannot score), or set "

@@ -52,6 +52,12 @@ def test_a_function_from_a_module(tmp_path, monkeypatch):
   monkeypatch.syspath_prepend(str(tmp_path))
   reward = R.resolve_host_reward("host:byo_reward_mod:length")
   np.testing.assert_array_equal(R.score_host(reward, ["ab", "c"], ROWS).scores, [2, 1])
+  _file(tmp_path, "import numpy as np\n"
+                  "def passed(responses, examples):\n"
+                  "  return np.array([r == e['answer'] for r, e in zip(responses, examples)])\n",
+        "byo_reward_bool.py")
+  passed = R.resolve_host_reward("host:byo_reward_bool:passed")
+  np.testing.assert_array_equal(R.score_host(passed, ["4", "5"], ROWS).scores, [1.0, 0.0])
   with pytest.raises(ConfigError, match=r"no module named 'no_such_pkg'; install the package"):
     R.resolve_host_reward("host:no_such_pkg.mod:f")
 
