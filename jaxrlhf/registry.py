@@ -95,8 +95,9 @@ def resolve(experiment: str) -> ExperimentConfig:
 _FILES: dict[str, object] = {}  # real path -> module, so a file is executed once per process
 
 
-def _user_frames(exc: BaseException, path: str) -> str:
-  """``file.py:LINE in FUNC`` of the deepest frame of ``exc`` inside ``path`` (or "")."""
+def user_frame(exc: BaseException, path: str) -> str:
+  """`` at file.py:LINE in FUNC``: the deepest frame of ``exc`` inside the user's file
+  ``path`` (or "" when the traceback never entered it)."""
   real = os.path.realpath(path)
   hits = [f for f in traceback.extract_tb(exc.__traceback__)
           if os.path.realpath(f.filename) == real]
@@ -136,7 +137,7 @@ def load_python_file(path: str, what: str):
     if isinstance(e, SyntaxError):
       where = f" at {path}:{e.lineno}"
     else:
-      where = _user_frames(e, path)
+      where = user_frame(e, path)
     raise ConfigError(f"{what}: {path} failed to load{where}: {type(e).__name__}: {e}; fix the "
                       f"file (run `python {path}` to see the whole traceback)") from None
   finally:

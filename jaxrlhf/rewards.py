@@ -17,7 +17,6 @@ import inspect
 import math
 import os
 import threading
-import traceback
 from typing import Callable, Optional, Sequence, Union
 
 import jax
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxrlhf import registry  # the loader of users' files (it imports config only)
 from jaxrlhf.algorithms.stats import masked_moments
 from jaxrlhf.config import ConfigError
 
@@ -339,7 +339,6 @@ def resolve_host_reward(source: str, setting: str = "reward.sources") -> HostRew
   into a checked :class:`HostReward`; raises ConfigError naming ``setting``, the file, the
   function and the fix (file not found, no such function, not callable, a signature that cannot
   take ``(responses, examples)``)."""
-  from jaxrlhf import registry  # the user-file loader (registry imports config only)
   kind, _, rest = source.partition(":")
   if kind != "host" or not rest:
     raise ConfigError(f"{setting}: {source!r} is not a host reward; write host:NAME, "
@@ -407,11 +406,7 @@ _WARNED: set[str] = set()  # sources whose first masked failure was already repo
 
 
 def _describe_exception(reward: HostReward, e: BaseException) -> str:
-  where = ""
-  if reward.path:
-    hits = [f for f in traceback.extract_tb(e.__traceback__)
-            if os.path.realpath(f.filename) == os.path.realpath(reward.path)]
-    where = f" (at {reward.path}:{hits[-1].lineno})" if hits else ""
+  where = registry.user_frame(e, reward.path) if reward.path else ""
   return f"{type(e).__name__}: {e}{where}"
 
 

@@ -114,12 +114,13 @@ def test_exceptions_and_bad_values_are_masked_and_counted_or_stop(tmp_path, caps
                            "reward/host_unscored": 2.0}
   out = capsys.readouterr().out
   assert "my_reward.py:picky: 2 of 5 responses could not be scored" in out
-  assert "ValueError: cannot parse boom (at " in out and "my_reward.py:6)" in out
+  assert "ValueError: cannot parse boom at " in out and "my_reward.py:6 in picky)" in out
   assert "reward.host_errors=raise" in out
   R.score_host(reward, ["boom"], rows[:1])
   assert capsys.readouterr().out == ""  # said once per source
-  with pytest.raises(ConfigError, match=r"picky raised ValueError: cannot parse boom .*"
-                                        r"my_reward.py:6\).*reward.host_errors=mask"):
+  with pytest.raises(ConfigError, match=r"picky raised ValueError: cannot parse boom at .*"
+                                        r"my_reward.py:6 in picky on a batch.*"
+                                        r"reward.host_errors=mask"):
     R.score_host(reward, ["ok", "boom"], rows[:2], on_error="raise")
   with pytest.raises(ConfigError, match=r"returned '1.0' \(str\) for response 0; return a float"):
     R.score_host(reward, ["str"], rows[:1], on_error="raise")
