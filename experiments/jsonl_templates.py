@@ -1,4 +1,5 @@
-"""PPO, GRPO and DPO on a user's Hugging Face model (Llama, Qwen2 or Mistral family).
+"""SFT, PPO, GRPO and DPO on a user's Hugging Face model (Llama, Qwen2 or Mistral family) and
+data (JSONL, Parquet or a datasets folder; plain text or chat messages).
 
 Templates: the architecture comes from the checkpoint at run time
 (``jaxrlhf.model.hf.resolve_hf_config``), so the model fields here are placeholders; point
@@ -7,6 +8,9 @@ them at local directories and data on the command line, e.g.::
   python -m jaxrlhf.main --experiment=grpo_jsonl \\
       --set=model.hf_path=/ckpt/qwen2-0.5b-sft --set=data.tokenizer=/ckpt/qwen2-0.5b-sft \\
       --set=data.prompts_path=prompts.jsonl --mesh=dp=-1,tp=4
+
+``grpo_math`` is GRPO with the built-in math verifier (``host:math_verify`` plus a small
+``host:math_format`` term); your own reward is ``--set=grpo.reward.sources=host:my_reward.py:fn``.
 
 The policy and the frozen reference both start from ``model.hf_path``.  PPO's reward and value
 models start from ``reward_model.hf_path`` / ``value_model.hf_path`` (a reward model with a
@@ -17,7 +21,7 @@ the policy's checkpoint.  See docs/hf.md.
 import dataclasses
 
 from jaxrlhf.config import (DataConfig, DPOConfig, ExperimentConfig, GRPOConfig, ModelConfig,
-                            PPOConfig, RewardConfig, RolloutConfig)
+                            OptimizerConfig, PPOConfig, RewardConfig, RolloutConfig, SFTConfig)
 from jaxrlhf.registry import register
 
 # Training fields for a ~1-8B model; the architecture fields are replaced from model.hf_path.
@@ -30,11 +34,20 @@ HF_DATA = DataConfig(task="jsonl", tokenizer="", max_prompt_len=256, max_respons
 def _base(name: str, stages: tuple[str, ...], description: str) -> ExperimentConfig:
   # Without these the run would train the placeholder shape from a random init, on the
   # built-in character tokenizer: refused up front instead (config.validate).
-  data_file = "data.pairs_path" if stages == ("dpo",) else "data.prompts_path"
+  data_file = {("dpo",): "data.pairs_path", ("sft",): "data.sft_path"}.get(stages,
+                                                                          "data.prompts_path")
   return ExperimentConfig(
       name=name, description=description, stages=stages, model=HF_MODEL, data=HF_DATA,
       required=("model.hf_path", "data.tokenizer", data_file),
       rollout=RolloutConfig(max_new_tokens=256, temperature=1.0))
+
+
+@register("sft_jsonl")
+def build_sft():
+  cfg = _base("sft_jsonl", ("sft",), "SFT on your HF model: --set=model.hf_path=DIR "
+              "--set=data.tokenizer=DIR --set=data.sft_path=FILE (prompt/response or messages)")
+  return dataclasses.replace(cfg, sft=SFTConfig(steps=500, batch_size=32, eval_every=100,
+                                                optim=OptimizerConfig(lr=1e-5, warmup_steps=20)))
 
 
 @register("ppo_jsonl")
@@ -52,6 +65,18 @@ def build_grpo():
   return dataclasses.replace(cfg, grpo=GRPOConfig(
       steps=500, batch_size=16, num_samples=8, num_minibatches=4,
       reward=RewardConfig(sources=("rule:exact_match",))))
+
+
+@register("grpo_math")
+def build_grpo_math():
+  cfg = build_grpo()
+  return dataclasses.replace(
+      cfg, name="grpo_math",
+      description="GRPO, math answers checked by value (host:math_verify + 0.1 x "
+      "host:math_format): --set=model.hf_path=DIR --set=data.tokenizer=DIR "
+      "--set=data.prompts_path=FILE",
+      grpo=dataclasses.replace(cfg.grpo, reward=RewardConfig(
+          sources=("host:math_verify", "host:math_format"), weights=(1.0, 0.1))))
 
 
 @register("dpo_jsonl")

@@ -180,6 +180,8 @@ BREAKING_FIELDS = frozenset({
     "data.task", "data.digits", "data.seed", "data.tokenizer", "data.prompts_path",
     "data.sft_path", "data.pairs_path", "data.max_prompt_len", "data.max_response_len",
     "data.overlong",
+    # Which rows train: renamed columns, another reader, another held-out part.
+    "data.fields", "data.format", "data.eval_split",
 })
 
 Change = tuple[str, Any, Any]  # (dotted field, saved value, current value)

@@ -183,6 +183,10 @@ class RewardConfig:
   guard_threshold: float = 0.5
   guard_action: Literal["penalty", "mask"] = "penalty"
   guard_penalty: float = -1.0
+  # A host reward that raises or returns a non-number for a response: "mask" scores it as
+  # unscorable (masked out of the update, counted in reward/host_errors and
+  # reward/host_invalid); "raise" stops the run with the function's error.
+  host_errors: Literal["mask", "raise"] = "mask"
 
 
 class _Checks:
@@ -376,6 +380,22 @@ class DataConfig:
   # them (a prompt keeps its last tokens, a response its first), "skip" drops the example;
   # truncations and skips are reported.
   overlong: Literal["error", "truncate", "skip"] = "error"
+  # How each data file is read: "auto" by its name (a .parquet file, a folder written by
+  # datasets' save_to_disk, else JSONL), or one format for all of them.
+  format: Literal["auto", "jsonl", "parquet", "hf_disk"] = "auto"
+  # Column renames applied to every row before use, "SOURCE:TARGET" pairs, e.g.
+  # ("question:prompt", "solution:answer"); other columns pass through to host rewards.
+  fields: tuple[str, ...] = ()
+  # Evaluation data per kind of file; empty: data.eval_path if set, else split off the training
+  # file by data.eval_split, else the first data.eval_size training examples (said on the
+  # console: they are not held out).
+  # SFT, PPO and GRPO evaluate greedy answers on prompts with an "answer"; RM and DPO
+  # evaluate preference pairs.
+  prompts_eval_path: str = ""
+  pairs_eval_path: str = ""
+  # > 0: this fraction of each training file (chosen by data.seed) is held out for evaluation
+  # and never trained on (at most data.eval_size examples of it are evaluated).
+  eval_split: float = 0.0
 
 
 # ---------------------------------------------------------------------- outputs and kernels
@@ -546,6 +566,7 @@ def validate(cfg: "ExperimentConfig", required: bool = True) -> "ExperimentConfi
                       f"{m.n_kv_heads}: each key/value head serves a whole group of query heads; "
                       f"pick n_kv_heads dividing n_heads")
   c.at_least(cfg.data, "data", ("max_prompt_len", "max_response_len", "eval_size"), 1)
+  _validate_data(cfg, problems)
   for name in cfg.stages:
     getattr(cfg, name).check(name, cfg, c)
   problems += sink_problems(cfg.logging.sinks)
@@ -568,6 +589,36 @@ def sink_problems(sinks) -> list[str]:
       problems.append(f"logging.sinks has {name!r} but the {module} package is not installed: "
                       f"pip install -e '.[{extra}]' (or drop {name} from logging.sinks)")
   return problems
+
+
+# The kind of held-out data each stage evaluates on: greedy answers on prompts with an
+# "answer" (exact match), or preference pairs (pair accuracy).
+EVAL_KIND = {"sft": "prompts", "rm": "pairs", "ppo": "prompts", "grpo": "prompts",
+             "dpo": "pairs"}
+
+
+def _validate_data(cfg: "ExperimentConfig", problems: list) -> None:
+  d = cfg.data
+  targets = []
+  for item in d.fields:
+    src, sep, dst = item.partition(":")
+    if not sep or not src.strip() or not dst.strip() or ":" in dst:
+      problems.append(f"data.fields: {item!r} is not SOURCE:TARGET; write e.g. "
+                      f"data.fields=question:prompt,solution:answer")
+    else:
+      targets.append(dst.strip())
+  for dup in sorted({t for t in targets if targets.count(t) > 1}):
+    problems.append(f"data.fields: two columns are renamed to {dup!r}; keep one")
+  if not (math.isfinite(d.eval_split) and 0.0 <= d.eval_split < 1.0):
+    problems.append(f"data.eval_split={d.eval_split!r}: must be in [0, 1) (e.g. 0.05 holds out "
+                    f"5% of each training file; 0 turns it off)")
+  kinds = sorted({EVAL_KIND[s] for s in cfg.stages})
+  if d.task == "jsonl" and d.eval_path and len(kinds) > 1:
+    problems.append(f"data.eval_path={d.eval_path!r} serves every stage, but the stages "
+                    f"({', '.join(cfg.stages)}) read different kinds of data ({', '.join(kinds)}); "
+                    f"give each its own: " + " ".join(f"--set=data.{k}_eval_path=FILE"
+                                                      for k in kinds)
+                    + " (or --set=data.eval_split=0.05 to hold out part of each training file)")
 
 
 # ------------------------------------------------------------------------------- overrides
@@ -715,3 +766,70 @@ def diff(a, b, prefix: str = "") -> list[tuple[str, object, object]]:
     elif va != vb:
       out.append((prefix + f.name, va, vb))
   return out
+
+
+def _from_json(tp, value, where: str, path: str):
+  """``value`` (parsed JSON) as type ``tp``, checked; errors name the file and dotted key."""
+  def bad(expected):
+    raise ConfigError(f"{path}: {where} is {json.dumps(value)[:60]}, not {expected}; fix the "
+                      f"file (python -m jaxrlhf.main --print_config writes a valid one)")
+  origin, args = typing.get_origin(tp), typing.get_args(tp)
+  if origin is typing.Union:  # Optional[X]
+    if value is None:
+      return None
+    return _from_json([a for a in args if a is not type(None)][0], value, where, path)
+  cls = _dataclass_of(tp)
+  if cls is not None:
+    if not isinstance(value, dict):
+      bad("a JSON object (a config section)")
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in value if k not in hints]
+    if unknown:
+      raise ConfigError(f"{path}: unknown config field {where + '.' if where else ''}"
+                        f"{unknown[0]}; valid fields here: {', '.join(names)}")
+    return cls(**{k: _from_json(hints[k], v, f"{where}.{k}" if where else k, path)
+                  for k, v in value.items()})
+  if origin is Literal:
+    if value not in args:
+      bad(_type_name(tp))
+    return value
+  if origin is tuple:
+    if not isinstance(value, list):
+      bad(_type_name(tp) + " (a JSON list)")
+    return tuple(_from_json(args[0], v, f"{where}[{i}]", path) for i, v in enumerate(value))
+  if tp is bool:
+    if not isinstance(value, bool):
+      bad("true or false")
+    return value
+  if tp is int:
+    if isinstance(value, bool) or not (isinstance(value, int) or
+                                       (isinstance(value, float) and value.is_integer())):
+      bad("an int")
+    return int(value)
+  if tp is float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      bad("a number")
+    return float(value)
+  if tp is str:
+    if not isinstance(value, str):
+      bad("a string")
+    return value
+  bad(_type_name(tp))
+
+
+def load_config_file(path: str) -> ExperimentConfig:
+  """``--config=run.json``: a config written by ``--print_config`` (or saved with a run) read
+  back and checked field by field; missing fields keep their defaults."""
+  try:
+    with open(path) as f:
+      text = f.read()
+  except OSError as e:
+    raise ConfigError(f"--config={path}: cannot be read ({e.strerror}); give the path of a JSON "
+                      f"file written by --print_config") from None
+  try:
+    data = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"--config={path}:{e.lineno}: not valid JSON ({e.msg}); write the file "
+                      f"with python -m jaxrlhf.main --experiment=NAME --print_config > {path}") from None
+  return _from_json(ExperimentConfig, data, "", path)

@@ -1,4 +1,5 @@
-"""Entry point: ``python -m jaxrlhf.main --experiment=NAME [--set=a.b=v ...]``.
+"""Entry point: ``python -m jaxrlhf.main --experiment=NAME|path/to/exp.py [--set=a.b=v ...]``
+(or ``--config=run.json``, a config ``--print_config`` wrote).
 
 Flags -> experiment config -> train (default), or ``--plan`` (size the run for a cluster).
 Configuration mistakes print one line naming the valid choices and exit with status 2.
@@ -15,14 +16,18 @@ from absl import app, flags
 
 from jaxrlhf import registry
 from jaxrlhf.config import (STAGE_NAMES, ConfigError, ExperimentConfig, apply_overrides,
-                            to_json, validate)
+                            load_config_file, to_json, validate)
 from jaxrlhf.metrics import SinkError
 
 DEFAULT_EXPERIMENT = "tiny_ppo"
 
 _EXPERIMENT = flags.DEFINE_string(
     "experiment", DEFAULT_EXPERIMENT,
-    "Experiment to run (experiments/NAME.py). One of: " + ", ".join(registry.names()))
+    "Experiment to run (experiments/NAME.py), or your own file path/to/my_experiment.py that "
+    "registers one. One of: " + ", ".join(registry.names()))
+_CONFIG = flags.DEFINE_string(
+    "config", None, "Read the whole config from a JSON file (what --print_config writes, or a "
+    "run's saved config); --set and the other flags apply on top. Replaces --experiment.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: runs/EXPERIMENT).")
 _STEPS = flags.DEFINE_integer("steps", None, "Cap the steps of every stage (smoke runs).")
 _SET = flags.DEFINE_multi_string(
@@ -91,12 +96,14 @@ def flag_overrides(values: dict) -> list[str]:
 
 
 def resolve_config(experiment: str, overrides, flag_values: Optional[dict] = None,
-                   steps=None, required: bool = True) -> ExperimentConfig:
-  """The experiment's config with ``--set`` overrides, then the flags' fields
+                   steps=None, required: bool = True, config_file=None) -> ExperimentConfig:
+  """The experiment's config (a registered name, a user's .py file, or ``config_file``: JSON
+  from --print_config) with ``--set`` overrides, then the flags' fields
   (:func:`flag_overrides`), and ``--steps`` capping every stage, checked (config.validate;
   ``required=False`` lets a template's config print without your model and data); raises
   ConfigError."""
-  cfg = registry.get(experiment or DEFAULT_EXPERIMENT)
+  cfg = (load_config_file(config_file) if config_file
+         else registry.resolve(experiment or DEFAULT_EXPERIMENT))
   cfg = apply_overrides(cfg, list(overrides) + flag_overrides(flag_values or {}))
   if steps is not None:
     if steps <= 0:
@@ -114,9 +121,12 @@ def _run(argv) -> int:
     for name in registry.names():
       print(f"{name:12s} {registry.get(name).description}")
     return 0
+  if _CONFIG.value and flags.FLAGS["experiment"].present:
+    raise ConfigError(f"--config={_CONFIG.value} holds the whole experiment; drop "
+                      f"--experiment={_EXPERIMENT.value} (change fields with --set)")
   flag_values = {name: flags.FLAGS[name].value for name in (*FLAG_FIELDS, "mesh")}
   cfg = resolve_config(_EXPERIMENT.value, _SET.value, flag_values, _STEPS.value,
-                       required=not _PRINT_CONFIG.value)
+                       required=not _PRINT_CONFIG.value, config_file=_CONFIG.value)
   if _PRINT_CONFIG.value:
     print(to_json(cfg))
     return 0

@@ -1,5 +1,6 @@
 """Config overrides and the command line: valid changes apply, mistakes exit 2 in one line."""
 
+import json
 import subprocess
 import sys
 
@@ -133,3 +134,76 @@ def test_cli_print_config_and_list():
   assert res.returncode == 0 and "ppo70b" in res.stdout
   res = _main("--help")
   assert res.returncode == 0 and "--experiment" in res.stdout and "ppo70b" in res.stdout
+
+
+def test_experiments_from_a_users_file(tmp_path):
+  from jaxrlhf.main import resolve_config
+  one = tmp_path / "my_experiment.py"
+  one.write_text(
+      "import dataclasses\n"
+      "from jaxrlhf import registry\n"
+      "@registry.register('byo_one')\n"
+      "def build():\n"
+      "  return dataclasses.replace(registry.get('tiny_grpo'), description='mine', seed=5)\n")
+  cfg = resolve_config(str(one), ["grpo.steps=3"])
+  assert (cfg.name, cfg.seed, cfg.description, cfg.grpo.steps) == ("byo_one", 5, "mine", 3)
+  assert resolve_config(str(one), []).name == "byo_one"  # a second use loads it once
+  res = _main(f"--experiment={one}", "--set=grpo.steps=4", "--print_config")
+  assert res.returncode == 0, res.stderr
+  assert json.loads(res.stdout)["name"] == "byo_one" and json.loads(res.stdout)["seed"] == 5
+  two = tmp_path / "two.py"
+  two.write_text("from jaxrlhf import registry\n"
+                 "registry.register('byo_a')(lambda: registry.get('tiny_ppo'))\n"
+                 "registry.register('byo_b')(lambda: registry.get('tiny_dpo'))\n")
+  with pytest.raises(ConfigError, match=r"registers 2 experiments \(byo_a, byo_b\); pick one "
+                                        r"with --experiment=.*two.py:NAME"):
+    resolve_config(str(two), [])
+  assert resolve_config(f"{two}:byo_b", []).stages == registry.get("tiny_dpo").stages
+  empty = tmp_path / "empty.py"
+  empty.write_text("x = 1\n")
+  with pytest.raises(ConfigError, match=r"empty.py: the file registers no experiment; decorate"):
+    resolve_config(str(empty), [])
+  with pytest.raises(ConfigError, match=r"--experiment: .*nope.py: file not found"):
+    resolve_config(str(tmp_path / "nope.py"), [])
+  clash = tmp_path / "clash.py"
+  clash.write_text("from jaxrlhf import registry\n"
+                   "registry.register('tiny_ppo')(lambda: None)\n")
+  with pytest.raises(ConfigError, match=r"clash.py failed to load at .*clash.py:2 in <module>: "
+                                        r"ValueError: experiment 'tiny_ppo' is registered twice"):
+    resolve_config(str(clash), [])
+
+
+def test_config_file_reads_print_config_back_with_set_on_top(tmp_path):
+  res = _main("--experiment=tiny_grpo", "--set=grpo.kl.coef=0.02", "--print_config")
+  assert res.returncode == 0, res.stderr
+  path = tmp_path / "run.json"
+  path.write_text(res.stdout)
+  again = _main(f"--config={path}", "--set=grpo.steps=7", "--steps=5", "--print_config")
+  assert again.returncode == 0, again.stderr
+  want = json.loads(res.stdout)
+  for stage in ("sft", "rm", "ppo", "grpo", "dpo"):  # --steps caps every stage
+    want[stage]["steps"] = min(want[stage]["steps"], 5)
+  assert json.loads(again.stdout) == want
+  both = _main(f"--config={path}", "--experiment=tiny_ppo", "--print_config")
+  assert both.returncode == 2 and "holds the whole experiment; drop --experiment" in both.stderr
+
+
+def test_config_files_are_checked_field_by_field(tmp_path):
+  from jaxrlhf.config import load_config_file, to_dict
+  good = to_dict(registry.get("tiny_grpo"))
+  path = tmp_path / "run.json"
+  for change, message in [
+      (lambda d: d["grpo"].update(kl_coef=1), r"unknown config field grpo.kl_coef; valid"),
+      (lambda d: d["grpo"]["kl"].update(estimator="k9"), r"grpo.kl.estimator is \"k9\", not one "
+                                                         r"of 'k1', 'k2', 'k3'"),
+      (lambda d: d["grpo"].update(steps="10"), r"grpo.steps is \"10\", not an int"),
+      (lambda d: d["logging"].update(console_keys="loss"), r"logging.console_keys is \"loss\""),
+  ]:
+    data = json.loads(json.dumps(good))
+    change(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=message):
+      load_config_file(str(path))
+  path.write_text("{\n  \"name\": 1,,\n}")
+  with pytest.raises(ConfigError, match=r"--config=.*run.json:2: not valid JSON"):
+    load_config_file(str(path))

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import mesh
 from jaxrlhf import rewards as R
+from jaxrlhf.config import ConfigError
 
 RNG = np.random.default_rng(1)
 
@@ -180,10 +181,11 @@ def test_has_eos():
 
 
 def test_host_rewards_registry_and_checks():
-  assert R.HOST_RULES["exact_match"]([" 42\n", "41", "x"], ["42", "42", "y"]) == [1.0, 0.0, 0.0]
+  rows = [{"answer": "42"}, {"answer": "42"}, {"answer": "y"}]
+  assert R.HOST_RULES["exact_match"]([" 42\n", "41", "x"], rows) == [1.0, 0.0, 0.0]
 
   @R.register_host_reward("test_length")
-  def _length(responses, answers):
+  def _length(responses, examples):
     return [None if r == "?" else len(r) for r in responses]
 
   try:
@@ -197,13 +199,17 @@ def test_host_rewards_registry_and_checks():
     R.get_host_reward("nope")
   with pytest.raises(ValueError, match="registered rules"):
     R.get_rule("nope")
+  with pytest.raises(ConfigError, match=r"no host reward 'nope' is registered .*"
+                                        r"host:path/to/file.py:function"):
+    R.resolve_host_reward("host:nope")
 
   @R.register_host_reward("test_short")
-  def _short(responses, answers):
+  def _short(responses, examples):
     return [1.0]
 
   try:
-    with pytest.raises(ValueError, match="one float per response"):
+    # One score for two responses is a bug, never broadcast.
+    with pytest.raises(ConfigError, match="returned 1 score.s. for 2 responses; return one float"):
       R.run_host_reward("test_short", ["a", "b"], ["a", "b"])
   finally:
     del R.HOST_RULES["test_short"]

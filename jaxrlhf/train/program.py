@@ -127,15 +127,16 @@ class PhasedProgram:
     host = batch.get("host")
     batch = {k: v for k, v in batch.items() if k != "host"}  # the device arrays only
     carry = StepCarry(state=state)
+    host_metrics: dict = {}
     for label, _ in self.parts:
       if label == HOST:
         with timer.phase(HOST):
-          carry = carry.replace(
-              host_score_B=jnp.asarray(self.host_fn(jax.device_get(carry.rollout), host)))
+          scores, host_metrics = self.host_fn(jax.device_get(carry.rollout), host)
+          carry = carry.replace(host_score_B=jnp.asarray(scores))
         continue
       name = label if self.timed else self.LABELS.get(label, label)
       carry = timer.run(name, self.jitted[label], frozen, batch, carry)
-    return carry.state, {**carry.metrics, **timer.end_step()}
+    return carry.state, {**carry.metrics, **host_metrics, **timer.end_step()}
 
   def programs(self):
     """``(label, jitted fn)`` of each device program, in order (for the planner)."""

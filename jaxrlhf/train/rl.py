@@ -43,12 +43,14 @@ def rl_validate(cfg, name: str, data) -> None:
   r = getattr(cfg, name).reward
   for src in r.sources:
     kind, _, fname = src.partition(":")
-    table = {"rule": RW.RULES, "host": RW.HOST_RULES}.get(kind)
-    if not (src == "model" or (table is not None and fname in table)):
+    if kind == "host":
+      RW.resolve_host_reward(src, f"{name}.reward.sources")  # the file, the function, the fix
+    elif not (src == "model" or (kind == "rule" and fname in RW.RULES)):
       raise ConfigError(
           f"{name}.reward.sources: {src!r} is not a reward source; use 'model', "
-          f"'rule:NAME' ({', '.join(sorted(RW.RULES))}) or 'host:NAME' "
-          f"({', '.join(sorted(RW.HOST_RULES))})")
+          f"'rule:NAME' ({', '.join(sorted(RW.RULES))}), 'host:NAME' "
+          f"({', '.join(sorted(RW.HOST_RULES))}), 'host:path/to/file.py:function' or "
+          f"'host:package.module:function'")
   data.check_answers(r.sources, f"{name}.reward.sources", r.weights)
 
 
@@ -66,7 +68,8 @@ class RLStage(Stage):
     for src, w in zip(rcfg.sources, rcfg.weights):
       kind, _, fname = src.partition(":")
       if kind == "host":
-        self.host_sources.append((fname, w))
+        # Resolved once (a user's file is imported here); rl_validate has checked it.
+        self.host_sources.append((RW.resolve_host_reward(src, f"{self.name}.reward.sources"), w))
       else:
         self.device_sources.append((kind, fname or None, w))
 
@@ -124,14 +127,20 @@ class RLStage(Stage):
     return program.PhasedProgram(self, self.phases(), state, timed=self.cfg.logging.phase_timing,
                                  host_fn=self.host_scores if self.host_sources else None)
 
-  def host_scores(self, rollout, host: HostInputs) -> np.ndarray:
-    """The host reward functions on the decoded responses (the split point of the step):
-    their weighted sum, float32 ``[B]``, NaN where a function could not score."""
-    examples = host.examples
+  def host_scores(self, rollout, host: HostInputs) -> tuple[np.ndarray, dict]:
+    """The host reward functions on the decoded responses (the split point of the step): the
+    weighted scores, float32 ``[B]`` (NaN where a function failed: masked), and the failure
+    counts.  Each function gets every field of the examples behind the batch's prompts."""
+    examples = [ex.record() for ex in host.examples]
     tokens = np.asarray(rollout.tokens_BT)[:, self.P:]
     responses = [self.tok.decode(t) for t in tokens]
-    answers = [ex.answer for ex in examples for _ in range(self.n)]
     total = np.zeros(len(responses), np.float32)
-    for name, w in self.host_sources:
-      total += w * RW.run_host_reward(name, responses, answers)
-    return total
+    metrics: dict = {}
+    for reward, w in self.host_sources:
+      if w == 0:  # switched off: its NaN must not poison the sum (0 * NaN = NaN)
+        continue
+      got = RW.score_host(reward, responses, examples, self.n, self.scfg.reward.host_errors)
+      total += np.float32(w) * got.scores
+      for k, v in got.metrics().items():
+        metrics[k] = metrics.get(k, 0.0) + v
+    return total, metrics

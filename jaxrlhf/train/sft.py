@@ -66,7 +66,8 @@ def validate(cfg, data) -> None:
     examples = data.eval_examples("prompts")
     missing = sum(1 for ex in examples if not ex.answer)
     if missing:
-      source = data.cfg.eval_path or data.cfg.prompts_path
+      field, _ = data.eval_source("prompts")
+      source = getattr(data.cfg, field)
       raise ConfigError(
           f"sft.stop_accuracy={stop} stops at a held-out exact match, but {missing} of the "
           f"{len(examples)} evaluation prompts in {source} have no \"answer\"; add answers "

@@ -1,0 +1,127 @@
+"""End to end on the command line, as a user outside the repository would run it: a local
+HF checkpoint whose tokenizer has a chat template, a Parquet file of chat prompts with answers
+and extra fields, and the user's own reward function in my_reward.py; then DPO on chat pairs.
+Each run is a few steps on one CPU device."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from byo_helpers import chat_tokenizer, write_jsonl, write_parquet
+from helpers import mesh
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+REWARD = textwrap.dedent("""
+    import json, os
+
+    def score(responses, examples):
+      with open(os.path.join(os.path.dirname(__file__), "calls.jsonl"), "a") as f:
+        f.write(json.dumps({"responses": responses, "examples": examples}) + "\\n")
+      if any(e["level"] == 2 for e in examples):
+        raise ValueError("level 2 is not supported yet")  # masked and counted, not fatal
+      return [float(r.strip() == e["answer"]) + 0.01 * e["level"]
+              for r, e in zip(responses, examples)]
+    """)
+
+SMALL = ["--steps=2", "--set=data.max_prompt_len=24", "--set=data.max_response_len=8",
+         "--set=rollout.max_new_tokens=8", "--set=model.compute_dtype=float32",
+         "--set=model.remat=none", "--set=logging.tensorboard=false",
+         "--set=checkpoint.enabled=false"]
+
+
+def _main(cwd, *args):
+  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  p = subprocess.run([sys.executable, "-m", "jaxrlhf.main", *args], capture_output=True,
+                     text=True, cwd=cwd, env=env, timeout=300)
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  print(p.stdout)  # shown by pytest when a later check fails
+  return p.stdout
+
+
+def _export_and_reload(work, model, stage):
+  """The stage's trained policy exported as a HF folder; its config and tokenizer read back
+  with transformers."""
+  import transformers
+  from jaxrlhf import checkpoint as C
+  from jaxrlhf import model as M
+  from jaxrlhf.model import hf
+  cfg = hf.config_from_hf(model)
+  m = mesh()
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          M.abstract_params(cfg), M.param_shardings(cfg, m))
+  trained = C.load_stage_result(work, stage, {"policy": abstract})["policy"]
+  out = hf.export_hf(trained, cfg, os.path.join(os.path.dirname(work), "exported"),
+                     tokenizer_path=model)
+  config = transformers.AutoConfig.from_pretrained(out, local_files_only=True)
+  tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+  assert config.vocab_size == 100 and config.num_hidden_layers == 2
+  rendered = tok.apply_chat_template([{"role": "user", "content": "1+1="}], tokenize=False,
+                                     add_generation_prompt=True)
+  assert rendered == "<s>U:1+1=\nA:"
+  start = hf.load_hf(model, cfg, m)
+  assert not np.allclose(np.asarray(trained["embed"]), np.asarray(start["embed"]))  # it trained
+
+
+def test_grpo_on_chat_parquet_with_the_users_reward(tmp_path):
+  model = chat_tokenizer(tmp_path / "model", with_model=True)
+  rows = [{"question": [{"role": "user", "content": f"{a}+{b}="}], "solution": str(a + b),
+           "level": a % 3} for a in range(4) for b in range(4)]
+  write_parquet(tmp_path / "prompts.parquet", rows)
+  (tmp_path / "my_reward.py").write_text(REWARD)
+  out = _main(str(tmp_path), "--experiment=grpo_jsonl", f"--workdir={tmp_path / 'work'}",
+              f"--set=model.hf_path={model}", f"--set=data.tokenizer={model}",
+              "--set=data.prompts_path=prompts.parquet",
+              "--set=data.fields=question:prompt,solution:answer", "--set=data.eval_split=0.25",
+              "--set=grpo.reward.sources=host:my_reward.py:score,host:math_verify,"
+              "host:math_format", "--set=grpo.reward.weights=1,1,0.1", "--set=grpo.batch_size=4",
+              "--set=grpo.num_samples=2", "--set=grpo.num_minibatches=1", *SMALL)
+  assert "4 examples held out of data.prompts_path=prompts.parquet by data.eval_split=0.25" in out
+  calls = [json.loads(l) for l in open(tmp_path / "calls.jsonl")]
+  batches = [c for c in calls if len(c["responses"]) > 1]
+  assert len(batches) == 2  # one call per step (then one per response where it raised)
+  for call in batches:
+    assert len(call["responses"]) == len(call["examples"]) == 8
+    ex = call["examples"][0]
+    # Every field of the row, renamed by data.fields, once per sample of its prompt.
+    assert set(ex) == {"prompt", "answer", "level"} and ex == call["examples"][1]
+    assert ex["prompt"][0]["role"] == "user" and ex["answer"] == str(eval(ex["prompt"][0]
+                                                                          ["content"][:-1]))
+  # The responses whose scoring raised were masked and counted, step by step.
+  records = [json.loads(l) for l in open(tmp_path / "work" / "metrics.jsonl")]
+  steps = [r for r in records if "reward/host_errors" in r]
+  raised = [sum(e["level"] == 2 for e in c["examples"]) for c in batches]
+  assert [r["reward/host_errors"] for r in steps] == raised and sum(raised) > 0
+  assert all(np.isfinite(r["loss"]) for r in steps)
+  assert "my_reward.py:score: " in out and "ValueError: level 2 is not supported yet" in out
+  _export_and_reload(str(tmp_path / "work"), model, "grpo")
+  # The run's saved config reads back as --config, the host source and renames included.
+  saved = tmp_path / "work" / "config.json"
+  again = json.loads(_main(str(tmp_path), f"--config={saved}", "--print_config"))
+  assert again == json.loads(saved.read_text())
+  assert again["grpo"]["reward"]["sources"] == ["host:my_reward.py:score", "host:math_verify",
+                                                "host:math_format"]
+
+
+def test_dpo_on_chat_pairs(tmp_path):
+  model = chat_tokenizer(tmp_path / "model", with_model=True)
+  pairs = []
+  for a in range(6):
+    user = [{"role": "system", "content": "add"}, {"role": "user", "content": f"{a}+1="}]
+    pairs.append({"chosen": user + [{"role": "assistant", "content": str(a + 1)}],
+                  "rejected": user + [{"role": "assistant", "content": str(a + 2)}]})
+  write_jsonl(tmp_path / "pairs.jsonl", pairs[:4])
+  write_jsonl(tmp_path / "held.jsonl", pairs[4:])
+  out = _main(str(tmp_path), "--experiment=dpo_jsonl", f"--workdir={tmp_path / 'work'}",
+              f"--set=model.hf_path={model}", f"--set=data.tokenizer={model}",
+              "--set=data.pairs_path=pairs.jsonl", "--set=data.pairs_eval_path=held.jsonl",
+              "--set=dpo.batch_size=4", "--set=dpo.optim.lr=0.01", *SMALL)
+  assert "evaluation (pair accuracy, pairs): 2 held-out examples from data.pairs_eval_path" in out
+  _export_and_reload(str(tmp_path / "work"), model, "dpo")

@@ -1,0 +1,154 @@
+"""Host rewards from the user's own files and modules, their failure handling, and the
+built-in math verifier, on real-looking strings."""
+
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from jaxrlhf import rewards as R
+from jaxrlhf.config import ConfigError
+
+
+def _file(tmp_path, body, name="my_reward.py"):
+  path = tmp_path / name
+  path.write_text(textwrap.dedent(body))
+  return str(path)
+
+
+ROWS = [{"prompt": "2+2=", "answer": "4", "tests": ["assert f() == 4"], "meta": {"id": 7}},
+        {"prompt": "3+3=", "answer": "6", "tests": [], "meta": {"id": 8}}]
+
+
+def test_a_function_from_a_file_gets_every_field_of_each_example(tmp_path):
+  path = _file(tmp_path, """
+      SEEN = []
+      def score(responses, examples):
+        SEEN.append((list(responses), [dict(e) for e in examples]))
+        return [float(r.strip() == e["answer"]) + 0.1 * len(e["tests"])
+                for r, e in zip(responses, examples)]
+      """)
+  reward = R.resolve_host_reward(f"host:{path}:score")
+  assert reward.where == f"{path}:score"
+  got = R.score_host(reward, ["4", "5", "6", " 6 "], ROWS, num_samples=2)
+  np.testing.assert_allclose(got.scores, [1.1, 0.1, 1.0, 1.0], rtol=1e-6)
+  assert got.scores.dtype == np.float32 and (got.errors, got.invalid) == (0, 0)
+  module = sys.modules[reward.fn.__module__]
+  responses, examples = module.SEEN[-1]
+  # Each prompt's example once per sample, with every field of its row.
+  assert responses == ["4", "5", "6", " 6 "]
+  assert [e["meta"]["id"] for e in examples] == [7, 7, 8, 8]
+  assert examples[0]["tests"] == ["assert f() == 4"] and examples[2]["prompt"] == "3+3="
+  # The same file is loaded once, whichever source names it.
+  assert R.resolve_host_reward(f"host:{path}:score").fn is reward.fn
+  # The user's function reads what it wants: no answer check for it.
+  assert not R.reads_answer(f"host:{path}:score") and R.reads_answer("host:math_verify")
+
+
+def test_a_function_from_a_module(tmp_path, monkeypatch):
+  _file(tmp_path, "def length(responses, examples):\n  return [len(r) for r in responses]\n",
+        "byo_reward_mod.py")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  reward = R.resolve_host_reward("host:byo_reward_mod:length")
+  np.testing.assert_array_equal(R.score_host(reward, ["ab", "c"], ROWS).scores, [2, 1])
+  _file(tmp_path, "import numpy as np\n"
+                  "def passed(responses, examples):\n"
+                  "  return np.array([r == e['answer'] for r, e in zip(responses, examples)])\n",
+        "byo_reward_bool.py")
+  passed = R.resolve_host_reward("host:byo_reward_bool:passed")
+  np.testing.assert_array_equal(R.score_host(passed, ["4", "5"], ROWS).scores, [1.0, 0.0])
+  with pytest.raises(ConfigError, match=r"no module named 'no_such_pkg'; install the package"):
+    R.resolve_host_reward("host:no_such_pkg.mod:f")
+
+
+@pytest.mark.parametrize("body, source, message", [
+    (None, "host:{dir}/missing.py:f", r"missing.py: file not found"),
+    ("def f(responses, examples):\n  return []\n", "host:{path}:g",
+     r"my_reward.py defines no 'g' \(its functions: f\); define fn\(responses"),
+    ("f = 3\n", "host:{path}:f", r"my_reward.py:f is a int, not a function"),
+    ("def f(responses):\n  return []\n", "host:{path}:f",
+     r"my_reward.py:f\(responses\) cannot be called with \(responses, examples\)"),
+    ("import no_such_module_here\n", "host:{path}:f",
+     r"my_reward.py failed to load at .*my_reward.py:1 in <module>: ModuleNotFoundError"),
+    ("def f(responses, examples)\n  return []\n", "host:{path}:f",
+     r"my_reward.py failed to load at .*my_reward.py:1: SyntaxError"),
+])
+def test_bad_reward_files_name_the_file_the_function_and_the_fix(tmp_path, body, source, message):
+  path = _file(tmp_path, body) if body else ""
+  src = source.format(dir=tmp_path, path=path)
+  with pytest.raises(ConfigError, match=message) as info:
+    R.resolve_host_reward(src, "grpo.reward.sources")
+  assert str(info.value).startswith("grpo.reward.sources: ")
+
+
+def test_wrong_lengths_and_types_stop_with_the_function_named(tmp_path):
+  path = _file(tmp_path, """
+      def one(responses, examples):
+        return [1.0]
+      def scalar(responses, examples):
+        return 1.0
+      """)
+  with pytest.raises(ConfigError, match=r"my_reward.py:one returned 1 score\(s\) for 2 responses"):
+    R.score_host(R.resolve_host_reward(f"host:{path}:one"), ["a", "b"], ROWS[:2])
+  with pytest.raises(ConfigError, match=r"my_reward.py:scalar returned float .*returns a list"):
+    R.score_host(R.resolve_host_reward(f"host:{path}:scalar"), ["a", "b"], ROWS[:2])
+
+
+def test_exceptions_and_bad_values_are_masked_and_counted_or_stop(tmp_path, capsys):
+  path = _file(tmp_path, """
+      def picky(responses, examples):
+        out = []
+        for r in responses:
+          if r == "boom":
+            raise ValueError("cannot parse " + r)
+          out.append({"ok": 1.0, "str": "1.0", "none": None, "nan": float("nan")}[r])
+        return out
+      """)
+  reward = R.resolve_host_reward(f"host:{path}:picky")
+  rows = [{"answer": ""}] * 5
+  got = R.score_host(reward, ["ok", "boom", "str", "none", "nan"], rows)
+  np.testing.assert_array_equal(got.scores, [1.0, np.nan, np.nan, np.nan, np.nan])
+  assert (got.errors, got.invalid, got.unscored) == (1, 1, 2)
+  assert got.metrics() == {"reward/host_errors": 1.0, "reward/host_invalid": 1.0,
+                           "reward/host_unscored": 2.0}
+  out = capsys.readouterr().out
+  assert "my_reward.py:picky: 2 of 5 responses could not be scored" in out
+  assert "ValueError: cannot parse boom at " in out and "my_reward.py:6 in picky)" in out
+  assert "reward.host_errors=raise" in out
+  R.score_host(reward, ["boom"], rows[:1])
+  assert capsys.readouterr().out == ""  # said once per source
+  with pytest.raises(ConfigError, match=r"picky raised ValueError: cannot parse boom at .*"
+                                        r"my_reward.py:6 in picky on a batch.*"
+                                        r"reward.host_errors=mask"):
+    R.score_host(reward, ["ok", "boom"], rows[:2], on_error="raise")
+  with pytest.raises(ConfigError, match=r"returned '1.0' \(str\) for response 0; return a float"):
+    R.score_host(reward, ["str"], rows[:1], on_error="raise")
+
+
+@pytest.mark.parametrize("response, answer, want", [
+    (r"So the probability is $\boxed{\frac{1}{2}}$.", "0.5", 1.0),
+    (r"The answer is \boxed{0.5}", r"\frac{1}{2}", 1.0),
+    (r"Each side is $\boxed{5\text{ cm}}$ long.", "5", 1.0),
+    ("She has 42 apples left. Hope this helps!", "42", 1.0),
+    (r"First 3+4=7, then doubling: \boxed{14}. Let me double-check... yes, 14.", "14", 1.0),
+    (r"$\boxed{12}$ dollars in total", "12", 1.0),
+    (r"The answer is \boxed{\frac{1}{3}}", "0.5", 0.0),
+    ("I think it is 41.", "42", 0.0),
+    ("I don't know.", "42", 0.0),
+    (r"\boxed{2\sqrt{2}}", r"\sqrt{8}", 1.0),
+])
+def test_math_verify_compares_final_answers_by_value(response, answer, want):
+  assert R.HOST_RULES["math_verify"]([response], [{"answer": answer}]) == [want]
+
+
+def test_math_verify_masks_unparsable_references_and_the_format_reward():
+  got = R.score_host(R.resolve_host_reward("host:math_verify"), ["4", "4"],
+                     [{"answer": "4"}, {"answer": "??"}])
+  np.testing.assert_array_equal(got.scores, [1.0, np.nan])
+  assert got.unscored == 1
+  fmt = R.HOST_RULES["math_format"]
+  assert fmt([r"so \boxed{\frac{1}{2}}", r"\boxed{1} or \boxed{2}", "1/2", r"\boxed{}",
+              r"\boxed{x"], [{}] * 5) == [1.0, 0.0, 0.0, 0.0, 0.0]
+  assert R.boxed_answers(r"a \boxed{\frac{1}{2}} b \boxed {3}") == [r"\frac{1}{2}", "3"]
+  assert not R.reads_answer("host:math_format")
