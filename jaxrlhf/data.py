@@ -395,7 +395,7 @@ def _to_example(obj: dict, kind: str, where: str, line: int) -> Example:
   extra = {k: v for k, v in obj.items()
            if k not in ("prompt", "answer", "response", "chosen", "rejected", "messages")}
   fields = {}
-  if kind == "sft" and "messages" in obj and "prompt" not in obj:
+  if kind == "sft" and "messages" in obj and "prompt" not in obj:  # not a stage name
     msgs = _messages(obj["messages"], where, "messages")
     if msgs is None:
       raise ConfigError(f"{where}: \"messages\" must be a list of chat messages "
