@@ -206,6 +206,96 @@ def test_dispatcher_errors_name_the_choices():
                     mask, interpret=True)
 
 
+def _attention_loop(q, k, v, kv_mask, q_offset, scale, window, softcap):
+  """Sliding-window, soft-capped GQA attention one query at a time in numpy (float64)."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  b, t, h, d = q.shape
+  g = h // k.shape[2]
+  out = np.zeros_like(q)
+  for bi in range(b):
+    for ti in range(t):
+      slot = q_offset + ti
+      keys = [s for s in range(k.shape[1]) if kv_mask[bi, s] and slot - window < s <= slot]
+      for hi in range(h):
+        if not keys:
+          continue
+        z = np.array([q[bi, ti, hi] @ k[bi, s, hi // g] for s in keys]) * scale
+        z = softcap * np.tanh(z / softcap)
+        p = np.exp(z - z.max())
+        out[bi, ti, hi] = (p / p.sum()) @ v[bi, keys, hi // g]
+  return out
+
+
+@pytest.mark.parametrize("t,q_offset", [(9, 0), (1, 7), (3, 5)])
+def test_sliding_window_and_softcap_reference_is_the_definition(t, q_offset):
+  """Prefill (T=9 over its own slots) and decode (1 or 3 new tokens over a cache): a query
+  sees the last ``window`` valid slots up to itself; scores are capped before the softmax.
+  The window may be traced (one scanned layer stack holds sliding and full layers)."""
+  s = q_offset + t
+  q, k, v, kv_mask, seen, _ = _attention_case(jax.random.key(7), 2, t, s, 4, 2, 8, q_offset,
+                                              jnp.float32)
+  q = q * 3.0  # scores well past the cap
+  want = _attention_loop(q, k, v, np.asarray(kv_mask), q_offset, 0.3, 3, 2.0)
+  run = jax.jit(lambda q, k, v, w: attention(q, k, v, kv_mask, q_offset, impl="xla", scale=0.3,
+                                             window=w, softcap=2.0))
+  got = run(q, k, v, 3)
+  ok = np.asarray(seen)
+  np.testing.assert_allclose(np.asarray(got)[ok], want[ok], atol=1e-5)
+  head_major = lambda x: x.transpose(0, 2, 1, 3)
+  got = attention(q, head_major(k), head_major(v), kv_mask, q_offset, impl="xla", scale=0.3,
+                  window=3, softcap=2.0, kv_layout="bksd")
+  np.testing.assert_allclose(np.asarray(got)[ok], want[ok], atol=1e-5)
+  # A window longer than every sequence is plain causal attention.
+  np.testing.assert_allclose(run(q, k, v, 2 ** 30), attention(
+      q, k, v, kv_mask, q_offset, impl="xla", scale=0.3, softcap=2.0), atol=1e-6)
+
+
+def test_window_and_softcap_on_kernels_without_them(monkeypatch):
+  """An explicit Pallas choice is refused by name; "auto" runs the XLA path, even on a
+  backend whose "auto" is Pallas."""
+  q, k, v, kv_mask, _, _ = _attention_case(jax.random.key(8), 1, 6, 6, 2, 1, 16, 0,
+                                           jnp.float32)
+  for kw in (dict(window=3), dict(softcap=5.0)):
+    with pytest.raises(ValueError, match=r"kernels.attention='pallas_interpret' has no "
+                                         r"(window|softcap).*use kernels.attention=xla or auto"):
+      attention(q, k, v, kv_mask, 0, impl="pallas_interpret", **kw)
+  monkeypatch.setitem(attn_mod.dispatch.AUTO, jax.default_backend(), "pallas_interpret")
+  assert _has_pallas_call(lambda q: attention(q, k, v, kv_mask, 0), q)
+  f = lambda q: attention(q, k, v, kv_mask, 0, window=3)
+  assert not _has_pallas_call(f, q)
+  np.testing.assert_allclose(f(q), attention(q, k, v, kv_mask, 0, impl="xla", window=3))
+
+  h, w, tgt, _ = _logprob_case(jax.random.key(9), 1, 3, 16, 40, jnp.float32)
+  with pytest.raises(ValueError, match=r"kernels.logprob='pallas_interpret' has no logit "
+                                       r"soft-capping"):
+    logprob_entropy(h, w, tgt, impl="pallas_interpret", softcap=3.0)
+  monkeypatch.setitem(lp_mod.dispatch.AUTO, jax.default_backend(), "pallas_interpret")
+  assert not _has_pallas_call(lambda h: logprob_entropy(h, w, tgt, softcap=3.0), h)
+
+
+@pytest.mark.parametrize("block_v", [16, 40])
+def test_softcapped_logprob_blockwise_matches_reference_with_grads(block_v):
+  """Gemma 2's final soft-capping in the blockwise op: values and both gradients (through
+  the cap) equal the full-logits reference, which equals capping the logits by hand."""
+  h, w, tgt, cot = _logprob_case(jax.random.key(10), 2, 5, 16, 40, jnp.float32)
+  w = w * 4.0  # logits well past the cap
+  cap = 2.5
+  want, want_g = _with_grads(lambda h, w, t: logprob_entropy_reference(h, w, t, cap), 2,
+                             cot)(h, w, tgt)
+  z = cap * np.tanh(np.einsum("btd,dv->btv", h, w) / cap)
+  logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+  np.testing.assert_allclose(want[0], np.take_along_axis(logp, tgt[..., None], -1)[..., 0],
+                             atol=1e-5)
+  for impl in ("xla", "naive"):
+    got, got_g = _with_grads(lambda h, w, t: logprob_entropy(h, w, t, impl=impl, softcap=cap,
+                                                             block_v=block_v), 2, cot)(h, w, tgt)
+    for a, b, what in zip((*got, *got_g), (*want, *want_g), ("logp", "entropy", "dh", "dw")):
+      assert_close(a, b, TOL[jnp.float32][0 if what in ("logp", "entropy") else 1],
+                   f"{impl} {what}")
+  plain = logprob_entropy(h, w, tgt, impl="xla")
+  assert np.abs(np.asarray(plain[0]) - np.asarray(want[0])).max() > 0.1  # the cap matters
+
+
 def test_config_choices_are_the_dispatchers():
   hints = typing.get_type_hints(KernelsConfig)
   assert set(typing.get_args(hints["logprob"])) == set(lp_mod.IMPLS)
