@@ -270,3 +270,90 @@ def test_a_config_that_does_not_match_the_checkpoint_is_named(tmp_path):
   cfg = dataclasses.replace(hf.config_from_hf(_asset("gemma2")), attn_softcap=50.0)
   with pytest.raises(hf.HFError, match=r"model.attn_softcap=50.0 but the checkpoint has 3.0"):
     hf.load_hf(_asset("gemma2"), cfg, mesh())
+
+
+# ------------------------------------------------------------------ end to end (model side)
+
+
+def _train(tmp_path, experiment, asset, data_flag, rows, extra):
+  """``python -m jaxrlhf.main`` for 2 steps from a copy of ``asset`` (model + tokenizer with
+  a chat template, as a Hub folder) in a folder outside the repository."""
+  import subprocess
+  import sys
+
+  ckpt = str(tmp_path / asset)
+  shutil.copytree(_asset(asset), ckpt)
+  data = tmp_path / "data.jsonl"
+  data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  workdir = str(tmp_path / "run")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  res = subprocess.run(
+      [sys.executable, "-m", "jaxrlhf.main", f"--experiment={experiment}",
+       f"--workdir={workdir}", "--steps=2", "--mesh=dp=2,tp=2",
+       f"--set=model.hf_path={ckpt}", f"--set=data.tokenizer={ckpt}", f"--set={data_flag}={data}",
+       "--set=data.max_prompt_len=8", "--set=data.max_response_len=6",
+       "--set=model.compute_dtype=float32", "--set=model.remat=none",
+       *(f"--set={e}" for e in extra)],
+      capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)),
+      timeout=600)
+  assert res.returncode == 0, res.stderr[-3000:]
+  return ckpt, workdir
+
+
+def _export_result(tmp_path, ckpt, workdir, stage):
+  """The stage's trained policy, exported with the checkpoint's tokenizer."""
+  from jaxrlhf.checkpoint import load_stage_result
+
+  run_cfg = json.load(open(os.path.join(workdir, "config.json")))
+  base = ModelConfig(param_dtype=run_cfg["model"]["param_dtype"])
+  cfg = hf.config_from_hf(ckpt, base)
+  shardings = M.param_shardings(cfg, mesh())
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          M.abstract_params(cfg), shardings)
+  params = load_stage_result(workdir, stage, {"policy": abstract})["policy"]
+  out = hf.export_hf(params, cfg, str(tmp_path / "exported"))
+  return cfg, params, out
+
+
+def _check_reload(out, cfg, params, model_type):
+  import transformers
+
+  config = transformers.AutoConfig.from_pretrained(out)
+  assert config.model_type == model_type
+  tok = transformers.AutoTokenizer.from_pretrained(out)
+  ids = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], add_generation_prompt=True)
+  assert tok.decode(ids if isinstance(ids, list) else ids["input_ids"]).endswith(
+      "<bos>assistant\n")
+  back = hf.load_hf(out, hf.config_from_hf(out, cfg), mesh())
+  for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_grpo_on_qwen3_trains_exports_and_transformers_reloads(tmp_path):
+  rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(3) for b in range(3)]
+  ckpt, workdir = _train(tmp_path, "grpo_jsonl", "qwen3", "data.prompts_path", rows, (
+      "rollout.max_new_tokens=4", "grpo.batch_size=2", "grpo.num_samples=2",
+      "grpo.num_minibatches=1"))
+  metrics = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  assert max(m.get("step", 0) for m in metrics) == 2
+  cfg, params, out = _export_result(tmp_path, ckpt, workdir, "grpo")
+  assert cfg.qk_norm and not cfg.post_norms
+  _check_reload(out, cfg, params, "qwen3")
+
+
+def test_dpo_on_gemma3_trains_exports_and_transformers_reloads(tmp_path):
+  rows = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
+          for a in range(4) for b in range(4)]
+  prompts = tmp_path / "prompts.jsonl"  # DPO's held-out evaluation samples answers
+  prompts.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["chosen"]}) + "\n"
+                             for r in rows))
+  ckpt, workdir = _train(tmp_path, "dpo_jsonl", "gemma3", "data.pairs_path", rows,
+                         ("dpo.batch_size=4", f"data.prompts_path={prompts}",
+                          "rollout.max_new_tokens=4"))
+  cfg, params, out = _export_result(tmp_path, ckpt, workdir, "dpo")
+  assert cfg.layer_types == ("sliding", "sliding", "full", "sliding")
+  start = hf.load_hf(ckpt, cfg, mesh())
+  moved = [float(np.abs(np.asarray(a) - np.asarray(b)).max())
+           for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(start))]
+  assert max(moved) > 0  # two DPO steps changed the weights
+  _check_reload(out, cfg, params, "gemma3_text")

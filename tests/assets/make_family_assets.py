@@ -24,6 +24,10 @@ What each asset exercises:
                window 5, local rope base 1e4 vs global 1e6 with linear scaling x4,
                untied head, no soft-capping
 
+qwen3 and gemma3 also carry a character-level tokenizer (the 100 ids: 4 specials + 96
+characters) with a chat template, so a run can start from the folder alone (model and
+tokenizer, as from the Hub).
+
 Beside the logits, ``NAME/greedy`` holds transformers' greedy continuation (``generate``,
 no padding, KV cache) of the first ``PROMPT`` tokens of every row, so the decode path (with
 the sliding window past its length) is checked against transformers' own.  At the end the
@@ -43,14 +47,20 @@ import tempfile
 import numpy as np
 import torch
 import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_families")
 B, T = 3, 12
 PROMPT, NEW = 5, 10
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]  # ids 0, 1, 2, 3: Gemma's pad/eos/bos order
+CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+CHAT_TEMPLATE = ("{% for m in messages %}<bos>{{ m['role'] }}\n{{ m['content'] }}<eos>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<bos>assistant\n{% endif %}")
+WITH_TOKENIZER = ("qwen3", "gemma3")
 
 COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
-              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+              pad_token_id=0, bos_token_id=2, eos_token_id=1)
 
 ASSETS = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
@@ -76,6 +86,18 @@ ASSETS = {
                         "sliding_attention": dict(rope_type="default", rope_theta=10000.0)}),
                None),
 }
+
+
+def char_tokenizer() -> transformers.PreTrainedTokenizerFast:
+  vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+  tok.decoder = decoders.Fuse()
+  out = transformers.PreTrainedTokenizerFast(
+      tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+      unk_token="<unk>")
+  out.chat_template = CHAT_TEMPLATE
+  return out
 
 
 def redraw(model: torch.nn.Module, gen: torch.Generator, gemma: bool):
@@ -146,6 +168,8 @@ def main():
     redraw(model, torch.Generator().manual_seed(200 + i), gemma=name.startswith("gemma"))
     out = os.path.join(HERE, name)
     model.save_pretrained(out, **({"max_shard_size": shard} if shard else {}))
+    if name in WITH_TOKENIZER:
+      char_tokenizer().save_pretrained(out)
     ref = model_cls.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
     golden[f"{name}/logits"] = torch_logits(ref, tokens, mask, positions)
     # Greedy decode of unpadded prompts with transformers' KV cache, past the window.
