@@ -23,7 +23,8 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """A Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU)."""
+  """A Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU), with the Qwen3 / Gemma variants
+  below (off by default)."""
 
   vocab_size: int = 512
   d_model: int = 128

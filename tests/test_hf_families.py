@@ -176,6 +176,35 @@ def test_export_round_trip_is_identical(tmp_path, name, tp):
         _tensor_names(out) == _tensor_names(_asset(name)))
 
 
+@pytest.mark.parametrize("name,arch", [("gemma3", "Gemma3TextForSequenceClassification"),
+                                       ("qwen3", "Qwen3ForSequenceClassification")])
+def test_a_reward_model_from_a_family_checkpoint_exports_as_its_classifier(tmp_path, name, arch):
+  """A causal LM starts a reward model with a new scalar head; it exports as the family's
+  sequence classifier (Gemma 3's is a Text class), which AutoConfig and load_hf read back."""
+  import transformers
+
+  cfg = hf.config_from_hf(_asset(name))
+  params = hf.load_hf(_asset(name), cfg, mesh(), head="scalar")
+  params["score"]["w"] = params["embed"][5]
+  out = hf.export_hf(params, cfg, str(tmp_path / "rm"), head="scalar")
+  assert transformers.AutoConfig.from_pretrained(out).architectures == [arch]
+  back = hf.load_hf(out, hf.config_from_hf(out), mesh(), head="scalar")
+  np.testing.assert_array_equal(np.asarray(back["score"]["w"]), np.asarray(params["embed"][5]))
+  if HAS_TORCH:
+    import torch
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        out, attn_implementation="eager").eval()
+    assert type(model).__name__ == arch
+    with torch.no_grad():
+      h = model.model(torch.from_numpy(TOKENS).long(),
+                      attention_mask=torch.from_numpy(MASK).long(),
+                      position_ids=torch.from_numpy(POSITIONS).long()).last_hidden_state
+      got = model.score(h)[..., 0].numpy()
+    hs, _ = M.forward(back, jnp.asarray(TOKENS), jnp.asarray(POSITIONS), jnp.asarray(MASK),
+                      cfg=cfg)
+    np.testing.assert_allclose(np.asarray(M.scalar_head(back, hs))[MASK], got[MASK], atol=ATOL)
+
+
 def _tensor_names(path):
   from safetensors import safe_open
   names = set()

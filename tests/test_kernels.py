@@ -250,27 +250,72 @@ def test_sliding_window_and_softcap_reference_is_the_definition(t, q_offset):
       q, k, v, kv_mask, q_offset, impl="xla", scale=0.3, softcap=2.0), atol=1e-6)
 
 
-def test_window_and_softcap_on_kernels_without_them(monkeypatch):
-  """An explicit Pallas choice is refused by name; "auto" runs the XLA path, even on a
-  backend whose "auto" is Pallas."""
-  q, k, v, kv_mask, _, _ = _attention_case(jax.random.key(8), 1, 6, 6, 2, 1, 16, 0,
+@pytest.mark.parametrize("t,s,q_offset", [(19, 19, 0), (5, 37, 30)])
+def test_flash_attention_with_window_and_softcap_matches_reference(t, s, q_offset):
+  """Gemma's options in the Pallas flash kernels, values and all three gradients: a traced
+  window of 5 (shorter than the rows, so whole key blocks of 16 fall before it) and a cap of
+  2 on scores well past it."""
+  q, k, v, kv_mask, _, _ = _attention_case(jax.random.key(11), 2, t, s, 4, 2, 8, q_offset,
                                            jnp.float32)
-  for kw in (dict(window=3), dict(softcap=5.0)):
-    with pytest.raises(ValueError, match=r"kernels.attention='pallas_interpret' has no "
-                                         r"(window|softcap).*use kernels.attention=xla or auto"):
-      attention(q, k, v, kv_mask, 0, impl="pallas_interpret", **kw)
-  monkeypatch.setitem(attn_mod.dispatch.AUTO, jax.default_backend(), "pallas_interpret")
-  assert _has_pallas_call(lambda q: attention(q, k, v, kv_mask, 0), q)
-  f = lambda q: attention(q, k, v, kv_mask, 0, window=3)
-  assert not _has_pallas_call(f, q)
-  np.testing.assert_allclose(f(q), attention(q, k, v, kv_mask, 0, impl="xla", window=3))
+  q = q * 3.0
+  seen = allowed_mask(t, kv_mask, q_offset, 5).any(-1)
+  cot = jax.random.normal(jax.random.key(12), q.shape) * seen[:, :, None, None]
+  off, bs = jnp.int32(q_offset), BlockSizes(16, 16, 16, 16)
+  kw = dict(scale=0.3, softcap=2.0)
+  got, got_g = _with_grads(lambda q, k, v, m, o, w: flash_attention(
+      q, k, v, m, o, block_sizes=bs, interpret=True, window=w, **kw), 3, cot)(
+          q, k, v, kv_mask, off, jnp.int32(5))
+  want, want_g = _with_grads(lambda q, k, v, m, o, w: attention_reference(
+      q, k, v, m, o, window=w, **kw), 3, cot)(q, k, v, kv_mask, off, jnp.int32(5))
+  rows = seen[:, :, None, None]
+  assert_close(jnp.where(rows, got, 0), jnp.where(rows, want, 0), 1e-5, "output")
+  for name, g, r in zip("qkv", got_g, want_g):
+    assert_close(g, r, 1e-4, f"d{name}")
+
+
+@pytest.mark.parametrize("kv_layout", ["bskd", "bksd"])
+def test_decode_attention_with_window_and_softcap_matches_reference(kv_layout):
+  q, k, v, kv_mask, _, _ = _attention_case(jax.random.key(13), 3, 1, 70, 8, 2, 16, 41,
+                                           jnp.float32)
+  q = q * 3.0
+  seen = allowed_mask(1, kv_mask, 41, 6).any(-1)
+  lay = (lambda x: x) if kv_layout == "bskd" else (lambda x: x.transpose(0, 2, 1, 3))
+  bs = DecodeBlockSizes(block_k=16, target_programs=9)
+  got = decode_attention(q, lay(k), lay(v), kv_mask, jnp.int32(41), block_sizes=bs,
+                         interpret=True, kv_layout=kv_layout, window=jnp.int32(6), softcap=2.0)
+  want = attention_reference(q, k, v, kv_mask, 41, window=6, softcap=2.0)
+  rows = seen[:, :, None, None]
+  assert_close(jnp.where(rows, got, 0), jnp.where(rows, want, 0), 1e-5, "output")
+
+
+def test_window_and_softcap_choices_per_kernel():
+  """The dispatcher passes Gemma's options to the Pallas kernels; cuDNN has no soft-capping
+  and says so; the Pallas log-prob kernel has none either: "auto" then runs the XLA path."""
+  q, k, v, kv_mask, _, _ = _attention_case(jax.random.key(8), 1, 20, 20, 2, 1, 16, 0,
+                                           jnp.float32)
+  for tq in (20, 1):  # flash, then the decode kernel
+    f = lambda impl: attention(q[:, :tq], k, v, kv_mask, 0, impl=impl, window=3, softcap=5.0)
+    assert _has_pallas_call(lambda q: attention(q[:, :tq], k, v, kv_mask, 0, window=3,
+                                                softcap=5.0, impl="pallas_interpret"), q)
+    rows = allowed_mask(tq, kv_mask, 0, 3).any(-1)[:, :, None, None]
+    np.testing.assert_allclose(jnp.where(rows, f("pallas_interpret"), 0),
+                               jnp.where(rows, f("xla"), 0), atol=1e-5)
+  with pytest.raises(ValueError, match=r"kernels.attention='cudnn' has no logit soft-capping"):
+    attention(q, k, v, kv_mask, 0, impl="cudnn", softcap=5.0)
 
   h, w, tgt, _ = _logprob_case(jax.random.key(9), 1, 3, 16, 40, jnp.float32)
   with pytest.raises(ValueError, match=r"kernels.logprob='pallas_interpret' has no logit "
                                        r"soft-capping"):
     logprob_entropy(h, w, tgt, impl="pallas_interpret", softcap=3.0)
-  monkeypatch.setitem(lp_mod.dispatch.AUTO, jax.default_backend(), "pallas_interpret")
-  assert not _has_pallas_call(lambda h: logprob_entropy(h, w, tgt, softcap=3.0), h)
+  import kernels.logprob.dispatch as lp_dispatch
+  saved = dict(lp_dispatch.AUTO)
+  try:
+    lp_dispatch.AUTO[jax.default_backend()] = "pallas_interpret"
+    assert not _has_pallas_call(lambda h: logprob_entropy(h, w, tgt, softcap=3.0), h)
+    assert _has_pallas_call(lambda h: logprob_entropy(h, w, tgt), h)
+  finally:
+    lp_dispatch.AUTO.clear()
+    lp_dispatch.AUTO.update(saved)
 
 
 @pytest.mark.parametrize("block_v", [16, 40])
@@ -302,24 +347,34 @@ def test_config_choices_are_the_dispatchers():
   assert set(typing.get_args(hints["attention"])) == set(attn_mod.IMPLS)
 
 
-def test_model_prefill_and_decode_on_pallas_kernels_match_xla():
+@pytest.mark.parametrize("family", [False, True])
+def test_model_prefill_and_decode_on_pallas_kernels_match_xla(family):
   """The model's own call path: prefill (flash kernel) into a KV cache at a traced offset, then
-  one decode step (decode kernel), against the XLA path, on left-padded prompts."""
+  one decode step (decode kernel), against the XLA path, on left-padded prompts.  ``family``:
+  Gemma's layout, sliding (window 4, traced in the layer scan) and full layers, soft-capped."""
+  import dataclasses
+
   from helpers import TINY, ragged_batch
   from jaxrlhf import model as M
 
-  params = M.init_params(TINY, jax.random.key(0))
-  tokens, mask = ragged_batch(jax.random.key(1), 2, 19, TINY.vocab_size)
+  cfg = TINY
+  if family:
+    cfg = dataclasses.replace(TINY, qk_norm=True, norm_offset=1.0, post_norms=True,
+                              mlp_activation="gelu_tanh", embed_scale=True, attn_softcap=3.0,
+                              sliding_window=4, layer_types=("sliding", "full"),
+                              rope_local_theta=100.0, init_std=0.3)
+  params = M.init_params(cfg, jax.random.key(0))
+  tokens, mask = ragged_batch(jax.random.key(1), 2, 19, cfg.vocab_size)
   pos = M.positions_from_mask(mask)
 
   @jax.jit
   def run_both(params, tokens, mask, pos):
     outs = []
     for impl in ("xla", "pallas_interpret"):
-      cache = M.init_cache(TINY, 2, 24)
-      h1, cache = M.forward(params, tokens[:, :18], pos[:, :18], mask[:, :18], cfg=TINY,
+      cache = M.init_cache(cfg, 2, 24)
+      h1, cache = M.forward(params, tokens[:, :18], pos[:, :18], mask[:, :18], cfg=cfg,
                             cache=cache, attn_impl=impl)
-      h2, _ = M.forward(params, tokens[:, 18:], pos[:, 18:], mask[:, 18:], cfg=TINY,
+      h2, _ = M.forward(params, tokens[:, 18:], pos[:, 18:], mask[:, 18:], cfg=cfg,
                         cache=cache, attn_impl=impl)
       outs.append(jnp.concatenate([h1, h2], axis=1))
     return outs
@@ -389,6 +444,13 @@ def test_kernels_lower_to_triton_for_cuda():
   fa_loss = lambda q, k, v, m, o: flash_attention(q, k, v, m, o).astype(jnp.float32).sum()
   assert n_triton_calls(jax.grad(fa_loss, argnums=(0, 1, 2)), q, kv, kv, mask, off) == 3
   assert n_triton_calls(decode_attention, sds((2, 1, 8, 128), bf16), kv, kv, mask, off) == 1
+  # Gemma's options: a traced window and a soft-cap, in every kernel.
+  gemma = dict(softcap=50.0, scale=0.0625)
+  fa_gemma = lambda q, k, v, m, o, w: flash_attention(q, k, v, m, o, window=w, **gemma).astype(
+      jnp.float32).sum()
+  assert n_triton_calls(jax.grad(fa_gemma, argnums=(0, 1, 2)), q, kv, kv, mask, off, off) == 3
+  dec_gemma = lambda q, k, v, m, o, w: decode_attention(q, k, v, m, o, window=w, **gemma)
+  assert n_triton_calls(dec_gemma, sds((2, 1, 8, 128), bf16), kv, kv, mask, off, off) == 1
 
 
 # ------------------------------------------------------------------------------ GPU only

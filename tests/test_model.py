@@ -47,19 +47,27 @@ def test_forward_and_grads_equal_single_device(shape):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6, rtol=2e-4), got[2], ref[2])
 
 
+def _prefill_then_decode(params, tokens, pos, mask, cfg, prefill=6):
+  """Hidden states of ``prefill`` tokens written into a KV cache at once, then the rest one
+  token per step."""
+  cache = M.init_cache(cfg, tokens.shape[0], 16)
+  h1, cache = M.forward(params, tokens[:, :prefill], pos[:, :prefill], mask[:, :prefill],
+                        cfg=cfg, cache=cache)
+  outs = [h1]
+  for t in range(prefill, tokens.shape[1]):
+    h, cache = M.forward(params, tokens[:, t:t + 1], pos[:, t:t + 1], mask[:, t:t + 1], cfg=cfg,
+                         cache=cache)
+    outs.append(h)
+  return jnp.concatenate(outs, 1)
+
+
 def test_kv_cache_matches_full_forward_on_ragged_prompts():
   params = M.init_params(TINY, jax.random.key(0))
   tokens, mask = ragged_batch(jax.random.key(2), 4, 10, TINY.vocab_size)
   pos = M.positions_from_mask(mask)
   full, _ = M.forward(params, tokens, pos, mask, cfg=TINY)
-  cache = M.init_cache(TINY, 4, 16)
-  h1, cache = M.forward(params, tokens[:, :6], pos[:, :6], mask[:, :6], cfg=TINY, cache=cache)
-  outs = [h1]
-  for t in range(6, 10):
-    h, cache = M.forward(params, tokens[:, t:t + 1], pos[:, t:t + 1], mask[:, t:t + 1], cfg=TINY,
-                         cache=cache)
-    outs.append(h)
-  np.testing.assert_allclose(np.where(mask[..., None], jnp.concatenate(outs, 1), 0),
+  cached = _prefill_then_decode(params, tokens, pos, mask, TINY)
+  np.testing.assert_allclose(np.where(mask[..., None], cached, 0),
                              np.where(mask[..., None], full, 0), atol=1e-5)
 
 
@@ -164,14 +172,8 @@ def test_family_kv_cache_matches_full_forward_past_the_window():
   tokens, mask = ragged_batch(jax.random.key(2), 4, 10, FAMILY.vocab_size, min_len=5)
   pos = M.positions_from_mask(mask)
   full, _ = M.forward(params, tokens, pos, mask, cfg=FAMILY)
-  cache = M.init_cache(FAMILY, 4, 16)
-  h1, cache = M.forward(params, tokens[:, :6], pos[:, :6], mask[:, :6], cfg=FAMILY, cache=cache)
-  outs = [h1]
-  for t in range(6, 10):
-    h, cache = M.forward(params, tokens[:, t:t + 1], pos[:, t:t + 1], mask[:, t:t + 1],
-                         cfg=FAMILY, cache=cache)
-    outs.append(h)
-  np.testing.assert_allclose(np.where(mask[..., None], jnp.concatenate(outs, 1), 0),
+  cached = _prefill_then_decode(params, tokens, pos, mask, FAMILY)
+  np.testing.assert_allclose(np.where(mask[..., None], cached, 0),
                              np.where(mask[..., None], full, 0), atol=1e-5)
   # The window is what makes the last tokens differ from full attention.
   wide, _ = M.forward(params, tokens, pos, mask, cfg=dataclasses.replace(FAMILY,

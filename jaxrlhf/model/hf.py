@@ -18,7 +18,15 @@ Layout.  HF linear weights are ``[out, in]``; ours are ``[in, ...out]`` with hea
 e.g. ``q_proj.weight [H*Dh, D]`` is ``wq [D, H, Dh]``.  Our rotary embedding uses the same
 half-split (``rotate_half``) convention as HF, so q/k need no permutation.  The ``_LAYER`` and
 ``_GLOBAL`` tables below say, for each of our parameters, which HF tensor holds it and how that
-tensor's dimensions split into our logical axes; loading and export both read them.
+tensor's dimensions split into our logical axes; loading and export both read them.  Gemma's
+norm weights are stored as HF stores them (the ``w`` of ``1 + w``, ``ModelConfig.norm_offset``),
+so they load and export unchanged.
+
+Families.  :func:`config_from_hf` sets the fields that tell the families apart (Qwen2's
+``qkv_bias``, Qwen3's ``qk_norm``, Gemma's ``norm_offset``, ``post_norms``, GeGLU, embedding
+scale, soft-caps, sliding window and layer pattern, Gemma 3's local rotary base); anything a
+checkpoint asks for that this model does not compute is an :class:`HFError` naming the
+``config.json`` field and what is supported.  :func:`family_of` is the inverse, for export.
 
 Vocabulary padding.  A vocabulary the ``tp`` axis does not divide would leave the embedding and
 LM head replicated, so :func:`config_from_hf` pads ``vocab_size`` up to a multiple of ``tp`` and
@@ -763,8 +771,9 @@ def export_hf(params: dict, cfg: ModelConfig, out_dir: str, tokenizer_path: Opti
 
   ``config.json`` starts from ``source``'s (default ``cfg.hf_path``; keeps token ids and other
   fields) with the architecture set from ``cfg``; without one, the family that holds ``cfg``
-  (:func:`family_of`: Llama, Qwen2 with ``qkv_bias``, Qwen3 with ``qk_norm``, Gemma 2 / 3).  ``head="lm"`` writes ``*ForCausalLM``, ``"scalar"``
-  ``*ForSequenceClassification`` with ``num_labels=1``.  Weights go in ``dtype`` (default
+  (:func:`family_of`: Llama, Qwen2 with ``qkv_bias``, Qwen3 with ``qk_norm``, Gemma 2 / 3).
+  ``head="lm"`` writes ``*ForCausalLM``, ``"scalar"`` ``*ForSequenceClassification`` with
+  ``num_labels=1``.  Weights go in ``dtype`` (default
   ``cfg.param_dtype``) into safetensors shards of at most ``max_shard_size`` with an index
   (one ``model.safetensors`` when they fit).  Padded vocabulary rows are dropped.  Tokenizer
   files (and ``generation_config.json``) are copied from ``tokenizer_path`` (default: the

@@ -28,34 +28,29 @@ def attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, impl: str = "au
   kernel read it as it is, flash and cuDNN (prefill) get a transposed copy.
 
   ``scale`` (default ``head_dim ** -0.5``), ``window`` (sliding window, may be traced) and
-  ``softcap`` (logit soft-capping) as in the reference; None: off.  The Pallas kernels have no
-  window or soft-capping yet: with either, ``impl="auto"`` runs the XLA path and an explicit
-  ``pallas`` is an error (cuDNN takes a window, through its mask, but no soft-capping).
+  ``softcap`` (logit soft-capping) as in the reference; None: off.  cuDNN takes a window
+  (through its mask) but no soft-capping: ``impl="cudnn"`` with ``softcap`` is an error.
   """
   check_layout(kv_layout)
-  explicit = impl
   impl = resolve_impl("attention", impl, IMPLS, AUTO)
-  unsupported = [n for n, v in (("window", window), ("softcap", softcap)) if v is not None
-                 and not (n == "window" and impl == "cudnn")]
-  if unsupported and impl != "xla":
-    if explicit != "auto":
-      raise ValueError(f"kernels.attention={explicit!r} has no {' or '.join(unsupported)} "
-                       "(sliding-window / soft-capped attention: Gemma); use "
-                       "kernels.attention=xla or auto")
-    impl = "xla"
+  if impl == "cudnn" and softcap is not None:
+    raise ValueError("kernels.attention='cudnn' has no logit soft-capping (Gemma 2's "
+                     "attn_logit_softcapping); use kernels.attention=auto, pallas or xla")
+  # Gemma's options are passed only when set, so every other call is the plain one.
+  extra = {k: v for k, v in (("window", window), ("softcap", softcap)) if v is not None}
   if impl == "xla":
-    if scale is None and window is None and softcap is None:  # the plain call, as it always was
+    if scale is None and not extra:
       return attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset,
                                  kv_layout=kv_layout)
     return attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset, scale=scale,
-                               kv_layout=kv_layout, window=window, softcap=softcap)
+                               kv_layout=kv_layout, **extra)
   interpret = impl == "pallas_interpret"
   if impl != "cudnn" and q_BTHD.shape[1] <= DECODE_MAX_T:
     return decode_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset, interpret=interpret,
-                            kv_layout=kv_layout, scale=scale)
+                            kv_layout=kv_layout, scale=scale, **extra)
   k_BSKD, v_BSKD = to_bskd(k_BSKD, kv_layout), to_bskd(v_BSKD, kv_layout)
   if impl == "cudnn":
     return attention_cudnn(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset, scale=scale,
                            window=window)
   return flash_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset, interpret=interpret,
-                         scale=scale)
+                         scale=scale, **extra)

@@ -49,8 +49,9 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from make_hf_assets import B, T, inputs, redraw  # the same rows, the same weight redraw
+
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_families")
-B, T = 3, 12
 PROMPT, NEW = 5, 10
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]  # ids 0, 1, 2, 3: Gemma's pad/eos/bos order
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
@@ -100,30 +101,6 @@ def char_tokenizer() -> transformers.PreTrainedTokenizerFast:
   return out
 
 
-def redraw(model: torch.nn.Module, gen: torch.Generator, gemma: bool):
-  """Weights large enough that every one of them shows in the logits.  Gemma norms store
-  ``w`` of ``(1 + w)``: drawn around 0 so the scale stays near 1, as trained ones are."""
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name:
-        p.copy_((torch.rand(p.shape, generator=gen) - 0.5) if gemma else
-                0.5 + torch.rand(p.shape, generator=gen))
-      else:
-        fan_in = p.shape[-1]
-        scale = 2.0 if ("q_proj" in name or "k_proj" in name) else 1.0
-        p.copy_(scale / fan_in ** 0.5 * torch.randn(p.shape, generator=gen))
-
-
-def inputs():
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(4, 96, size=(B, T)).astype(np.int32)
-  mask = np.ones((B, T), bool)
-  mask[1, :4] = False  # a left-padded row
-  tokens[~mask] = 0
-  positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
-  return tokens, mask, positions
-
-
 def torch_logits(model, tokens, mask, positions):
   with torch.no_grad():
     out = model(input_ids=torch.from_numpy(tokens).long(),
@@ -159,13 +136,13 @@ def main():
   if os.path.isdir(HERE):
     shutil.rmtree(HERE)
   os.makedirs(HERE)
-  tokens, mask, positions = inputs()
+  tokens, mask, positions = inputs(96)
   golden = {"tokens": tokens, "mask": mask, "positions": positions}
   for i, (name, (config_cls, model_cls, kwargs, shard)) in enumerate(ASSETS.items()):
     torch.manual_seed(i)
     config = config_cls(**kwargs)
     model = model_cls(config).eval()
-    redraw(model, torch.Generator().manual_seed(200 + i), gemma=name.startswith("gemma"))
+    redraw(model, torch.Generator().manual_seed(200 + i), norm_delta=name.startswith("gemma"))
     out = os.path.join(HERE, name)
     model.save_pretrained(out, **({"max_shard_size": shard} if shard else {}))
     if name in WITH_TOKENIZER:
