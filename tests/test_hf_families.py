@@ -15,7 +15,7 @@ import pytest
 
 from helpers import mesh
 from jaxrlhf import model as M
-from jaxrlhf.config import ModelConfig, RolloutConfig
+from jaxrlhf.config import KernelsConfig, ModelConfig, RolloutConfig
 from jaxrlhf.model import hf
 from jaxrlhf.rollout import generate, generate_uncached
 
@@ -132,14 +132,18 @@ def test_greedy_decode_matches_transformers_generate(name):
     np.testing.assert_allclose(np.asarray(ref.logprobs), np.asarray(out.logprobs), atol=1e-5)
 
 
-def test_teacher_forced_logprobs_apply_the_final_softcap():
-  """The training path's blockwise log-probs are those of transformers' soft-capped logits."""
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
+def test_teacher_forced_logprobs_apply_the_final_softcap(impl):
+  """The training path's blockwise log-probs (and the Pallas kernels') are those of
+  transformers' soft-capped logits."""
   cfg = hf.config_from_hf(_asset("gemma2"))
   params = hf.load_hf(_asset("gemma2"), cfg, mesh())
-  logp, _ = M.token_logprobs(params, jnp.asarray(TOKENS), jnp.asarray(MASK), cfg=cfg)
+  kernels = KernelsConfig(logprob=impl, attention=impl)
+  logp, _ = M.token_logprobs(params, jnp.asarray(TOKENS), jnp.asarray(MASK), cfg=cfg,
+                             kernels=kernels)
   want = jax.nn.log_softmax(GOLDEN["gemma2/logits"][:, :-1], axis=-1)
   want = np.take_along_axis(np.asarray(want), TOKENS[:, 1:, None], axis=-1)[..., 0]
-  ok = MASK[:, 1:]
+  ok = MASK[:, 1:] & MASK[:, :-1]  # predicted from a real token (pad rows are unspecified)
   np.testing.assert_allclose(np.asarray(logp)[ok], want[ok], atol=ATOL)
 
 

@@ -289,8 +289,8 @@ def test_decode_attention_with_window_and_softcap_matches_reference(kv_layout):
 
 
 def test_window_and_softcap_choices_per_kernel():
-  """The dispatcher passes Gemma's options to the Pallas kernels; cuDNN has no soft-capping
-  and says so; the Pallas log-prob kernel has none either: "auto" then runs the XLA path."""
+  """The dispatchers pass Gemma's options to the Pallas kernels; cuDNN has no soft-capping
+  and says so."""
   q, k, v, kv_mask, _, _ = _attention_case(jax.random.key(8), 1, 20, 20, 2, 1, 16, 0,
                                            jnp.float32)
   for tq in (20, 1):  # flash, then the decode kernel
@@ -304,18 +304,9 @@ def test_window_and_softcap_choices_per_kernel():
     attention(q, k, v, kv_mask, 0, impl="cudnn", softcap=5.0)
 
   h, w, tgt, _ = _logprob_case(jax.random.key(9), 1, 3, 16, 40, jnp.float32)
-  with pytest.raises(ValueError, match=r"kernels.logprob='pallas_interpret' has no logit "
-                                       r"soft-capping"):
-    logprob_entropy(h, w, tgt, impl="pallas_interpret", softcap=3.0)
-  import kernels.logprob.dispatch as lp_dispatch
-  saved = dict(lp_dispatch.AUTO)
-  try:
-    lp_dispatch.AUTO[jax.default_backend()] = "pallas_interpret"
-    assert not _has_pallas_call(lambda h: logprob_entropy(h, w, tgt, softcap=3.0), h)
-    assert _has_pallas_call(lambda h: logprob_entropy(h, w, tgt), h)
-  finally:
-    lp_dispatch.AUTO.clear()
-    lp_dispatch.AUTO.update(saved)
+  f = lambda impl: (lambda h: logprob_entropy(h, w * 4, tgt, impl=impl, softcap=3.0))
+  assert _has_pallas_call(f("pallas_interpret"), h)
+  np.testing.assert_allclose(f("pallas_interpret")(h)[0], f("xla")(h)[0], atol=1e-5)
 
 
 @pytest.mark.parametrize("block_v", [16, 40])
@@ -331,9 +322,17 @@ def test_softcapped_logprob_blockwise_matches_reference_with_grads(block_v):
   logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
   np.testing.assert_allclose(want[0], np.take_along_axis(logp, tgt[..., None], -1)[..., 0],
                              atol=1e-5)
-  for impl in ("xla", "naive"):
-    got, got_g = _with_grads(lambda h, w, t: logprob_entropy(h, w, t, impl=impl, softcap=cap,
-                                                             block_v=block_v), 2, cot)(h, w, tgt)
+  bs = lp_mod.BlockSizes(16, 16, 16, vocab_chunk=32)
+  impls = {
+      "xla": lambda h, w, t: logprob_entropy(h, w, t, impl="xla", softcap=cap, block_v=block_v),
+      "naive": lambda h, w, t: logprob_entropy(h, w, t, impl="naive", softcap=cap),
+      "pallas": lambda h, w, t: logprob_entropy_pallas(h, w, t, block_sizes=bs, interpret=True,
+                                                       softcap=cap),
+      "pallas fwd + xla bwd": lambda h, w, t: logprob_entropy_pallas(
+          h, w, t, block_sizes=bs, interpret=True, backward="xla", softcap=cap),
+  }
+  for impl, f in impls.items():
+    got, got_g = _with_grads(f, 2, cot)(h, w, tgt)
     for a, b, what in zip((*got, *got_g), (*want, *want_g), ("logp", "entropy", "dh", "dw")):
       assert_close(a, b, TOL[jnp.float32][0 if what in ("logp", "entropy") else 1],
                    f"{impl} {what}")
@@ -439,6 +438,8 @@ def test_kernels_lower_to_triton_for_cuda():
   h, w, tgt = sds((2, 100, 256), bf16), sds((256, 1000), bf16), sds((2, 100), jnp.int32)
   lp_loss = lambda h, w, t: sum(x.sum() for x in logprob_entropy_pallas(h, w, t))
   assert n_triton_calls(jax.grad(lp_loss, argnums=(0, 1)), h, w, tgt) == 3
+  lp_capped = lambda h, w, t: sum(x.sum() for x in logprob_entropy_pallas(h, w, t, softcap=30.0))
+  assert n_triton_calls(jax.grad(lp_capped, argnums=(0, 1)), h, w, tgt) == 3
   q, kv = sds((2, 100, 8, 128), bf16), sds((2, 120, 2, 128), bf16)
   mask, off = sds((2, 120), jnp.bool_), sds((), jnp.int32)
   fa_loss = lambda q, k, v, m, o: flash_attention(q, k, v, m, o).astype(jnp.float32).sum()

@@ -20,22 +20,19 @@ def logprob_entropy(h_BTD, w_DV, targets_BT, *, impl: str = "auto", block_v: int
 
   ``impl`` is one of :data:`IMPLS`; ``block_v`` is the XLA path's vocabulary tile (the Pallas
   kernel uses its own on-chip tiles, :class:`kernels.logprob.pallas.BlockSizes`).
-  ``softcap``: the logits are ``softcap * tanh(logits / softcap)`` (Gemma 2); the Pallas
-  kernel has no soft-capping yet, so ``auto`` then runs the XLA path and ``pallas`` is an error.
+  ``softcap``: the logits are ``softcap * tanh(logits / softcap)`` (Gemma 2), on every path.
   """
-  explicit = impl
   impl = resolve_impl("logprob", impl, IMPLS, AUTO)
-  if softcap is not None and impl in ("pallas", "pallas_interpret"):
-    if explicit != "auto":
-      raise ValueError(f"kernels.logprob={explicit!r} has no logit soft-capping (Gemma 2's "
-                       "final_logit_softcapping); use kernels.logprob=xla or auto")
-    impl = "xla"
   if impl == "naive":
     if softcap is None:
       return logprob_entropy_reference(h_BTD, w_DV, targets_BT)
     return logprob_entropy_reference(h_BTD, w_DV, targets_BT, softcap)
   if impl in ("pallas", "pallas_interpret"):
-    return logprob_entropy_pallas(h_BTD, w_DV, targets_BT, interpret=impl == "pallas_interpret")
+    if softcap is None:
+      return logprob_entropy_pallas(h_BTD, w_DV, targets_BT,
+                                    interpret=impl == "pallas_interpret")
+    return logprob_entropy_pallas(h_BTD, w_DV, targets_BT, interpret=impl == "pallas_interpret",
+                                  softcap=softcap)
   if softcap is None:
     return logprob_entropy_blockwise(h_BTD, w_DV, targets_BT, block_v=block_v)
   return logprob_entropy_blockwise(h_BTD, w_DV, targets_BT, block_v=block_v, softcap=softcap)
