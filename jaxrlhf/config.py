@@ -24,7 +24,8 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """A Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU)."""
+  """A Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU), with the Qwen3 / Gemma variants
+  below (off by default)."""
 
   vocab_size: int = 512
   d_model: int = 128
@@ -64,6 +65,32 @@ class ModelConfig:
   # The checkpoint's real vocabulary when ``vocab_size`` was padded up to a multiple of ``tp``
   # (jaxrlhf.model.hf); ids at or above it are padding that must never be sampled.  0: no padding.
   unpadded_vocab_size: int = 0
+  # Architecture variants of other families (Qwen3, Gemma 2 / 3; docs/hf.md).  Every one is
+  # off by default, and off it leaves the Llama computation exactly as it is.
+  # Qwen3 / Gemma 3: an RMSNorm over head_dim on q and k (one weight, shared by the heads),
+  # before the rotary embedding.
+  qk_norm: bool = False
+  # Gemma: every RMSNorm scales by (norm_offset + w), so a stored weight is a delta from 1.
+  norm_offset: float = 0.0
+  # Gemma 2 / 3: RMSNorms on the attention and MLP outputs too, before each residual add.
+  post_norms: bool = False
+  # The gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, tanh approximation).
+  mlp_activation: Literal["silu", "gelu_tanh"] = "silu"
+  # Gemma: token embeddings multiplied by sqrt(d_model) (rounded to the parameter dtype).
+  embed_scale: bool = False
+  # Attention logits scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5.  0: off.
+  query_pre_attn_scalar: float = 0.0
+  # Gemma 2: logits soft-capped as cap * tanh(x / cap), in attention and at the LM head.  0: off.
+  attn_softcap: float = 0.0
+  final_softcap: float = 0.0
+  # Sliding-window attention: a query sees the last sliding_window slots (itself included), on
+  # the layers that layer_types marks "sliding" (all layers when layer_types is empty).  0: off.
+  sliding_window: int = 0
+  # Per layer, "full" or "sliding" attention (Gemma's interleaving).  Empty: every layer alike.
+  layer_types: tuple[str, ...] = ()
+  # Gemma 3: the rotary base of the sliding layers, which use no rope scaling.  0: rope_theta
+  # (and its scaling) on every layer.
+  rope_local_theta: float = 0.0
 
   @property
   def group_size(self) -> int:
@@ -74,13 +101,36 @@ class ModelConfig:
     attn = d * self.head_dim * (self.n_heads * 2 + self.n_kv_heads * 2)
     if self.qkv_bias:
       attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
-    per_layer = attn + 3 * d * f + 2 * d
+    if self.qk_norm:
+      attn += 2 * self.head_dim
+    per_layer = attn + 3 * d * f + (4 if self.post_norms else 2) * d
     total = v * d + l * per_layer + d
     if head == "lm" and not self.tie_embeddings:
       total += d * v
     if head == "scalar":
       total += d + 1
     return total
+
+  def architecture_problems(self, prefix: str = "model") -> list[str]:
+    """What is inconsistent among the family fields above, one message per problem."""
+    out = []
+    if self.layer_types:
+      bad = sorted(set(self.layer_types) - {"full", "sliding"})
+      if bad:
+        out.append(f"{prefix}.layer_types has {bad}: each entry is 'full' or 'sliding'")
+      if len(self.layer_types) != self.n_layers:
+        out.append(f"{prefix}.layer_types has {len(self.layer_types)} entries for "
+                   f"{prefix}.n_layers={self.n_layers}: give one per layer (or none)")
+      if "sliding" in self.layer_types and self.sliding_window < 1:
+        out.append(f"{prefix}.layer_types has 'sliding' layers but {prefix}.sliding_window="
+                   f"{self.sliding_window}: set the window (in tokens)")
+    if self.sliding_window < 0:
+      out.append(f"{prefix}.sliding_window={self.sliding_window}: must be >= 0 (0 is off)")
+    for n in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "rope_local_theta"):
+      v = getattr(self, n)
+      if not (math.isfinite(v) and v >= 0):
+        out.append(f"{prefix}.{n}={v!r}: must be a number >= 0 (0 is off)")
+    return out
 
 
 # ------------------------------------------------------------------------------------ mesh
@@ -565,6 +615,7 @@ def validate(cfg: "ExperimentConfig", required: bool = True) -> "ExperimentConfi
       problems.append(f"{role}.n_heads={m.n_heads} is not a multiple of {role}.n_kv_heads="
                       f"{m.n_kv_heads}: each key/value head serves a whole group of query heads; "
                       f"pick n_kv_heads dividing n_heads")
+    problems += m.architecture_problems(role)
   c.at_least(cfg.data, "data", ("max_prompt_len", "max_response_len", "eval_size"), 1)
   _validate_data(cfg, problems)
   for name in cfg.stages:

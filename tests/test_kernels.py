@@ -206,30 +206,174 @@ def test_dispatcher_errors_name_the_choices():
                     mask, interpret=True)
 
 
+def _attention_loop(q, k, v, kv_mask, q_offset, scale, window, softcap):
+  """Sliding-window, soft-capped GQA attention one query at a time in numpy (float64)."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  b, t, h, d = q.shape
+  g = h // k.shape[2]
+  out = np.zeros_like(q)
+  for bi in range(b):
+    for ti in range(t):
+      slot = q_offset + ti
+      keys = [s for s in range(k.shape[1]) if kv_mask[bi, s] and slot - window < s <= slot]
+      for hi in range(h):
+        if not keys:
+          continue
+        z = np.array([q[bi, ti, hi] @ k[bi, s, hi // g] for s in keys]) * scale
+        z = softcap * np.tanh(z / softcap)
+        p = np.exp(z - z.max())
+        out[bi, ti, hi] = (p / p.sum()) @ v[bi, keys, hi // g]
+  return out
+
+
+@pytest.mark.parametrize("t,q_offset", [(9, 0), (1, 7), (3, 5)])
+def test_sliding_window_and_softcap_reference_is_the_definition(t, q_offset):
+  """Prefill (T=9 over its own slots) and decode (1 or 3 new tokens over a cache): a query
+  sees the last ``window`` valid slots up to itself; scores are capped before the softmax.
+  The window may be traced (one scanned layer stack holds sliding and full layers)."""
+  s = q_offset + t
+  q, k, v, kv_mask, seen, _ = _attention_case(jax.random.key(7), 2, t, s, 4, 2, 8, q_offset,
+                                              jnp.float32)
+  q = q * 3.0  # scores well past the cap
+  want = _attention_loop(q, k, v, np.asarray(kv_mask), q_offset, 0.3, 3, 2.0)
+  run = jax.jit(lambda q, k, v, w: attention(q, k, v, kv_mask, q_offset, impl="xla", scale=0.3,
+                                             window=w, softcap=2.0))
+  got = run(q, k, v, 3)
+  ok = np.asarray(seen)
+  np.testing.assert_allclose(np.asarray(got)[ok], want[ok], atol=1e-5)
+  head_major = lambda x: x.transpose(0, 2, 1, 3)
+  got = attention(q, head_major(k), head_major(v), kv_mask, q_offset, impl="xla", scale=0.3,
+                  window=3, softcap=2.0, kv_layout="bksd")
+  np.testing.assert_allclose(np.asarray(got)[ok], want[ok], atol=1e-5)
+  # A window longer than every sequence is plain causal attention.
+  np.testing.assert_allclose(run(q, k, v, 2 ** 30), attention(
+      q, k, v, kv_mask, q_offset, impl="xla", scale=0.3, softcap=2.0), atol=1e-6)
+
+
+@pytest.mark.parametrize("t,s,q_offset", [(19, 19, 0), (5, 37, 30)])
+def test_flash_attention_with_window_and_softcap_matches_reference(t, s, q_offset):
+  """Gemma's options in the Pallas flash kernels, values and all three gradients: a traced
+  window of 5 (shorter than the rows, so whole key blocks of 16 fall before it) and a cap of
+  2 on scores well past it."""
+  q, k, v, kv_mask, _, _ = _attention_case(jax.random.key(11), 2, t, s, 4, 2, 8, q_offset,
+                                           jnp.float32)
+  q = q * 3.0
+  seen = allowed_mask(t, kv_mask, q_offset, 5).any(-1)
+  cot = jax.random.normal(jax.random.key(12), q.shape) * seen[:, :, None, None]
+  off, bs = jnp.int32(q_offset), BlockSizes(16, 16, 16, 16)
+  kw = dict(scale=0.3, softcap=2.0)
+  got, got_g = _with_grads(lambda q, k, v, m, o, w: flash_attention(
+      q, k, v, m, o, block_sizes=bs, interpret=True, window=w, **kw), 3, cot)(
+          q, k, v, kv_mask, off, jnp.int32(5))
+  want, want_g = _with_grads(lambda q, k, v, m, o, w: attention_reference(
+      q, k, v, m, o, window=w, **kw), 3, cot)(q, k, v, kv_mask, off, jnp.int32(5))
+  rows = seen[:, :, None, None]
+  assert_close(jnp.where(rows, got, 0), jnp.where(rows, want, 0), 1e-5, "output")
+  for name, g, r in zip("qkv", got_g, want_g):
+    assert_close(g, r, 1e-4, f"d{name}")
+
+
+@pytest.mark.parametrize("kv_layout", ["bskd", "bksd"])
+def test_decode_attention_with_window_and_softcap_matches_reference(kv_layout):
+  q, k, v, kv_mask, _, _ = _attention_case(jax.random.key(13), 3, 1, 70, 8, 2, 16, 41,
+                                           jnp.float32)
+  q = q * 3.0
+  seen = allowed_mask(1, kv_mask, 41, 6).any(-1)
+  lay = (lambda x: x) if kv_layout == "bskd" else (lambda x: x.transpose(0, 2, 1, 3))
+  bs = DecodeBlockSizes(block_k=16, target_programs=9)
+  got = decode_attention(q, lay(k), lay(v), kv_mask, jnp.int32(41), block_sizes=bs,
+                         interpret=True, kv_layout=kv_layout, window=jnp.int32(6), softcap=2.0)
+  want = attention_reference(q, k, v, kv_mask, 41, window=6, softcap=2.0)
+  rows = seen[:, :, None, None]
+  assert_close(jnp.where(rows, got, 0), jnp.where(rows, want, 0), 1e-5, "output")
+
+
+def test_window_and_softcap_choices_per_kernel():
+  """The dispatchers pass Gemma's options to the Pallas kernels; cuDNN has no soft-capping
+  and says so."""
+  q, k, v, kv_mask, _, _ = _attention_case(jax.random.key(8), 1, 20, 20, 2, 1, 16, 0,
+                                           jnp.float32)
+  for tq in (20, 1):  # flash, then the decode kernel
+    f = lambda impl: attention(q[:, :tq], k, v, kv_mask, 0, impl=impl, window=3, softcap=5.0)
+    assert _has_pallas_call(lambda q: attention(q[:, :tq], k, v, kv_mask, 0, window=3,
+                                                softcap=5.0, impl="pallas_interpret"), q)
+    rows = allowed_mask(tq, kv_mask, 0, 3).any(-1)[:, :, None, None]
+    np.testing.assert_allclose(jnp.where(rows, f("pallas_interpret"), 0),
+                               jnp.where(rows, f("xla"), 0), atol=1e-5)
+  with pytest.raises(ValueError, match=r"kernels.attention='cudnn' has no logit soft-capping"):
+    attention(q, k, v, kv_mask, 0, impl="cudnn", softcap=5.0)
+
+  h, w, tgt, _ = _logprob_case(jax.random.key(9), 1, 3, 16, 40, jnp.float32)
+  f = lambda impl: (lambda h: logprob_entropy(h, w * 4, tgt, impl=impl, softcap=3.0))
+  assert _has_pallas_call(f("pallas_interpret"), h)
+  np.testing.assert_allclose(f("pallas_interpret")(h)[0], f("xla")(h)[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("block_v", [16, 40])
+def test_softcapped_logprob_blockwise_matches_reference_with_grads(block_v):
+  """Gemma 2's final soft-capping in the blockwise op: values and both gradients (through
+  the cap) equal the full-logits reference, which equals capping the logits by hand."""
+  h, w, tgt, cot = _logprob_case(jax.random.key(10), 2, 5, 16, 40, jnp.float32)
+  w = w * 4.0  # logits well past the cap
+  cap = 2.5
+  want, want_g = _with_grads(lambda h, w, t: logprob_entropy_reference(h, w, t, cap), 2,
+                             cot)(h, w, tgt)
+  z = cap * np.tanh(np.einsum("btd,dv->btv", h, w) / cap)
+  logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+  np.testing.assert_allclose(want[0], np.take_along_axis(logp, tgt[..., None], -1)[..., 0],
+                             atol=1e-5)
+  bs = lp_mod.BlockSizes(16, 16, 16, vocab_chunk=32)
+  impls = {
+      "xla": lambda h, w, t: logprob_entropy(h, w, t, impl="xla", softcap=cap, block_v=block_v),
+      "naive": lambda h, w, t: logprob_entropy(h, w, t, impl="naive", softcap=cap),
+      "pallas": lambda h, w, t: logprob_entropy_pallas(h, w, t, block_sizes=bs, interpret=True,
+                                                       softcap=cap),
+      "pallas fwd + xla bwd": lambda h, w, t: logprob_entropy_pallas(
+          h, w, t, block_sizes=bs, interpret=True, backward="xla", softcap=cap),
+  }
+  for impl, f in impls.items():
+    got, got_g = _with_grads(f, 2, cot)(h, w, tgt)
+    for a, b, what in zip((*got, *got_g), (*want, *want_g), ("logp", "entropy", "dh", "dw")):
+      assert_close(a, b, TOL[jnp.float32][0 if what in ("logp", "entropy") else 1],
+                   f"{impl} {what}")
+  plain = logprob_entropy(h, w, tgt, impl="xla")
+  assert np.abs(np.asarray(plain[0]) - np.asarray(want[0])).max() > 0.1  # the cap matters
+
+
 def test_config_choices_are_the_dispatchers():
   hints = typing.get_type_hints(KernelsConfig)
   assert set(typing.get_args(hints["logprob"])) == set(lp_mod.IMPLS)
   assert set(typing.get_args(hints["attention"])) == set(attn_mod.IMPLS)
 
 
-def test_model_prefill_and_decode_on_pallas_kernels_match_xla():
+@pytest.mark.parametrize("family", [False, True])
+def test_model_prefill_and_decode_on_pallas_kernels_match_xla(family):
   """The model's own call path: prefill (flash kernel) into a KV cache at a traced offset, then
-  one decode step (decode kernel), against the XLA path, on left-padded prompts."""
+  one decode step (decode kernel), against the XLA path, on left-padded prompts.  ``family``:
+  Gemma's layout, sliding (window 4, traced in the layer scan) and full layers, soft-capped."""
+  import dataclasses
+
   from helpers import TINY, ragged_batch
   from jaxrlhf import model as M
 
-  params = M.init_params(TINY, jax.random.key(0))
-  tokens, mask = ragged_batch(jax.random.key(1), 2, 19, TINY.vocab_size)
+  cfg = TINY
+  if family:
+    cfg = dataclasses.replace(TINY, qk_norm=True, norm_offset=1.0, post_norms=True,
+                              mlp_activation="gelu_tanh", embed_scale=True, attn_softcap=3.0,
+                              sliding_window=4, layer_types=("sliding", "full"),
+                              rope_local_theta=100.0, init_std=0.3)
+  params = M.init_params(cfg, jax.random.key(0))
+  tokens, mask = ragged_batch(jax.random.key(1), 2, 19, cfg.vocab_size)
   pos = M.positions_from_mask(mask)
 
   @jax.jit
   def run_both(params, tokens, mask, pos):
     outs = []
     for impl in ("xla", "pallas_interpret"):
-      cache = M.init_cache(TINY, 2, 24)
-      h1, cache = M.forward(params, tokens[:, :18], pos[:, :18], mask[:, :18], cfg=TINY,
+      cache = M.init_cache(cfg, 2, 24)
+      h1, cache = M.forward(params, tokens[:, :18], pos[:, :18], mask[:, :18], cfg=cfg,
                             cache=cache, attn_impl=impl)
-      h2, _ = M.forward(params, tokens[:, 18:], pos[:, 18:], mask[:, 18:], cfg=TINY,
+      h2, _ = M.forward(params, tokens[:, 18:], pos[:, 18:], mask[:, 18:], cfg=cfg,
                         cache=cache, attn_impl=impl)
       outs.append(jnp.concatenate([h1, h2], axis=1))
     return outs
@@ -294,11 +438,20 @@ def test_kernels_lower_to_triton_for_cuda():
   h, w, tgt = sds((2, 100, 256), bf16), sds((256, 1000), bf16), sds((2, 100), jnp.int32)
   lp_loss = lambda h, w, t: sum(x.sum() for x in logprob_entropy_pallas(h, w, t))
   assert n_triton_calls(jax.grad(lp_loss, argnums=(0, 1)), h, w, tgt) == 3
+  lp_capped = lambda h, w, t: sum(x.sum() for x in logprob_entropy_pallas(h, w, t, softcap=30.0))
+  assert n_triton_calls(jax.grad(lp_capped, argnums=(0, 1)), h, w, tgt) == 3
   q, kv = sds((2, 100, 8, 128), bf16), sds((2, 120, 2, 128), bf16)
   mask, off = sds((2, 120), jnp.bool_), sds((), jnp.int32)
   fa_loss = lambda q, k, v, m, o: flash_attention(q, k, v, m, o).astype(jnp.float32).sum()
   assert n_triton_calls(jax.grad(fa_loss, argnums=(0, 1, 2)), q, kv, kv, mask, off) == 3
   assert n_triton_calls(decode_attention, sds((2, 1, 8, 128), bf16), kv, kv, mask, off) == 1
+  # Gemma's options: a traced window and a soft-cap, in every kernel.
+  gemma = dict(softcap=50.0, scale=0.0625)
+  fa_gemma = lambda q, k, v, m, o, w: flash_attention(q, k, v, m, o, window=w, **gemma).astype(
+      jnp.float32).sum()
+  assert n_triton_calls(jax.grad(fa_gemma, argnums=(0, 1, 2)), q, kv, kv, mask, off, off) == 3
+  dec_gemma = lambda q, k, v, m, o, w: decode_attention(q, k, v, m, o, window=w, **gemma)
+  assert n_triton_calls(dec_gemma, sds((2, 1, 8, 128), bf16), kv, kv, mask, off, off) == 1
 
 
 # ------------------------------------------------------------------------------ GPU only

@@ -10,7 +10,7 @@ import pytest
 from helpers import TINY, mesh, ragged_batch
 from jaxrlhf import model as M
 from jaxrlhf import registry
-from jaxrlhf.config import ConfigError, MeshConfig
+from jaxrlhf.config import ConfigError, MeshConfig, validate
 from jaxrlhf.mesh import (PARAM_RULES, assert_sharded, batch_sharding, make_mesh,
                           resolve_mesh_shape, tree_shardings)
 from kernels.logprob import logprob_entropy
@@ -47,19 +47,27 @@ def test_forward_and_grads_equal_single_device(shape):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6, rtol=2e-4), got[2], ref[2])
 
 
+def _prefill_then_decode(params, tokens, pos, mask, cfg, prefill=6):
+  """Hidden states of ``prefill`` tokens written into a KV cache at once, then the rest one
+  token per step."""
+  cache = M.init_cache(cfg, tokens.shape[0], 16)
+  h1, cache = M.forward(params, tokens[:, :prefill], pos[:, :prefill], mask[:, :prefill],
+                        cfg=cfg, cache=cache)
+  outs = [h1]
+  for t in range(prefill, tokens.shape[1]):
+    h, cache = M.forward(params, tokens[:, t:t + 1], pos[:, t:t + 1], mask[:, t:t + 1], cfg=cfg,
+                         cache=cache)
+    outs.append(h)
+  return jnp.concatenate(outs, 1)
+
+
 def test_kv_cache_matches_full_forward_on_ragged_prompts():
   params = M.init_params(TINY, jax.random.key(0))
   tokens, mask = ragged_batch(jax.random.key(2), 4, 10, TINY.vocab_size)
   pos = M.positions_from_mask(mask)
   full, _ = M.forward(params, tokens, pos, mask, cfg=TINY)
-  cache = M.init_cache(TINY, 4, 16)
-  h1, cache = M.forward(params, tokens[:, :6], pos[:, :6], mask[:, :6], cfg=TINY, cache=cache)
-  outs = [h1]
-  for t in range(6, 10):
-    h, cache = M.forward(params, tokens[:, t:t + 1], pos[:, t:t + 1], mask[:, t:t + 1], cfg=TINY,
-                         cache=cache)
-    outs.append(h)
-  np.testing.assert_allclose(np.where(mask[..., None], jnp.concatenate(outs, 1), 0),
+  cached = _prefill_then_decode(params, tokens, pos, mask, TINY)
+  np.testing.assert_allclose(np.where(mask[..., None], cached, 0),
                              np.where(mask[..., None], full, 0), atol=1e-5)
 
 
@@ -140,3 +148,68 @@ def test_mesh_shape_errors_say_what_fits():
     resolve_mesh_shape(MeshConfig(dp=-1, tp=3), 8)
   with pytest.raises(ConfigError, match="needs 4 devices but 8 are present"):
     make_mesh(MeshConfig(dp=2, tp=2))
+
+
+# Every family variant at once (Gemma 3's layout with Gemma 2's soft-capping): sliding and
+# full layers in one scanned stack, a window (3) shorter than the rows, a local rotary base.
+FAMILY = dataclasses.replace(
+    TINY, qk_norm=True, norm_offset=1.0, post_norms=True, mlp_activation="gelu_tanh",
+    embed_scale=True, query_pre_attn_scalar=24.0, attn_softcap=3.0, final_softcap=5.0,
+    sliding_window=3, layer_types=("sliding", "full"), rope_local_theta=100.0, init_std=0.3)
+
+
+def _family_params(cfg, key=0):
+  params = M.init_params(cfg, jax.random.key(key))
+  # Norm deltas away from their init (0 with norm_offset=1), so each one matters.
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 0.3 * jax.random.normal(jax.random.key(7), x.shape)
+      if "norm" in jax.tree_util.keystr(path) else x, params)
+
+
+def test_family_kv_cache_matches_full_forward_past_the_window():
+  params = _family_params(FAMILY)
+  assert set(params["layers"]) >= {"q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"}
+  tokens, mask = ragged_batch(jax.random.key(2), 4, 10, FAMILY.vocab_size, min_len=5)
+  pos = M.positions_from_mask(mask)
+  full, _ = M.forward(params, tokens, pos, mask, cfg=FAMILY)
+  cached = _prefill_then_decode(params, tokens, pos, mask, FAMILY)
+  np.testing.assert_allclose(np.where(mask[..., None], cached, 0),
+                             np.where(mask[..., None], full, 0), atol=1e-5)
+  # The window is what makes the last tokens differ from full attention.
+  wide, _ = M.forward(params, tokens, pos, mask, cfg=dataclasses.replace(FAMILY,
+                                                                          sliding_window=64))
+  assert np.abs(np.asarray(wide - full)[:, -1]).max() > 1e-2
+
+
+def test_family_layer_options_do_not_change_the_function():
+  """Unrolled layers see the layer kinds as Python values, scanned ones as traced: the same
+  function, with and without remat, values and gradients."""
+  params = _family_params(FAMILY)
+  tokens, mask = ragged_batch(jax.random.key(3), 2, 8, FAMILY.vocab_size)
+  pos = M.positions_from_mask(mask)
+  loss = lambda p, cfg: jnp.sum(M.lm_logits(p, M.forward(p, tokens, pos, mask, cfg=cfg)[0],
+                                            cfg) ** 2)
+  ref, want = jax.value_and_grad(loss)(params, FAMILY)
+  for change in (dict(scan_layers=False), dict(remat="full")):
+    got, grads = jax.value_and_grad(loss)(params, dataclasses.replace(FAMILY, **change))
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    # Gradients reach ~40 here: float32 rounding in another order is ~1e-5 of that.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4), grads,
+                 want)
+  assert FAMILY.num_params() == sum(x.size for x in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(layer_types=("sliding",)), r"model.layer_types has 1 entries for model.n_layers=2"),
+    (dict(layer_types=("sliding", "local")), r"model.layer_types has \['local'\]: each entry "
+                                             r"is 'full' or 'sliding'"),
+    (dict(sliding_window=0), r"'sliding' layers but model.sliding_window=0"),
+    (dict(attn_softcap=-1.0), r"model.attn_softcap=-1.0: must be a number >= 0"),
+])
+def test_family_settings_that_cannot_work_are_named(change, match):
+  cfg = dataclasses.replace(FAMILY, **change)
+  with pytest.raises(ValueError, match=match):
+    M.init_params(cfg, jax.random.key(0))
+  exp = dataclasses.replace(registry.get(registry.names()[0]), model=cfg)
+  with pytest.raises(ConfigError, match=match):
+    validate(exp, required=False)

@@ -1,4 +1,5 @@
-"""Hugging Face interop: load Llama / Qwen2 / Mistral checkpoints onto the mesh, export back.
+"""Hugging Face interop: load Llama / Qwen2 / Mistral / Qwen3 / Gemma 2 / Gemma 3 (text)
+checkpoints onto the mesh, export back.
 
 * :func:`config_from_hf` maps a model directory's ``config.json`` (through
   ``transformers.AutoConfig``) onto :class:`~jaxrlhf.config.ModelConfig`.
@@ -17,7 +18,15 @@ Layout.  HF linear weights are ``[out, in]``; ours are ``[in, ...out]`` with hea
 e.g. ``q_proj.weight [H*Dh, D]`` is ``wq [D, H, Dh]``.  Our rotary embedding uses the same
 half-split (``rotate_half``) convention as HF, so q/k need no permutation.  The ``_LAYER`` and
 ``_GLOBAL`` tables below say, for each of our parameters, which HF tensor holds it and how that
-tensor's dimensions split into our logical axes; loading and export both read them.
+tensor's dimensions split into our logical axes; loading and export both read them.  Gemma's
+norm weights are stored as HF stores them (the ``w`` of ``1 + w``, ``ModelConfig.norm_offset``),
+so they load and export unchanged.
+
+Families.  :func:`config_from_hf` sets the fields that tell the families apart (Qwen2's
+``qkv_bias``, Qwen3's ``qk_norm``, Gemma's ``norm_offset``, ``post_norms``, GeGLU, embedding
+scale, soft-caps, sliding window and layer pattern, Gemma 3's local rotary base); anything a
+checkpoint asks for that this model does not compute is an :class:`HFError` naming the
+``config.json`` field and what is supported.  :func:`family_of` is the inverse, for export.
 
 Vocabulary padding.  A vocabulary the ``tp`` axis does not divide would leave the embedding and
 LM head replicated, so :func:`config_from_hf` pads ``vocab_size`` up to a multiple of ``tp`` and
@@ -54,9 +63,20 @@ from jaxrlhf.model.sharded import abstract_params, init_sharded, param_shardings
 from jaxrlhf.model.transformer import param_axes
 
 # model_type -> the prefix of its transformers class names.
-FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3",
+            "gemma2": "Gemma2", "gemma3_text": "Gemma3"}
 _HEAD_CLASSES = ("ForCausalLM", "ForSequenceClassification", "Model")
-SUPPORTED_ARCHITECTURES = tuple(f"{p}{h}" for p in FAMILIES.values() for h in _HEAD_CLASSES[:2])
+# Class names that do not follow "{prefix}{head}": Gemma 3's text-only classes.
+_CLASS_NAMES = {("gemma3_text", "ForSequenceClassification"): "Gemma3TextForSequenceClassification",
+                ("gemma3_text", "Model"): "Gemma3TextModel"}
+GEMMA = ("gemma2", "gemma3_text")
+
+
+def _class_name(model_type: str, head_class: str) -> str:
+  return _CLASS_NAMES.get((model_type, head_class), FAMILIES[model_type] + head_class)
+
+
+SUPPORTED_ARCHITECTURES = tuple(_class_name(m, h) for m in FAMILIES for h in _HEAD_CLASSES[:2])
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -91,7 +111,18 @@ _LAYER = {
     "w_gate": ("mlp.gate_proj.weight", (("mlp",), ("embed",))),
     "w_up": ("mlp.up_proj.weight", (("mlp",), ("embed",))),
     "w_down": ("mlp.down_proj.weight", (("embed",), ("mlp",))),
+    "q_norm": ("self_attn.q_norm.weight", (("head_dim",),)),
+    "k_norm": ("self_attn.k_norm.weight", (("head_dim",),)),
+    "post_attn_norm": ("post_attention_layernorm.weight", (("embed",),)),
+    "post_mlp_norm": ("post_feedforward_layernorm.weight", (("embed",),)),
 }
+# With post-norms (Gemma), post_attention_layernorm is the attention's output norm and the
+# norm before the MLP has its own name.
+_PRE_MLP_NORM = ("pre_feedforward_layernorm.weight", (("embed",),))
+
+
+def _layer_tensor(cfg: ModelConfig, key: str):
+  return _PRE_MLP_NORM if key == "mlp_norm" and cfg.post_norms else _LAYER[key]
 # Global parameters by tree path.  Backbone names get the checkpoint's prefix ("model." for
 # *ForCausalLM / *ForSequenceClassification); head names are top-level.
 _GLOBAL = {
@@ -133,7 +164,7 @@ def _entries(cfg: ModelConfig, head: str, prefix: str) -> list[_Entry]:
   out = [single(("embed",))]
   # Stacked layers: one entry per parameter, its names cover every layer.
   for key, layer_axes in axes["layers"].items():
-    name, groups = _LAYER[key]
+    name, groups = _layer_tensor(cfg, key)
     names = tuple(f"{prefix}layers.{i}.{name}" for i in range(cfg.n_layers))
     out.append(_Entry(("layers", key), names, groups, layer_axes[1:], True))
   out.append(single(("final_norm",)))
@@ -178,7 +209,8 @@ def _raw_config(path: str) -> dict:
 def _check_family(path: str, raw: dict) -> str:
   model_type = raw.get("model_type")
   archs = raw.get("architectures") or []
-  allowed = {f"{FAMILIES[model_type]}{h}" for h in _HEAD_CLASSES} if model_type in FAMILIES else ()
+  allowed = ({_class_name(model_type, h) for h in _HEAD_CLASSES} if model_type in FAMILIES
+             else ())
   bad = [a for a in archs if a not in allowed]
   if model_type not in FAMILIES or bad:
     name = ", ".join(archs) if archs else f"model_type {model_type!r}"
@@ -187,16 +219,90 @@ def _check_family(path: str, raw: dict) -> str:
   return model_type
 
 
-def _rope(hf) -> dict:
+def _rope(hf, layer_type: Optional[str] = None) -> dict:
   """The rotary settings (theta, type and scaling parameters) from either transformers' v5
-  ``rope_parameters`` or the v4 ``rope_theta`` + ``rope_scaling`` fields."""
+  ``rope_parameters`` or the v4 ``rope_theta`` + ``rope_scaling`` fields.  ``layer_type``:
+  the entry of per-layer-type ``rope_parameters`` (Gemma 3: ``full_attention`` and
+  ``sliding_attention``)."""
   params = getattr(hf, "rope_parameters", None)
+  if layer_type is not None:
+    params = (params or {}).get(layer_type)
   if isinstance(params, dict) and "rope_theta" in params:
     out = dict(params)
   else:
     out = dict(getattr(hf, "rope_scaling", None) or {})
     out["rope_theta"] = getattr(hf, "rope_theta", 10000.0)
   out["rope_type"] = str(out.get("rope_type", out.get("type", "default")))
+  return out
+
+
+def _rope_scaling(rope: dict, where: str, field: str) -> dict:
+  """ModelConfig's rotary scaling fields for one set of transformers rope parameters."""
+  rope_type = rope["rope_type"]
+  scaling = {"rope_scaling": "none"}
+  if rope_type in ("linear", "llama3"):
+    scaling = {"rope_scaling": rope_type, "rope_factor": float(rope["factor"])}
+  if rope_type == "llama3":
+    scaling.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
+                   rope_high_freq_factor=float(rope["high_freq_factor"]),
+                   rope_original_max_len=int(rope["original_max_position_embeddings"]))
+  elif rope_type not in ("default", "linear"):
+    raise HFError(f"{where}: {field} rope_type {rope_type!r} (rope scaling) is not supported; "
+                  "supported: default, linear, llama3 (jaxrlhf.model.transformer."
+                  "rope_frequencies)")
+  return scaling
+
+
+_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def _family_fields(model_type: str, hf, where: str) -> dict:
+  """The ModelConfig fields that set the family's architecture apart from Llama's."""
+  out = {}
+  if model_type == "qwen2":
+    out["qkv_bias"] = True
+  if model_type in ("qwen2", "qwen3") and getattr(hf, "use_sliding_window", False):
+    raise HFError(f"{where}: use_sliding_window=true is not supported for {model_type}; set it "
+                  "to false")
+  if model_type in ("qwen3", "gemma3_text"):
+    out["qk_norm"] = True
+  if model_type not in GEMMA:
+    act = getattr(hf, "hidden_act", "silu")
+    if act != "silu":
+      raise HFError(f"{where}: hidden_act={act!r} is not supported; this model uses SwiGLU "
+                    "(silu)")
+    return out
+  act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None)
+  if act != "gelu_pytorch_tanh":
+    raise HFError(f"{where}: hidden_activation={act!r} is not supported for {model_type}; "
+                  "supported: gelu_pytorch_tanh (GeGLU)")
+  if getattr(hf, "use_bidirectional_attention", False):
+    raise HFError(f"{where}: use_bidirectional_attention=true is not supported; this model is "
+                  "a causal decoder")
+  kinds = list(getattr(hf, "layer_types", None) or [])
+  bad = sorted(set(kinds) - set(_LAYER_TYPES))
+  if bad:
+    raise HFError(f"{where}: layer_types {bad} are not supported; supported: "
+                  f"{', '.join(_LAYER_TYPES)}")
+  layer_types = tuple(_LAYER_TYPES[k] for k in kinds)
+  window = int(getattr(hf, "sliding_window", None) or 0)
+  if "sliding" in layer_types and window < 1:
+    raise HFError(f"{where}: layer_types has sliding_attention layers but sliding_window="
+                  f"{window}")
+  soft = lambda name: float(getattr(hf, name, None) or 0.0)
+  out.update(norm_offset=1.0, post_norms=True, mlp_activation="gelu_tanh", embed_scale=True,
+             query_pre_attn_scalar=float(hf.query_pre_attn_scalar),
+             attn_softcap=soft("attn_logit_softcapping"),
+             final_softcap=soft("final_logit_softcapping"),
+             sliding_window=window if "sliding" in layer_types else 0,
+             layer_types=layer_types if "sliding" in layer_types else ())
+  if model_type == "gemma3_text":
+    local = _rope(hf, "sliding_attention")
+    if local["rope_type"] != "default":
+      raise HFError(f"{where}: rope_parameters.sliding_attention rope_type "
+                    f"{local['rope_type']!r} is not supported; supported: default (the local "
+                    "layers' base only, model.rope_local_theta)")
+    out["rope_local_theta"] = float(local["rope_theta"])
   return out
 
 
@@ -222,21 +328,13 @@ def config_from_hf(path: str, base: Optional[ModelConfig] = None, *, tp: int = 1
   if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
     raise HFError(f"{where}: attention_bias / mlp_bias are not supported (this model has "
                   "biases on q/k/v only, as Qwen2 does)")
-  rope = _rope(hf)
-  rope_type = rope["rope_type"]
-  scaling = {"rope_scaling": "none"}
-  if rope_type in ("linear", "llama3"):
-    scaling = {"rope_scaling": rope_type, "rope_factor": float(rope["factor"])}
-  if rope_type == "llama3":
-    scaling.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
-                   rope_high_freq_factor=float(rope["high_freq_factor"]),
-                   rope_original_max_len=int(rope["original_max_position_embeddings"]))
-  elif rope_type not in ("default", "linear"):
-    raise HFError(f"{where}: rope_type {rope_type!r} (rope scaling) is not supported; "
-                  "supported: default, linear, llama3 (jaxrlhf.model.transformer."
-                  "rope_frequencies)")
-  if model_type == "qwen2" and getattr(hf, "use_sliding_window", False):
-    raise HFError(f"{where}: use_sliding_window=true is not supported; set it to false")
+  family = _family_fields(model_type, hf, where)
+  if model_type == "gemma3_text":
+    rope = _rope(hf, "full_attention")
+    scaling = _rope_scaling(rope, where, "rope_parameters.full_attention")
+  else:
+    rope = _rope(hf)
+    scaling = _rope_scaling(rope, where, "rope_parameters")
   n_heads = hf.num_attention_heads
   head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // n_heads
   max_len = hf.max_position_embeddings
@@ -254,7 +352,7 @@ def config_from_hf(path: str, base: Optional[ModelConfig] = None, *, tp: int = 1
       rope_theta=float(rope["rope_theta"]), **scaling,
       norm_eps=float(hf.rms_norm_eps), tie_embeddings=bool(getattr(hf, "tie_word_embeddings",
                                                                     False)),
-      qkv_bias=model_type == "qwen2", hf_path=path)
+      **{"qkv_bias": False, **family}, hf_path=path)
 
 
 def resolve_hf_config(cfg: ModelConfig, tp: int = 1) -> ModelConfig:
@@ -266,7 +364,9 @@ def resolve_hf_config(cfg: ModelConfig, tp: int = 1) -> ModelConfig:
 _ARCH_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim",
                 "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
                 "rope_high_freq_factor", "rope_original_max_len", "norm_eps", "tie_embeddings",
-                "qkv_bias")
+                "qkv_bias", "qk_norm", "norm_offset", "post_norms", "mlp_activation",
+                "embed_scale", "query_pre_attn_scalar", "attn_softcap", "final_softcap",
+                "sliding_window", "layer_types", "rope_local_theta")
 
 
 def _check_config(path: str, cfg: ModelConfig, head: str):
@@ -538,32 +638,43 @@ def _export_tensors(params, entries, hf_sizes, dtype) -> Iterator[tuple[str, np.
       yield e.hf_names[0], _to_hf(_to_host(x), e, hf_sizes).astype(dtype)
 
 
-def _export_config(cfg: ModelConfig, head: str, source: str, dtype: str, score_bias: float):
-  import transformers
+# Gemma's fixed architecture: what a config needs to be written as Gemma 2 or 3.
+_GEMMA_FIXED = dict(norm_offset=1.0, post_norms=True, mlp_activation="gelu_tanh",
+                    embed_scale=True)
+_GEMMA_ONLY = ("norm_offset", "post_norms", "mlp_activation", "embed_scale",
+               "query_pre_attn_scalar", "attn_softcap", "final_softcap", "sliding_window",
+               "layer_types", "rope_local_theta")
 
-  if source:
-    raw = _raw_config(source)
-    model_type = _check_family(source, raw)
-  else:
-    raw, model_type = {}, "qwen2" if cfg.qkv_bias else "llama"
-  if cfg.qkv_bias != (model_type == "qwen2"):
-    raise HFError(f"export: model.qkv_bias={cfg.qkv_bias} cannot be written as a {model_type} "
-                  "model (q/k/v biases exist in Qwen2 only); export without a source config "
-                  "(source='') to get the matching family")
-  kwargs = {k: v for k, v in raw.items() if k not in (
-      "model_type", "transformers_version", "architectures", "layer_types", "rope_theta",
-      "rope_scaling", "rope_parameters", "torch_dtype", "dtype", "id2label", "label2id",
-      "num_labels", SCORE_BIAS_KEY, "sliding_window", "use_sliding_window")}
-  kwargs.update(
-      vocab_size=cfg.unpadded_vocab_size or cfg.vocab_size, hidden_size=cfg.d_model,
-      intermediate_size=cfg.mlp_dim, num_hidden_layers=cfg.n_layers,
-      num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-      head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
-      tie_word_embeddings=cfg.tie_embeddings if head == "lm" else False,
-      max_position_embeddings=raw.get("max_position_embeddings", cfg.max_seq_len))
-  if model_type == "mistral":
-    kwargs["sliding_window"] = raw.get("sliding_window")
-  major = int(transformers.__version__.split(".")[0])
+
+def family_of(cfg: ModelConfig) -> str:
+  """The transformers ``model_type`` that holds ``cfg``'s architecture (Llama for the plain
+  one; a Mistral checkpoint exports as itself); an HFError for a mix no family has."""
+  default = ModelConfig()
+  gemma_set = [f for f in _GEMMA_ONLY if getattr(cfg, f) != getattr(default, f)]
+  if gemma_set:
+    off = [f"model.{f}={getattr(cfg, f)!r}" for f, v in _GEMMA_FIXED.items()
+           if getattr(cfg, f) != v]
+    if off or cfg.qkv_bias:
+      raise HFError(f"export: model.{', model.'.join(gemma_set)} exist only in Gemma 2 / 3, "
+                    f"whose architecture also needs {_GEMMA_FIXED} and no qkv_bias; this "
+                    f"config has {', '.join(off) or 'model.qkv_bias=True'}")
+    if cfg.qk_norm:
+      return "gemma3_text"
+    if cfg.rope_local_theta:
+      raise HFError("export: model.rope_local_theta is Gemma 3's, which also has q/k norms "
+                    "(model.qk_norm=True); Gemma 2 has one rotary base")
+    return "gemma2"
+  if cfg.qk_norm and cfg.qkv_bias:
+    raise HFError("export: model.qk_norm=True with model.qkv_bias=True: no supported family "
+                  "has both (Qwen3: q/k norms; Qwen2: q/k/v biases)")
+  return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+
+
+def _rope_parameters(cfg: ModelConfig, local: bool = False) -> dict:
+  """transformers v5 ``rope_parameters`` for our rotary settings (the local layers' with
+  ``local``)."""
+  if local and cfg.rope_local_theta:
+    return {"rope_type": "default", "rope_theta": cfg.rope_local_theta}
   scaling = {}
   if cfg.rope_scaling != "none":
     scaling = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_factor}
@@ -571,21 +682,74 @@ def _export_config(cfg: ModelConfig, head: str, source: str, dtype: str, score_b
     scaling.update(low_freq_factor=cfg.rope_low_freq_factor,
                    high_freq_factor=cfg.rope_high_freq_factor,
                    original_max_position_embeddings=cfg.rope_original_max_len)
+  return {"rope_type": "default", "rope_theta": cfg.rope_theta, **scaling}
+
+
+def _export_config(cfg: ModelConfig, head: str, source: str, dtype: str, score_bias: float):
+  import transformers
+
+  want = family_of(cfg)
+  if source:
+    raw = _raw_config(source)
+    model_type = _check_family(source, raw)
+  else:
+    raw, model_type = {}, want
+  if model_type != want and not {model_type, want} <= {"llama", "mistral"}:
+    raise HFError(f"export: this model config is a {want} architecture and cannot be written "
+                  f"as the source's {model_type} model (model.qkv_bias={cfg.qkv_bias}, "
+                  f"model.qk_norm={cfg.qk_norm}, model.post_norms={cfg.post_norms}); export "
+                  "without a source config (source='') to get the matching family")
+  gemma = model_type in GEMMA
+  kwargs = {k: v for k, v in raw.items() if k not in (
+      "model_type", "transformers_version", "architectures", "layer_types", "rope_theta",
+      "rope_scaling", "rope_parameters", "torch_dtype", "dtype", "id2label", "label2id",
+      "num_labels", SCORE_BIAS_KEY, "sliding_window", "use_sliding_window", "hidden_act",
+      "hidden_activation", "rope_local_base_freq", "sliding_window_pattern",
+      "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")}
+  kwargs.update(
+      vocab_size=cfg.unpadded_vocab_size or cfg.vocab_size, hidden_size=cfg.d_model,
+      intermediate_size=cfg.mlp_dim, num_hidden_layers=cfg.n_layers,
+      num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+      head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps,
+      tie_word_embeddings=cfg.tie_embeddings if head == "lm" else False,
+      max_position_embeddings=raw.get("max_position_embeddings", cfg.max_seq_len))
+  if model_type == "mistral":
+    kwargs["sliding_window"] = raw.get("sliding_window")
+  if gemma:
+    types = cfg.layer_types or (("sliding" if cfg.sliding_window else "full"),) * cfg.n_layers
+    scalar = cfg.query_pre_attn_scalar or cfg.head_dim
+    kwargs.update(
+        hidden_activation="gelu_pytorch_tanh",
+        # transformers types it int (every Gemma has an integral one).
+        query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+        sliding_window=cfg.sliding_window or None,
+        layer_types=[f"{t}_attention" for t in types],
+        attn_logit_softcapping=cfg.attn_softcap or None,
+        final_logit_softcapping=cfg.final_softcap or None)
+  else:
+    kwargs["hidden_act"] = "silu"
+  major = int(transformers.__version__.split(".")[0])
   if major >= 5:
-    kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta, **scaling}
+    if model_type == "gemma3_text":
+      kwargs["rope_parameters"] = {"full_attention": _rope_parameters(cfg),
+                                   "sliding_attention": _rope_parameters(cfg, local=True)}
+    else:
+      kwargs["rope_parameters"] = _rope_parameters(cfg)
     kwargs["dtype"] = dtype
   else:
-    kwargs["rope_theta"] = cfg.rope_theta
-    kwargs["rope_scaling"] = scaling or None
+    rope = _rope_parameters(cfg)
+    kwargs["rope_theta"] = rope.pop("rope_theta")
+    kwargs["rope_scaling"] = rope if cfg.rope_scaling != "none" else None
+    if model_type == "gemma3_text":
+      kwargs["rope_local_base_freq"] = cfg.rope_local_theta or cfg.rope_theta
     kwargs["torch_dtype"] = dtype
-  family = FAMILIES[model_type]
   if head == "scalar":
     kwargs["num_labels"] = 1
-    kwargs["architectures"] = [f"{family}ForSequenceClassification"]
+    kwargs["architectures"] = [_class_name(model_type, "ForSequenceClassification")]
     if score_bias:
       kwargs[SCORE_BIAS_KEY] = score_bias
   else:
-    kwargs["architectures"] = [f"{family}ForCausalLM"]
+    kwargs["architectures"] = [_class_name(model_type, "ForCausalLM")]
   return transformers.AutoConfig.for_model(model_type, **kwargs)
 
 
@@ -606,9 +770,10 @@ def export_hf(params: dict, cfg: ModelConfig, out_dir: str, tokenizer_path: Opti
   """Writes ``params`` as a Hugging Face model directory ``out_dir`` and returns it.
 
   ``config.json`` starts from ``source``'s (default ``cfg.hf_path``; keeps token ids and other
-  fields) with the architecture set from ``cfg``; without one, a Llama config (Qwen2 when
-  ``cfg.qkv_bias``).  ``head="lm"`` writes ``*ForCausalLM``, ``"scalar"``
-  ``*ForSequenceClassification`` with ``num_labels=1``.  Weights go in ``dtype`` (default
+  fields) with the architecture set from ``cfg``; without one, the family that holds ``cfg``
+  (:func:`family_of`: Llama, Qwen2 with ``qkv_bias``, Qwen3 with ``qk_norm``, Gemma 2 / 3).
+  ``head="lm"`` writes ``*ForCausalLM``, ``"scalar"`` ``*ForSequenceClassification`` with
+  ``num_labels=1``.  Weights go in ``dtype`` (default
   ``cfg.param_dtype``) into safetensors shards of at most ``max_shard_size`` with an index
   (one ``model.safetensors`` when they fit).  Padded vocabulary rows are dropped.  Tokenizer
   files (and ``generation_config.json``) are copied from ``tokenizer_path`` (default: the

@@ -24,6 +24,10 @@ def token_logprobs(params: dict, tokens_BL: jax.Array, mask_BL: jax.Array, *, cf
     raise ValueError(f"start={start}: the first token has no prediction; use start >= 1")
   h, _ = forward(params, tokens_BL, positions_from_mask(mask_BL), mask_BL, cfg=cfg,
                  attn_impl=kernels.attention)
+  if cfg.final_softcap:
+    return logprob_entropy(h[:, start - 1:-1], unembedding(params, cfg), tokens_BL[:, start:],
+                           impl=kernels.logprob, block_v=kernels.logprob_block_v,
+                           softcap=cfg.final_softcap)
   return logprob_entropy(h[:, start - 1:-1], unembedding(params, cfg), tokens_BL[:, start:],
                          impl=kernels.logprob, block_v=kernels.logprob_block_v)
 

@@ -1,5 +1,10 @@
 """A Llama-family decoder as pure functions over a parameter pytree.
 
+The same functions run Qwen3 (q/k norms) and Gemma 2 / 3 (GeGLU, (1 + w) norms around
+attention and the MLP, scaled embeddings, soft-capping, interleaved sliding-window layers, a
+local rotary base): each variant is a :class:`~jaxrlhf.config.ModelConfig` field, off by
+default, and with all of them off the computation is the Llama one, operation for operation.
+
 Parameters are a dict of arrays; :func:`param_axes` gives the parallel tree of logical axes
 (see :mod:`jaxrlhf.mesh`).  Layers are stacked on a leading ``layers`` axis and scanned.
 Two heads share the backbone: ``"lm"`` (unembedding to the vocabulary: policy, reference) and
@@ -53,6 +58,10 @@ def param_axes(cfg: ModelConfig, head: str = "lm") -> dict:
   if cfg.qkv_bias:
     layers.update(bq=("layers", "heads", "head_dim"), bk=("layers", "kv_heads", "head_dim"),
                   bv=("layers", "kv_heads", "head_dim"))
+  if cfg.qk_norm:
+    layers.update(q_norm=("layers", "head_dim"), k_norm=("layers", "head_dim"))
+  if cfg.post_norms:
+    layers.update(post_attn_norm=("layers", "embed"), post_mlp_norm=("layers", "embed"))
   axes = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("embed",)}
   if head in ("lm", "lm+scalar") and not cfg.tie_embeddings:
     axes["unembed"] = ("embed", "vocab")
@@ -76,10 +85,14 @@ def param_shapes(cfg: ModelConfig, head: str = "lm") -> dict:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, head: str = "lm") -> dict:
-  """Random init: N(0, init_std) matrices, unit norms, zero biases."""
+  """Random init: N(0, init_std) matrices, unit norms (weights ``1 - norm_offset``), zero
+  biases."""
   _check_head(head)
   if cfg.n_heads % cfg.n_kv_heads:
     raise ValueError(f"n_heads={cfg.n_heads} must be a multiple of n_kv_heads={cfg.n_kv_heads}")
+  problems = cfg.architecture_problems()
+  if problems:
+    raise ValueError("; ".join(problems))
   shapes = param_shapes(cfg, head)
   dtype = _dtype(cfg.param_dtype)
   flat, treedef = jax.tree_util.tree_flatten_with_path(
@@ -88,7 +101,8 @@ def init_params(cfg: ModelConfig, key: jax.Array, head: str = "lm") -> dict:
   for i, (path, shape) in enumerate(flat):
     leaf_name = path[-1].key
     if "norm" in leaf_name:
-      leaves.append(jnp.ones(shape, dtype))
+      leaves.append(jnp.full(shape, 1.0 - cfg.norm_offset, dtype) if cfg.norm_offset else
+                    jnp.ones(shape, dtype))
     elif leaf_name in ("b", "bq", "bk", "bv"):
       leaves.append(jnp.zeros(shape, dtype))
     else:
@@ -129,17 +143,25 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
 # ------------------------------------------------------------------------------- forward
 
 
-def rms_norm(x, w, eps):
+def rms_norm(x, w, eps, offset: float = 0.0):
+  """RMSNorm over the last axis, scaled by ``w`` (``offset + w`` with an offset: Gemma's
+  ``1 + w``), in float32; the result in the dtype of ``x``."""
   xf = x.astype(jnp.float32)
   y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  if offset:
+    return (y * (offset + w.astype(jnp.float32))).astype(x.dtype)
   return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+def rope_frequencies(cfg: ModelConfig, local: bool = False) -> jax.Array:
   """The rotary inverse frequencies ``[head_dim / 2]``, with the checkpoint's scaling (see
   ``ModelConfig.rope_scaling``); computed in float64 numpy so they match the reference
-  implementations bit for bit before the cast."""
+  implementations bit for bit before the cast.  ``local``: those of the sliding-window layers
+  (``rope_local_theta``, unscaled), when the config gives them their own base."""
   d = cfg.head_dim
+  if local and cfg.rope_local_theta:
+    return jnp.asarray(cfg.rope_local_theta ** (-np.arange(0, d, 2, dtype=np.float64) / d),
+                       jnp.float32)
   inv = cfg.rope_theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
   if cfg.rope_scaling == "linear":
     inv = inv / cfg.rope_factor
@@ -202,23 +224,65 @@ def _matmul(x_BTI, w):
   return y.reshape((b, t) + out_shape)
 
 
+def _sliding(cfg: ModelConfig, li):
+  """Whether layer ``li`` (an int, or traced inside the layer scan) uses the sliding window:
+  a Python bool when every layer is alike or ``li`` is static, else a traced bool."""
+  if not cfg.sliding_window:
+    return False
+  if not cfg.layer_types:
+    return True
+  flags = [t == "sliding" for t in cfg.layer_types]
+  if all(flags) or not any(flags):
+    return flags[0]
+  if isinstance(li, int):
+    return flags[li]
+  return jnp.asarray(flags)[li]
+
+
+# A window no sequence reaches: what a full-attention layer gets when the window is traced.
+_NO_WINDOW = 2 ** 30
+
+
 def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offset, cache_kv):
-  """One decoder layer.  ``rope_cs``: the ``(cos, sin)`` pair of :func:`rope_tables`.
+  """One decoder layer.  ``rope_cs``: the ``(cos, sin)`` pair of :func:`rope_tables`, or
+  ``((cos, sin) global, (cos, sin) local)`` with a local rotary base.
   ``cache_kv`` is None or ``(k_LBKSD, v_LBKSD, layer)``: the *whole* cache and this layer's
   index; the new keys/values are written into it in place (one slot range of one layer) and it
-  is returned whole."""
+  is returned whole.  Without a cache, ``cache_kv`` may be ``(None, None, layer)``: the layer
+  index alone, for configs whose layers differ (sliding / full)."""
   cdt = _dtype(cfg.compute_dtype)
   lp = jax.tree.map(lambda p: p.astype(cdt), lp)
-  x = rms_norm(h_BTD, lp["attn_norm"], cfg.norm_eps)
+  off = cfg.norm_offset
+  sliding = _sliding(cfg, None if cache_kv is None else cache_kv[2])
+  if cfg.rope_local_theta:
+    global_cs, local_cs = rope_cs
+    if isinstance(sliding, bool):
+      rope_cs = local_cs if sliding else global_cs
+    else:
+      rope_cs = tuple(jnp.where(sliding, a, b) for a, b in zip(local_cs, global_cs))
+  attn_kw = {}
+  if cfg.query_pre_attn_scalar:
+    attn_kw["scale"] = cfg.query_pre_attn_scalar ** -0.5
+  if cfg.attn_softcap:
+    attn_kw["softcap"] = cfg.attn_softcap
+  if isinstance(sliding, bool):
+    if sliding:
+      attn_kw["window"] = cfg.sliding_window
+  else:
+    attn_kw["window"] = jnp.where(sliding, cfg.sliding_window, _NO_WINDOW)
+  x = rms_norm(h_BTD, lp["attn_norm"], cfg.norm_eps, off)
   q = _matmul(x, lp["wq"])
   k = _matmul(x, lp["wk"])
   v = _matmul(x, lp["wv"])
   if cfg.qkv_bias:
     q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+  if cfg.qk_norm:
+    q = rms_norm(q, lp["q_norm"], cfg.norm_eps, off)
+    k = rms_norm(k, lp["k_norm"], cfg.norm_eps, off)
   q = constrain(apply_rope(q, *rope_cs), ("batch", "seq", "heads", "head_dim"))
   k = constrain(apply_rope(k, *rope_cs), ("batch", "seq", "kv_heads", "head_dim"))
   v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-  if cache_kv is not None:
+  if cache_kv is not None and cache_kv[0] is not None:
     ck, cv, li = cache_kv
     at = (li, 0, 0, q_offset, 0)
     head_major = lambda x: x.astype(ck.dtype).transpose(0, 2, 1, 3)[None]  # [1, B, K, T, D]
@@ -226,16 +290,27 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
     cv = jax.lax.dynamic_update_slice(cv, head_major(v), at)
     k_all = jax.lax.dynamic_index_in_dim(ck, li, 0, keepdims=False)
     v_all = jax.lax.dynamic_index_in_dim(cv, li, 0, keepdims=False)
-    o = attention(q, k_all, v_all, kv_mask, q_offset, impl=attn_impl, kv_layout="bksd")
+    o = attention(q, k_all, v_all, kv_mask, q_offset, impl=attn_impl, kv_layout="bksd",
+                  **attn_kw)
     new_kv = (ck, cv)
   else:
-    o, new_kv = attention(q, k, v, kv_mask, q_offset, impl=attn_impl), None
-  h_BTD = h_BTD + constrain(_matmul(o, lp["wo"]), ("batch", "seq", "embed"))
-  x = rms_norm(h_BTD, lp["mlp_norm"], cfg.norm_eps)
+    o, new_kv = attention(q, k, v, kv_mask, q_offset, impl=attn_impl, **attn_kw), None
+  if cfg.post_norms:
+    a = rms_norm(_matmul(o, lp["wo"]), lp["post_attn_norm"], cfg.norm_eps, off)
+    h_BTD = h_BTD + constrain(a, ("batch", "seq", "embed"))
+  else:
+    h_BTD = h_BTD + constrain(_matmul(o, lp["wo"]), ("batch", "seq", "embed"))
+  x = rms_norm(h_BTD, lp["mlp_norm"], cfg.norm_eps, off)
   gate = _matmul(x, lp["w_gate"])
   up = _matmul(x, lp["w_up"])
-  act = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-  h_BTD = h_BTD + _matmul(act, lp["w_down"])
+  if cfg.mlp_activation == "gelu_tanh":
+    act = constrain(jax.nn.gelu(gate, approximate=True) * up, ("batch", "seq", "mlp"))
+  else:
+    act = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+  if cfg.post_norms:
+    h_BTD = h_BTD + rms_norm(_matmul(act, lp["w_down"]), lp["post_mlp_norm"], cfg.norm_eps, off)
+  else:
+    h_BTD = h_BTD + _matmul(act, lp["w_down"])
   return constrain(h_BTD, ("batch", "seq", "embed")), new_kv
 
 
@@ -248,7 +323,11 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
   slots ``cache.index .. +T`` and attend to every valid earlier slot.
   """
   cdt = _dtype(cfg.compute_dtype)
-  h = jnp.take(params["embed"], tokens_BT, axis=0).astype(cdt)
+  if cfg.embed_scale:  # Gemma: the scale rounded to the weights' dtype, as transformers does
+    emb = jnp.take(params["embed"], tokens_BT, axis=0)
+    h = (emb * jnp.asarray(cfg.d_model ** 0.5, emb.dtype)).astype(cdt)
+  else:
+    h = jnp.take(params["embed"], tokens_BT, axis=0).astype(cdt)
   h = constrain(h, ("batch", "seq", "embed"))
   if cache is None:
     q_offset, kv_mask = 0, mask_BT.astype(bool)
@@ -257,6 +336,10 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
     kv_mask = jax.lax.dynamic_update_slice_in_dim(cache.mask, mask_BT.astype(bool), q_offset, 1)
 
   rope_cs = rope_tables(positions_BT, rope_frequencies(cfg))
+  if cfg.rope_local_theta:
+    rope_cs = (rope_cs, rope_tables(positions_BT, rope_frequencies(cfg, local=True)))
+  # Layers that differ (sliding / full attention) need their index even without a cache.
+  per_layer = cfg.sliding_window > 0 or cfg.rope_local_theta > 0
   layer = functools.partial(_layer, cfg, attn_impl)
   if cfg.remat != "none":
     layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[cfg.remat], static_argnums=())
@@ -266,7 +349,11 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
   def step(carry, xs):
     h, kv = carry
     lp, li = xs
-    h, kv = layer(h, lp, rope_cs, kv_mask, q_offset, None if kv is None else (*kv, li))
+    if kv is not None:
+      layer_kv = (*kv, li)
+    else:
+      layer_kv = (None, None, li) if per_layer else None
+    h, kv = layer(h, lp, rope_cs, kv_mask, q_offset, layer_kv)
     return (h, kv), None
 
   kv = None if cache is None else (cache.k, cache.v)
@@ -276,7 +363,7 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
     for i in range(cfg.n_layers):
       lp = jax.tree.map(lambda p: p[i], params["layers"])
       (h, kv), _ = step((h, kv), (lp, i))
-  h = rms_norm(h, params["final_norm"].astype(cdt), cfg.norm_eps)
+  h = rms_norm(h, params["final_norm"].astype(cdt), cfg.norm_eps, cfg.norm_offset)
   new_cache = None
   if cache is not None:
     new_cache = KVCache(k=kv[0], v=kv[1], mask=kv_mask,
@@ -294,10 +381,13 @@ def unembedding(params: dict, cfg: ModelConfig) -> jax.Array:
 
 
 def lm_logits(params: dict, h_BTD: jax.Array, cfg: ModelConfig) -> jax.Array:
-  """Full logits in float32.  Only for a few positions (sampling); training code uses the
-  blockwise log-prob op instead."""
-  return jnp.einsum("btd,dv->btv", h_BTD, unembedding(params, cfg),
-                    preferred_element_type=jnp.float32)
+  """Full logits in float32 (soft-capped with ``cfg.final_softcap``).  Only for a few
+  positions (sampling); training code uses the blockwise log-prob op instead."""
+  logits = jnp.einsum("btd,dv->btv", h_BTD, unembedding(params, cfg),
+                      preferred_element_type=jnp.float32)
+  if cfg.final_softcap:
+    logits = jnp.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+  return logits
 
 
 def scalar_head(params: dict, h_BTD: jax.Array) -> jax.Array:

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from kernels.attention.reference import allowed_mask
 
 
-def attention_cudnn(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, scale=None):
+def attention_cudnn(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, scale=None,
+                    window=None):
   """Causal GQA attention with a key mask on cuDNN; a ValueError when cuDNN cannot run it."""
   if jax.default_backend() != "gpu":
     raise ValueError(f"kernels.attention='cudnn' needs an NVIDIA GPU (this backend is "
@@ -25,6 +26,6 @@ def attention_cudnn(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, scale=Non
   if q_BTHD.dtype not in (jnp.bfloat16, jnp.float16):
     raise ValueError(f"kernels.attention='cudnn' needs bfloat16 or float16 activations, got "
                      f"{q_BTHD.dtype}; set model.compute_dtype=bfloat16 or use another impl")
-  mask_B1TS = allowed_mask(q_BTHD.shape[1], kv_mask_BS, q_offset)[:, None]
+  mask_B1TS = allowed_mask(q_BTHD.shape[1], kv_mask_BS, q_offset, window)[:, None]
   return jax.nn.dot_product_attention(q_BTHD, k_BSKD, v_BSKD, mask=mask_B1TS, scale=scale,
                                       implementation="cudnn")

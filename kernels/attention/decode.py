@@ -10,7 +10,9 @@ log-sum-exp, and a tiny XLA epilogue combines them.  Only slots below ``q_offset
 filled part of the cache) are read, whatever the cache's capacity.
 
 Same contract as :func:`kernels.attention.reference.attention_reference`, except that a query
-row with no visible key gets output 0.  Forward only: the backward of this op (nobody
+row with no visible key gets output 0.  A sliding ``window`` travels with the offset
+(``off = [q_offset, window]``, may be traced; only the key blocks from the window's first on
+are read); ``softcap`` is static.  Forward only: the backward of this op (nobody
 differentiates through sampling) falls back to the reference's gradient.
 Under a device mesh each kernel runs on every device's shard (``kernels/_sharding.py``).
 """
@@ -27,8 +29,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels._backend import cdiv, padded
 from kernels._sharding import per_shard
-from kernels.attention.flash import (check_shapes, kernel_inputs, key_block, n_key_blocks,
-                                     softmax_finish, softmax_init, softmax_step)
+from kernels.attention.flash import (check_shapes, first_key_block, kernel_inputs, key_block,
+                                     n_key_blocks, softmax_finish, softmax_init, softmax_step,
+                                     visible)
 from kernels.attention.reference import attention_reference, check_layout, to_bskd
 
 _MASKED = -1e30
@@ -46,7 +49,7 @@ class DecodeBlockSizes:
 
 
 def _kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, s, g, d, dp, rp, scale, bk,
-            n_split):
+            n_split, softcap=None, windowed=False):
   # q_ref: [T*G, D] (row r = token r // G, query head r % G of this KV head).
   off = off_ref[0]
   rows = jnp.arange(rp)
@@ -57,14 +60,22 @@ def _kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, s, g, d, 
   q_slot = off + rows // g
   # This split's share of the key blocks holding filled slots [0, min(S, off + T)).
   n_blocks = n_key_blocks(off + t, s, bk)
-  per_split = cdiv(n_blocks, n_split)
-  lo = pl.program_id(2) * per_split
+  if windowed:  # the splits share only the blocks from the window's first one on
+    first = first_key_block(off_ref, off, bk, windowed)
+    per_split = cdiv(n_blocks - first, n_split)
+    lo = first + pl.program_id(2) * per_split
+  else:
+    per_split = cdiv(n_blocks, n_split)
+    lo = pl.program_id(2) * per_split
   hi = jnp.minimum(lo + per_split, n_blocks)
 
   def body(j, carry):
     cols, key_ok, k, v = key_block(k_ref, v_ref, m_ref, j * bk, bk, s, dp, d)
-    vis = (cols[None, :] <= q_slot[:, None]) & key_ok[None, :]
-    return softmax_step(carry, q, k, v, vis, scale)
+    if windowed:
+      vis = visible(cols, q_slot, key_ok, off_ref, windowed)
+    else:
+      vis = (cols[None, :] <= q_slot[:, None]) & key_ok[None, :]
+    return softmax_step(carry, q, k, v, vis, scale, softcap)
 
   # An empty split gets lse = _MASKED, so its weight in the combination is 0.
   o, lse = softmax_finish(jax.lax.fori_loop(lo, hi, body, softmax_init(rp, dp)), _MASKED)
@@ -72,7 +83,7 @@ def _kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, s, g, d, 
   plgpu.store(lse_ref.at[pl.ds(0, rp)], lse, mask=row_ok)
 
 
-def _decode_local(off, q5, k, v, kv_mask, *, bs, interpret, scale, kv_layout):
+def _decode_local(off, q5, k, v, kv_mask, *, bs, interpret, scale, kv_layout, softcap=None):
   """One shard: q5 [B, T, K, G, D] (query heads grouped by their KV head); k, v [B, S, K, D]
   or, with ``kv_layout="bksd"``, [B, K, S, D]."""
   b, t, kh, g, d = q5.shape
@@ -87,13 +98,18 @@ def _decode_local(off, q5, k, v, kv_mask, *, bs, interpret, scale, kv_layout):
     kv_spec = pl.BlockSpec((None, s, None, d), lambda bi, ki, si: (bi, 0, ki, 0))
   else:  # one program's [S, D] block is contiguous
     kv_spec = pl.BlockSpec((None, None, s, d), lambda bi, ki, si: (bi, ki, 0, 0))
+  extra = {}
+  if softcap is not None:
+    extra["softcap"] = softcap
+  if off.shape[0] == 2:  # [q_offset, window]
+    extra["windowed"] = True
   kernel = functools.partial(_kernel, t=t, s=s, g=g, d=d, dp=padded(d), rp=padded(rows),
-                             scale=scale, bk=bk, n_split=n_split)
+                             scale=scale, bk=bk, n_split=n_split, **extra)
   o_part, lse_part = pl.pallas_call(
       kernel,
       grid=(b, kh, n_split),
       in_specs=[
-          pl.BlockSpec((1,), lambda bi, ki, si: (0,)),
+          pl.BlockSpec((off.shape[0],), lambda bi, ki, si: (0,)),
           pl.BlockSpec((None, None, rows, d), lambda bi, ki, si: (bi, ki, 0, 0)),
           kv_spec,
           kv_spec,
@@ -117,35 +133,38 @@ def _decode_local(off, q5, k, v, kv_mask, *, bs, interpret, scale, kv_layout):
 
 
 @functools.lru_cache(maxsize=None)
-def _op(bs, interpret, scale, kv_layout):
+def _op(bs, interpret, scale, kv_layout, softcap=None):
   kv = " ".join(kv_layout)
+  extra = {} if softcap is None else {"softcap": softcap}
   return per_shard(functools.partial(_decode_local, bs=bs, interpret=interpret, scale=scale,
-                                     kv_layout=kv_layout),
+                                     kv_layout=kv_layout, **extra),
                    f"x, b t k g d, {kv}, {kv}, b s -> b t k g d",
                    replicated=("x", "t", "g", "d", "s"))
 
 
-def _decode(q, k, v, kv_mask, off, bs, interpret, scale, kv_layout):
+def _decode(q, k, v, kv_mask, off, bs, interpret, scale, kv_layout, softcap):
   b, t, h, d = q.shape
   kh = k.shape[kv_layout.index("k")]
   q5 = q.reshape(b, t, kh, h // kh, d)
-  return _op(bs, interpret, scale, kv_layout)(off, q5, k, v, kv_mask).reshape(q.shape)
+  return _op(bs, interpret, scale, kv_layout, softcap)(off, q5, k, v, kv_mask).reshape(q.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _decode_vjp(q, k, v, kv_mask, off, bs, interpret, scale, kv_layout):
-  return _decode(q, k, v, kv_mask, off, bs, interpret, scale, kv_layout)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _decode_vjp(q, k, v, kv_mask, off, bs, interpret, scale, kv_layout, softcap):
+  return _decode(q, k, v, kv_mask, off, bs, interpret, scale, kv_layout, softcap)
 
 
-def _decode_fwd(q, k, v, kv_mask, off, bs, interpret, scale, kv_layout):
-  return (_decode(q, k, v, kv_mask, off, bs, interpret, scale, kv_layout),
+def _decode_fwd(q, k, v, kv_mask, off, bs, interpret, scale, kv_layout, softcap):
+  return (_decode(q, k, v, kv_mask, off, bs, interpret, scale, kv_layout, softcap),
           (q, k, v, kv_mask, off))
 
 
-def _decode_bwd(bs, interpret, scale, kv_layout, res, do):
+def _decode_bwd(bs, interpret, scale, kv_layout, softcap, res, do):
   q, k, v, kv_mask, off = res
+  window = off[1] if off.shape[0] == 2 else None
   _, vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, kv_mask != 0, off[0],
-                                                       scale=scale, kv_layout=kv_layout),
+                                                       scale=scale, kv_layout=kv_layout,
+                                                       window=window, softcap=softcap),
                    q, k, v)
   return (*vjp(do), None, None)
 
@@ -155,12 +174,13 @@ _decode_vjp.defvjp(_decode_fwd, _decode_bwd)
 
 def decode_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *,
                      block_sizes: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False,
-                     scale: float | None = None, kv_layout: str = "bskd"):
+                     scale: float | None = None, kv_layout: str = "bskd", window=None,
+                     softcap: float | None = None):
   """Attention of T new tokens (slots ``q_offset ..``) over a KV cache; see the module doc.
   ``kv_layout="bksd"``: k and v are ``[B, K, S, D]`` (the cache's layout)."""
   check_layout(kv_layout)
   as_bskd = functools.partial(jax.eval_shape, functools.partial(to_bskd, kv_layout=kv_layout))
   check_shapes(q_BTHD, as_bskd(k_BSKD), as_bskd(v_BSKD), kv_mask_BS)
-  mask, off = kernel_inputs(kv_mask_BS, q_offset)
+  mask, off = kernel_inputs(kv_mask_BS, q_offset, window)
   return _decode_vjp(q_BTHD, k_BSKD, v_BSKD, mask, off, block_sizes, interpret, scale,
-                     kv_layout)
+                     kv_layout, softcap)

@@ -19,24 +19,38 @@ DECODE_MAX_T = 16
 
 
 def attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, impl: str = "auto",
-              kv_layout: str = "bskd"):
+              kv_layout: str = "bskd", scale=None, window=None, softcap=None):
   """Causal GQA attention; see :func:`attention_reference` for the contract.
 
   Rows with no visible key (left-pad queries) are unspecified: the reference and cuDNN give the
   mean of V, the Pallas kernels 0.  ``impl`` is one of :data:`IMPLS`.  ``kv_layout="bksd"``
   takes k and v as ``[B, K, S, D]`` (the KV cache's layout); the reference and the decode
   kernel read it as it is, flash and cuDNN (prefill) get a transposed copy.
+
+  ``scale`` (default ``head_dim ** -0.5``), ``window`` (sliding window, may be traced) and
+  ``softcap`` (logit soft-capping) as in the reference; None: off.  cuDNN takes a window
+  (through its mask) but no soft-capping: ``impl="cudnn"`` with ``softcap`` is an error.
   """
   check_layout(kv_layout)
   impl = resolve_impl("attention", impl, IMPLS, AUTO)
+  if impl == "cudnn" and softcap is not None:
+    raise ValueError("kernels.attention='cudnn' has no logit soft-capping (Gemma 2's "
+                     "attn_logit_softcapping); use kernels.attention=auto, pallas or xla")
+  # Gemma's options are passed only when set, so every other call is the plain one.
+  extra = {k: v for k, v in (("window", window), ("softcap", softcap)) if v is not None}
   if impl == "xla":
-    return attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset,
-                               kv_layout=kv_layout)
+    if scale is None and not extra:
+      return attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset,
+                                 kv_layout=kv_layout)
+    return attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset, scale=scale,
+                               kv_layout=kv_layout, **extra)
   interpret = impl == "pallas_interpret"
   if impl != "cudnn" and q_BTHD.shape[1] <= DECODE_MAX_T:
     return decode_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset, interpret=interpret,
-                            kv_layout=kv_layout)
+                            kv_layout=kv_layout, scale=scale, **extra)
   k_BSKD, v_BSKD = to_bskd(k_BSKD, kv_layout), to_bskd(v_BSKD, kv_layout)
   if impl == "cudnn":
-    return attention_cudnn(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset)
-  return flash_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset, interpret=interpret)
+    return attention_cudnn(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset, scale=scale,
+                           window=window)
+  return flash_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset, interpret=interpret,
+                         scale=scale, **extra)

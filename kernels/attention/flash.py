@@ -7,6 +7,11 @@ slot ``q_offset + t`` and sees key slot ``s`` iff ``s <= q_offset + t`` and ``kv
 with no visible key (a left-pad query) gets output 0 and zero gradient; the reference gives it
 the mean of V instead.  Callers never use those rows.
 
+Gemma's variants, both off unless given: a sliding ``window`` (may be traced: it travels with
+the offset, ``off = [q_offset, window]``; the forward and dQ kernels skip the key blocks wholly
+before the window) and logit soft-capping ``softcap`` (static; the backward kernels multiply
+the score gradient by ``1 - (capped / cap)^2``).  Without them the kernels are the plain ones.
+
 Kernels (FlashAttention-2 layout):
 * forward, grid ``(query blocks, B, H)``: online softmax over key blocks up to the causal
   bound (blocks wholly in the future are never visited); writes O and the row log-sum-exp.
@@ -78,10 +83,37 @@ def n_key_blocks(last_slot, s, bk):
   return jnp.minimum(cdiv(last_slot, bk), cdiv(s, bk))
 
 
-def softmax_step(carry, q, k, v, vis, scale):
+def scores(q, k, scale, softcap):
+  """The scaled (and, with ``softcap``, soft-capped) scores of a block, float32."""
+  sc = dot(q, k, trans_b=True) * scale
+  if softcap is not None:
+    sc = jnp.tanh(sc / softcap) * softcap
+  return sc
+
+
+def visible(cols, q_slot, key_ok, off_ref, windowed):
+  """[rows, keys] bool: causal, valid and (``windowed``: ``off_ref[1]`` is the window) within
+  the window."""
+  vis = (cols[None, :] <= q_slot[:, None]) & key_ok[None, :]
+  if windowed:
+    vis = vis & (cols[None, :] > q_slot[:, None] - off_ref[1])
+  return vis
+
+
+def first_key_block(off_ref, first_slot, bk, windowed):
+  """The first key block a query at ``first_slot`` or later can see: 0 without a window."""
+  if not windowed:
+    return 0
+  return jnp.maximum(first_slot - off_ref[1] + 1, 0) // bk
+
+
+def softmax_step(carry, q, k, v, vis, scale, softcap=None):
   """One key block of the online softmax; carry = (acc, running max m, running sum l)."""
   acc, m, l = carry
-  sc = jnp.where(vis, dot(q, k, trans_b=True) * scale, _MASKED)
+  if softcap is None:
+    sc = jnp.where(vis, dot(q, k, trans_b=True) * scale, _MASKED)
+  else:
+    sc = jnp.where(vis, scores(q, k, scale, softcap), _MASKED)
   m_new = jnp.maximum(m, jnp.max(sc, axis=1))
   rescale = jnp.exp(m - m_new)
   p = jnp.where(vis, jnp.exp(sc - m_new[:, None]), 0.0)
@@ -103,7 +135,7 @@ def softmax_finish(carry, lse_if_empty):
 
 
 def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, s, d, dp, scale,
-                bq, bk):
+                bq, bk, softcap=None, windowed=False):
   off = off_ref[0]
   t0 = pl.program_id(0) * bq
   rows = t0 + jnp.arange(bq)
@@ -112,11 +144,15 @@ def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, s, d,
 
   def body(j, carry):
     cols, key_ok, k, v = key_block(k_ref, v_ref, m_ref, j * bk, bk, s, dp, d)
-    vis = (cols[None, :] <= off + rows[:, None]) & key_ok[None, :]
-    return softmax_step(carry, q, k, v, vis, scale)
+    if windowed:
+      vis = visible(cols, off + rows, key_ok, off_ref, windowed)
+    else:
+      vis = (cols[None, :] <= off + rows[:, None]) & key_ok[None, :]
+    return softmax_step(carry, q, k, v, vis, scale, softcap)
 
   n_blocks = n_key_blocks(off + jnp.minimum(t, t0 + bq), s, bk)
-  o, lse = softmax_finish(jax.lax.fori_loop(0, n_blocks, body, softmax_init(bq, dp)), _BIG)
+  first = first_key_block(off_ref, off + t0, bk, windowed)
+  o, lse = softmax_finish(jax.lax.fori_loop(first, n_blocks, body, softmax_init(bq, dp)), _BIG)
   d_ok = jnp.arange(dp) < d
   plgpu.store(o_ref.at[pl.ds(t0, bq), pl.ds(0, dp)], o.astype(o_ref.dtype),
               mask=row_ok[:, None] & d_ok[None, :])
@@ -124,7 +160,7 @@ def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, s, d,
 
 
 def _dq_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, do_ref, lse_ref, delta_ref, dq_ref, *, t, s,
-               d, dp, scale, bq, bk):
+               d, dp, scale, bq, bk, softcap=None, windowed=False):
   off = off_ref[0]
   t0 = pl.program_id(0) * bq
   rows = t0 + jnp.arange(bq)
@@ -136,21 +172,31 @@ def _dq_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, do_ref, lse_ref, delta_ref, 
 
   def body(j, dq):
     cols, key_ok, k, v = key_block(k_ref, v_ref, m_ref, j * bk, bk, s, dp, d)
-    vis = (cols[None, :] <= off + rows[:, None]) & key_ok[None, :]
-    sc = jnp.where(vis, dot(q, k, trans_b=True) * scale, _MASKED)
+    if windowed:
+      vis = visible(cols, off + rows, key_ok, off_ref, windowed)
+    else:
+      vis = (cols[None, :] <= off + rows[:, None]) & key_ok[None, :]
+    if softcap is None:
+      sc = jnp.where(vis, dot(q, k, trans_b=True) * scale, _MASKED)
+    else:
+      capped = scores(q, k, scale, softcap)
+      sc = jnp.where(vis, capped, _MASKED)
     p = jnp.where(vis, jnp.exp(sc - lse[:, None]), 0.0)
     ds = p * (dot(do, v, trans_b=True) - delta[:, None])
+    if softcap is not None:
+      ds = ds * (1.0 - jnp.square(capped / softcap))
     return dq + dot(ds.astype(k.dtype), k)
 
   n_blocks = n_key_blocks(off + jnp.minimum(t, t0 + bq), s, bk)
-  dq = jax.lax.fori_loop(0, n_blocks, body, jnp.zeros((bq, dp), jnp.float32))
+  first = first_key_block(off_ref, off + t0, bk, windowed)
+  dq = jax.lax.fori_loop(first, n_blocks, body, jnp.zeros((bq, dp), jnp.float32))
   d_ok = jnp.arange(dp) < d
   plgpu.store(dq_ref.at[pl.ds(t0, bq), pl.ds(0, dp)], (dq * scale).astype(dq_ref.dtype),
               mask=row_ok[:, None] & d_ok[None, :])
 
 
 def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-                *, t, s, d, dp, scale, bq, bk, groups):
+                *, t, s, d, dp, scale, bq, bk, groups, softcap=None, windowed=False):
   # q_ref / do_ref: [T, G, D] (the query heads of this KV head); lse/delta: [G, T].
   off = off_ref[0]
   s0 = pl.program_id(0) * bk
@@ -168,11 +214,20 @@ def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, do_ref, lse_ref, delta_ref,
       do = _load_rows(do_ref, t0, row_ok, bq, dp, d, index=(g,))
       lse = plgpu.load(lse_ref.at[g, pl.ds(t0, bq)], mask=row_ok, other=_BIG)
       delta = plgpu.load(delta_ref.at[g, pl.ds(t0, bq)], mask=row_ok, other=0.0)
-      vis = (cols[None, :] <= off + rows[:, None]) & key_ok[None, :] & row_ok[:, None]
-      sc = jnp.where(vis, dot(q, k, trans_b=True) * scale, _MASKED)
+      if windowed:
+        vis = visible(cols, off + rows, key_ok, off_ref, windowed) & row_ok[:, None]
+      else:
+        vis = (cols[None, :] <= off + rows[:, None]) & key_ok[None, :] & row_ok[:, None]
+      if softcap is None:
+        sc = jnp.where(vis, dot(q, k, trans_b=True) * scale, _MASKED)
+      else:
+        capped = scores(q, k, scale, softcap)
+        sc = jnp.where(vis, capped, _MASKED)
       p = jnp.where(vis, jnp.exp(sc - lse[:, None]), 0.0)
       dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
       ds = p * (dot(do, v, trans_b=True) - delta[:, None])
+      if softcap is not None:
+        ds = ds * (1.0 - jnp.square(capped / softcap))
       dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)
       return dk, dv
 
@@ -192,27 +247,32 @@ _RULE_IN = "x, b t k g d, b s k d, b s k d, b s"
 _WHOLE = ("x", "t", "g", "d", "s")  # needed whole by every kernel
 
 
-def _statics(q5, k, scale, bq, bk):
+def _statics(q5, k, scale, bq, bk, off=None, softcap=None):
   b, t, kh, g, d = q5.shape
   s = k.shape[1]
   scale = d ** -0.5 if scale is None else scale
   bq, bk = min(bq, padded(t)), min(bk, padded(s))
-  return (b, t, kh, g, d, s), dict(t=t, s=s, d=d, dp=padded(d), scale=scale, bq=bq, bk=bk)
+  st = dict(t=t, s=s, d=d, dp=padded(d), scale=scale, bq=bq, bk=bk)
+  if softcap is not None:
+    st["softcap"] = softcap
+  if off is not None and off.shape[0] == 2:  # [q_offset, window]
+    st["windowed"] = True
+  return (b, t, kh, g, d, s), st
 
 
 # BlockSpecs over the grouped layout, for grids (blocks, B, H) and (blocks, B, K).
-def _head_specs(t, s, d, g):
+def _head_specs(t, s, d, g, n_off=1):
   return dict(
-      off=pl.BlockSpec((1,), lambda *_: (0,)),
+      off=pl.BlockSpec((n_off,), lambda *_: (0,)),
       q=pl.BlockSpec((None, t, None, None, d), lambda i, bi, hi: (bi, 0, hi // g, hi % g, 0)),
       kv=pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, hi // g, 0)),
       mask=pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0)),
       rows=pl.BlockSpec((None, None, None, t), lambda i, bi, hi: (bi, hi // g, hi % g, 0)))
 
 
-def _forward_local(off, q5, k, v, kv_mask, *, bs, interpret, scale):
-  (b, t, kh, g, d, s), st = _statics(q5, k, scale, bs.block_q, bs.block_k)
-  sp = _head_specs(t, s, d, g)
+def _forward_local(off, q5, k, v, kv_mask, *, bs, interpret, scale, softcap=None):
+  (b, t, kh, g, d, s), st = _statics(q5, k, scale, bs.block_q, bs.block_k, off, softcap)
+  sp = _head_specs(t, s, d, g, off.shape[0])
   return pl.pallas_call(
       functools.partial(_fwd_kernel, **st),
       grid=(cdiv(t, st["bq"]), b, kh * g),
@@ -226,9 +286,9 @@ def _forward_local(off, q5, k, v, kv_mask, *, bs, interpret, scale):
   )(off, q5, k, v, kv_mask)
 
 
-def _dq_local(off, q5, k, v, kv_mask, do5, lse4, delta4, *, bs, interpret, scale):
-  (b, t, kh, g, d, s), st = _statics(q5, k, scale, bs.block_q_bwd, bs.block_k_bwd)
-  sp = _head_specs(t, s, d, g)
+def _dq_local(off, q5, k, v, kv_mask, do5, lse4, delta4, *, bs, interpret, scale, softcap=None):
+  (b, t, kh, g, d, s), st = _statics(q5, k, scale, bs.block_q_bwd, bs.block_k_bwd, off, softcap)
+  sp = _head_specs(t, s, d, g, off.shape[0])
   return pl.pallas_call(
       functools.partial(_dq_kernel, **st),
       grid=(cdiv(t, st["bq"]), b, kh * g),
@@ -242,15 +302,16 @@ def _dq_local(off, q5, k, v, kv_mask, do5, lse4, delta4, *, bs, interpret, scale
   )(off, q5, k, v, kv_mask, do5, lse4, delta4)
 
 
-def _dkv_local(off, q5, k, v, kv_mask, do5, lse4, delta4, *, bs, interpret, scale):
-  (b, t, kh, g, d, s), st = _statics(q5, k, scale, bs.block_q_bwd, bs.block_k_bwd)
+def _dkv_local(off, q5, k, v, kv_mask, do5, lse4, delta4, *, bs, interpret, scale,
+               softcap=None):
+  (b, t, kh, g, d, s), st = _statics(q5, k, scale, bs.block_q_bwd, bs.block_k_bwd, off, softcap)
   group = pl.BlockSpec((None, t, None, g, d), lambda j, bi, ki: (bi, 0, ki, 0, 0))
   group_rows = pl.BlockSpec((None, None, g, t), lambda j, bi, ki: (bi, ki, 0, 0))
   kv = pl.BlockSpec((None, s, None, d), lambda j, bi, ki: (bi, 0, ki, 0))
   return pl.pallas_call(
       functools.partial(_dkv_kernel, groups=g, **st),
       grid=(cdiv(s, st["bk"]), b, kh),
-      in_specs=[pl.BlockSpec((1,), lambda *_: (0,)), group, kv, kv,
+      in_specs=[pl.BlockSpec((off.shape[0],), lambda *_: (0,)), group, kv, kv,
                 pl.BlockSpec((None, s), lambda j, bi, ki: (bi, 0)), group, group_rows,
                 group_rows],
       out_specs=[kv, kv],
@@ -262,9 +323,11 @@ def _dkv_local(off, q5, k, v, kv_mask, do5, lse4, delta4, *, bs, interpret, scal
 
 
 @functools.lru_cache(maxsize=None)
-def _ops(bs, interpret, scale):
+def _ops(bs, interpret, scale, softcap=None):
   """The three kernels as per-shard ops, built once per static configuration."""
   kw = dict(bs=bs, interpret=interpret, scale=scale)
+  if softcap is not None:
+    kw["softcap"] = softcap
   grads_in = _RULE_IN + ", b t k g d, b k g t, b k g t"
   return (
       per_shard(functools.partial(_forward_local, **kw), _RULE_IN + " -> b t k g d, b k g t",
@@ -280,23 +343,23 @@ def _group(x_BTHD, kh):
   return x_BTHD.reshape(b, t, kh, h // kh, d)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _flash(q, k, v, kv_mask, off, bs, interpret, scale):
-  o5, _ = _ops(bs, interpret, scale)[0](off, _group(q, k.shape[2]), k, v, kv_mask)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _flash(q, k, v, kv_mask, off, bs, interpret, scale, softcap):
+  o5, _ = _ops(bs, interpret, scale, softcap)[0](off, _group(q, k.shape[2]), k, v, kv_mask)
   return o5.reshape(q.shape)
 
 
-def _flash_fwd(q, k, v, kv_mask, off, bs, interpret, scale):
+def _flash_fwd(q, k, v, kv_mask, off, bs, interpret, scale, softcap):
   q5 = _group(q, k.shape[2])
-  o5, lse4 = _ops(bs, interpret, scale)[0](off, q5, k, v, kv_mask)
+  o5, lse4 = _ops(bs, interpret, scale, softcap)[0](off, q5, k, v, kv_mask)
   return o5.reshape(q.shape), (q5, k, v, kv_mask, off, o5, lse4)
 
 
-def _flash_bwd(bs, interpret, scale, res, do):
+def _flash_bwd(bs, interpret, scale, softcap, res, do):
   q5, k, v, kv_mask, off, o5, lse4 = res
   do5 = do.reshape(q5.shape)
   delta4 = jnp.einsum("btkgd,btkgd->bkgt", o5.astype(jnp.float32), do5.astype(jnp.float32))
-  _, dq_op, dkv_op = _ops(bs, interpret, scale)
+  _, dq_op, dkv_op = _ops(bs, interpret, scale, softcap)
   args = (off, q5, k, v, kv_mask, do5, lse4, delta4)
   dq5 = dq_op(*args)
   dk, dv = dkv_op(*args)
@@ -318,17 +381,21 @@ def check_shapes(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS):
     raise ValueError(f"attention: kv_mask {kv_mask_BS.shape} must be [B, S] = {k_BSKD.shape[:2]}")
 
 
-def kernel_inputs(kv_mask_BS, q_offset):
-  """The key mask as int32 (Triton has no bool memory) and the offset as an int32 [1] array."""
+def kernel_inputs(kv_mask_BS, q_offset, window=None):
+  """The key mask as int32 (Triton has no bool memory) and the offset as an int32 [1] array,
+  or ``[q_offset, window]`` [2] with a sliding window."""
   off = jnp.reshape(jnp.asarray(q_offset, jnp.int32), (1,))
+  if window is not None:
+    off = jnp.concatenate([off, jnp.reshape(jnp.asarray(window, jnp.int32), (1,))])
   return kv_mask_BS.astype(jnp.int32), off
 
 
 def flash_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *,
                     block_sizes: BlockSizes = BlockSizes(), interpret: bool = False,
-                    scale: float | None = None):
+                    scale: float | None = None, window=None, softcap: float | None = None):
   """Causal GQA attention with a key mask (see the module docstring); differentiable in
-  q, k and v through the Pallas backward kernels."""
+  q, k and v through the Pallas backward kernels.  ``window`` (may be traced) and ``softcap``
+  as in :func:`kernels.attention.reference.attention_reference`."""
   check_shapes(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS)
-  mask, off = kernel_inputs(kv_mask_BS, q_offset)
-  return _flash(q_BTHD, k_BSKD, v_BSKD, mask, off, block_sizes, interpret, scale)
+  mask, off = kernel_inputs(kv_mask_BS, q_offset, window)
+  return _flash(q_BTHD, k_BSKD, v_BSKD, mask, off, block_sizes, interpret, scale, softcap)

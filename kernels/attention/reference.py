@@ -8,16 +8,26 @@ import jax.numpy as jnp
 _MASKED = -1e30
 
 
-def allowed_mask(q_len: int, kv_mask_BS: jax.Array, q_offset) -> jax.Array:
-  """[B, T, S] bool: key slot s is visible from query t iff s <= q_offset + t and it is valid."""
+def allowed_mask(q_len: int, kv_mask_BS: jax.Array, q_offset, window=None) -> jax.Array:
+  """[B, T, S] bool: key slot s is visible from query t iff s <= q_offset + t and it is valid;
+  with a ``window`` (an int, possibly traced), also iff s > q_offset + t - window: the query
+  sees the last ``window`` slots, itself included (transformers' sliding window, which counts
+  cache slots, not rotary positions)."""
   s_len = kv_mask_BS.shape[1]
   q_slot = q_offset + jnp.arange(q_len)[:, None]
   causal_TS = jnp.arange(s_len)[None, :] <= q_slot
+  if window is not None:
+    causal_TS = causal_TS & (jnp.arange(s_len)[None, :] > q_slot - window)
   return causal_TS[None] & kv_mask_BS[:, None, :].astype(bool)
 
 
+def softcap_logits(x, cap):
+  """``cap * tanh(x / cap)`` (Gemma 2's logit soft-capping), in the dtype of ``x``."""
+  return jnp.tanh(x / cap) * cap
+
+
 def attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, scale=None,
-                        kv_layout: str = "bskd"):
+                        kv_layout: str = "bskd", window=None, softcap=None):
   """Grouped-query causal attention.
 
   q_BTHD: queries at slots ``q_offset .. q_offset+T-1``; k/v_BSKD: keys/values at slots
@@ -26,6 +36,8 @@ def attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, scale
   head's slots contiguous, what the score and output matmuls read without a transpose).
   Softmax in float32; output in the dtype of ``q``.  A query row with no visible key gets
   the mean of V here; other implementations may differ on such rows (they are never used).
+  ``window``: sliding-window attention (see :func:`allowed_mask`); ``softcap``: the scaled
+  logits are soft-capped (:func:`softcap_logits`) before masking.  None: off.
   """
   check_layout(kv_layout)
   b, t, h, d = q_BTHD.shape
@@ -40,7 +52,9 @@ def attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, scale
     q, k_BSKD, v_BSKD = (x.astype(jnp.float32) for x in (q, k_BSKD, v_BSKD))
   scores = jnp.einsum(f"btkgd,{kv}->bkgts", q, k_BSKD,
                       preferred_element_type=jnp.float32) * scale
-  allowed = allowed_mask(t, kv_mask_BS, q_offset)[:, None, None]
+  if softcap is not None:
+    scores = softcap_logits(scores, softcap)
+  allowed = allowed_mask(t, kv_mask_BS, q_offset, window)[:, None, None]
   scores = jnp.where(allowed, scores, _MASKED)
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum(f"bkgts,{kv}->btkgd", probs.astype(v_BSKD.dtype), v_BSKD,

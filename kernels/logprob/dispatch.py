@@ -13,16 +13,26 @@ IMPLS = ("auto", "xla", "pallas", "pallas_interpret", "naive")
 AUTO = {"gpu": "pallas"}
 
 
-def logprob_entropy(h_BTD, w_DV, targets_BT, *, impl: str = "auto", block_v: int = 8192):
+def logprob_entropy(h_BTD, w_DV, targets_BT, *, impl: str = "auto", block_v: int = 8192,
+                    softcap=None):
   """Per-token (log p(target), entropy), float32 ``[B, T]`` each, never materialising
   ``[B, T, V]`` logits unless ``impl="naive"`` (the reference, for tests and tiny vocabularies).
 
   ``impl`` is one of :data:`IMPLS`; ``block_v`` is the XLA path's vocabulary tile (the Pallas
   kernel uses its own on-chip tiles, :class:`kernels.logprob.pallas.BlockSizes`).
+  ``softcap``: the logits are ``softcap * tanh(logits / softcap)`` (Gemma 2), on every path.
   """
   impl = resolve_impl("logprob", impl, IMPLS, AUTO)
   if impl == "naive":
-    return logprob_entropy_reference(h_BTD, w_DV, targets_BT)
+    if softcap is None:
+      return logprob_entropy_reference(h_BTD, w_DV, targets_BT)
+    return logprob_entropy_reference(h_BTD, w_DV, targets_BT, softcap)
   if impl in ("pallas", "pallas_interpret"):
-    return logprob_entropy_pallas(h_BTD, w_DV, targets_BT, interpret=impl == "pallas_interpret")
-  return logprob_entropy_blockwise(h_BTD, w_DV, targets_BT, block_v=block_v)
+    if softcap is None:
+      return logprob_entropy_pallas(h_BTD, w_DV, targets_BT,
+                                    interpret=impl == "pallas_interpret")
+    return logprob_entropy_pallas(h_BTD, w_DV, targets_BT, interpret=impl == "pallas_interpret",
+                                  softcap=softcap)
+  if softcap is None:
+    return logprob_entropy_blockwise(h_BTD, w_DV, targets_BT, block_v=block_v)
+  return logprob_entropy_blockwise(h_BTD, w_DV, targets_BT, block_v=block_v, softcap=softcap)

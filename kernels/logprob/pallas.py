@@ -21,6 +21,8 @@ deterministic; the price is one extra recompute of the logits (4 matmul-equivale
 the minimal 3) and float32 read-modify-writes of the accumulators; see ``kernels/NOTES.md``.
 Ragged tails (N, V or D not multiples of the blocks) are handled with masked loads and stores,
 so nothing is padded or copied.  ``interpret=True`` runs the same kernels on any backend.
+With ``softcap`` (Gemma 2's final soft-capping) every tile's logits are ``c * tanh(z / c)``
+and the backward kernels multiply their logit gradient by ``1 - (capped / c)^2``.
 Under a device mesh each kernel runs on every device's shard (``kernels/_sharding.py``).
 """
 
@@ -71,15 +73,24 @@ def _logits_tile(h_ref, w_ref, row0, row_ok, col0, col_ok, *, d, bs, cdt):
   return jax.lax.fori_loop(0, cdiv(d, bd), body, jnp.zeros((bn, bv), jnp.float32))
 
 
-def _grad_logits(z, cols, tgt, lse, mu, g_logp, g_ent):
-  """dL/dz for one tile; zero on masked columns (z = -inf) and on masked rows (g = 0)."""
+def _cap(z, softcap):
+  return z if softcap is None else jnp.tanh(z / softcap) * softcap
+
+
+def _grad_logits(z, cols, tgt, lse, mu, g_logp, g_ent, softcap=None):
+  """dL/dz for one tile; zero on masked columns (z = -inf) and on masked rows (g = 0).  With
+  ``softcap``, ``z`` is the capped logits and the gradient is taken through the cap."""
   p = jnp.exp(z - lse[:, None])
   zf = jnp.where(z > -jnp.inf, z, 0.0)
   onehot = (cols[None, :] == tgt[:, None]).astype(jnp.float32)
-  return g_logp[:, None] * (onehot - p) - g_ent[:, None] * p * (zf - mu[:, None])
+  gz = g_logp[:, None] * (onehot - p) - g_ent[:, None] * p * (zf - mu[:, None])
+  if softcap is not None:
+    gz = gz * (1.0 - jnp.square(zf / softcap))
+  return gz
 
 
-def _fwd_kernel(h_ref, w_ref, t_ref, logp_ref, ent_ref, lse_ref, *, n, d, v, bs, cdt):
+def _fwd_kernel(h_ref, w_ref, t_ref, logp_ref, ent_ref, lse_ref, *, n, d, v, bs, cdt,
+                softcap=None):
   bn, bv = bs.block_n, bs.block_v
   row0 = pl.program_id(0) * bn
   row_ok = row0 + jnp.arange(bn) < n
@@ -90,7 +101,7 @@ def _fwd_kernel(h_ref, w_ref, t_ref, logp_ref, ent_ref, lse_ref, *, n, d, v, bs,
     cols = j * bv + jnp.arange(bv)
     col_ok = cols < v
     z = _logits_tile(h_ref, w_ref, row0, row_ok, j * bv, col_ok, d=d, bs=bs, cdt=cdt)
-    z = jnp.where(col_ok[None, :], z, -jnp.inf)
+    z = jnp.where(col_ok[None, :], _cap(z, softcap), -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(z, axis=1))
     rescale = jnp.exp(m - m_new)
     e = jnp.exp(z - m_new[:, None])
@@ -120,7 +131,7 @@ def _row_stats(refs, row0, row_ok, bn):
 
 
 def _dh_kernel(h_ref, w_ref, t_ref, lse_ref, mu_ref, gl_ref, ge_ref, dh_ref, *, n, d, v, bs,
-               cdt):
+               cdt, softcap=None):
   bn, bv, bd = bs.block_n, bs.block_v, bs.block_d
   row0 = pl.program_id(0) * bn
   row_ok = row0 + jnp.arange(bn) < n
@@ -131,8 +142,8 @@ def _dh_kernel(h_ref, w_ref, t_ref, lse_ref, mu_ref, gl_ref, ge_ref, dh_ref, *, 
     cols = j * bv + jnp.arange(bv)
     col_ok = cols < v
     z = _logits_tile(h_ref, w_ref, row0, row_ok, j * bv, col_ok, d=d, bs=bs, cdt=cdt)
-    z = jnp.where(col_ok[None, :], z, -jnp.inf)
-    gz = _grad_logits(z, cols, tgt, lse, mu, g_logp, g_ent).astype(cdt)
+    z = jnp.where(col_ok[None, :], _cap(z, softcap), -jnp.inf)
+    gz = _grad_logits(z, cols, tgt, lse, mu, g_logp, g_ent, softcap).astype(cdt)
 
     def d_body(k, carry):
       d_ok = k * bd + jnp.arange(bd) < d
@@ -151,7 +162,7 @@ def _dh_kernel(h_ref, w_ref, t_ref, lse_ref, mu_ref, gl_ref, ge_ref, dh_ref, *, 
 
 
 def _dw_kernel(off_ref, h_ref, w_ref, t_ref, lse_ref, mu_ref, gl_ref, ge_ref, dw_ref, *, n, d,
-               v, bs, cdt):
+               v, bs, cdt, softcap=None):
   # dw_ref: float32 [D, vc], the columns off .. off+vc of dW (one vocabulary chunk).
   bn, bv, bd = bs.block_n, bs.block_v, bs.block_d
   # program_id only at the top level: the interpreter does not substitute it inside loops.
@@ -166,8 +177,8 @@ def _dw_kernel(off_ref, h_ref, w_ref, t_ref, lse_ref, mu_ref, gl_ref, ge_ref, dw
     tgt, lse, mu, g_logp, g_ent = _row_stats((t_ref, lse_ref, mu_ref, gl_ref, ge_ref),
                                              row0, row_ok, bn)
     z = _logits_tile(h_ref, w_ref, row0, row_ok, col0, col_ok, d=d, bs=bs, cdt=cdt)
-    z = jnp.where(col_ok[None, :], z, -jnp.inf)
-    gz = _grad_logits(z, cols, tgt, lse, mu, g_logp, g_ent).astype(cdt)
+    z = jnp.where(col_ok[None, :], _cap(z, softcap), -jnp.inf)
+    gz = _grad_logits(z, cols, tgt, lse, mu, g_logp, g_ent, softcap).astype(cdt)
 
     def d_body(k, carry):
       d_ok = k * bd + jnp.arange(bd) < d
@@ -191,13 +202,16 @@ def _check(bs: BlockSizes):
       raise ValueError(f"logprob BlockSizes.{name}={size}: must be a power of two >= 16")
 
 
-def _statics(h_ND, w_DV, bs):
+def _statics(h_ND, w_DV, bs, softcap=None):
   n, d = h_ND.shape
-  return dict(n=n, d=d, v=w_DV.shape[1], bs=bs, cdt=jnp.promote_types(h_ND.dtype, w_DV.dtype))
+  st = dict(n=n, d=d, v=w_DV.shape[1], bs=bs, cdt=jnp.promote_types(h_ND.dtype, w_DV.dtype))
+  if softcap is not None:
+    st["softcap"] = softcap
+  return st
 
 
-def _forward_local(h_ND, w_DV, t_N, *, bs, interpret):
-  st = _statics(h_ND, w_DV, bs)
+def _forward_local(h_ND, w_DV, t_N, *, bs, interpret, softcap=None):
+  st = _statics(h_ND, w_DV, bs, softcap)
   f32 = jax.ShapeDtypeStruct((st["n"],), jnp.float32)
   return pl.pallas_call(
       functools.partial(_fwd_kernel, **st),
@@ -209,8 +223,8 @@ def _forward_local(h_ND, w_DV, t_N, *, bs, interpret):
   )(h_ND, w_DV, t_N)
 
 
-def _dh_local(h_ND, w_DV, t_N, lse, mu, g_logp, g_ent, *, bs, interpret):
-  st = _statics(h_ND, w_DV, bs)
+def _dh_local(h_ND, w_DV, t_N, lse, mu, g_logp, g_ent, *, bs, interpret, softcap=None):
+  st = _statics(h_ND, w_DV, bs, softcap)
   return pl.pallas_call(
       functools.partial(_dh_kernel, **st),
       grid=(cdiv(st["n"], bs.block_n),),
@@ -221,12 +235,12 @@ def _dh_local(h_ND, w_DV, t_N, lse, mu, g_logp, g_ent, *, bs, interpret):
   )(h_ND, w_DV, t_N, lse, mu, g_logp, g_ent).astype(h_ND.dtype)
 
 
-def _dw_local(h_ND, w_DV, t_N, lse, mu, g_logp, g_ent, *, bs, interpret):
+def _dw_local(h_ND, w_DV, t_N, lse, mu, g_logp, g_ent, *, bs, interpret, softcap=None):
   # dW one vocabulary chunk at a time: the float32 accumulator is [D, vocab_chunk], not
   # [D, V], and each finished chunk is stored in W's dtype.  Each column's gradient is whole
   # within one call (the sum over tokens is inside it), so the last chunk may be shifted back
   # to end at V and simply rewrite the columns it shares with the previous one.
-  st = _statics(h_ND, w_DV, bs)
+  st = _statics(h_ND, w_DV, bs, softcap)
   vc = min(bs.vocab_chunk, st["v"])
   dw_chunk = pl.pallas_call(
       functools.partial(_dw_kernel, **st),
@@ -248,10 +262,12 @@ def _dw_local(h_ND, w_DV, t_N, lse, mu, g_logp, g_ent, *, bs, interpret):
 
 
 @functools.lru_cache(maxsize=None)
-def _ops(bs, interpret):
+def _ops(bs, interpret, softcap=None):
   """The kernels as per-shard ops (tokens stay sharded; W is needed whole), built once per
   static configuration.  dW sums over tokens, so it is also summed across token shards."""
   kw = dict(bs=bs, interpret=interpret)
+  if softcap is not None:
+    kw["softcap"] = softcap
   grads_in = "n d, d v, n, n, n, n, n"
   return (per_shard(functools.partial(_forward_local, **kw), "n d, d v, n -> n, n, n",
                     replicated=("d", "v")),
@@ -261,23 +277,25 @@ def _ops(bs, interpret):
                     replicated=("d", "v"), reduced="n"))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fused(h_ND, w_DV, t_N, bs, interpret, backward):
-  logp, ent, _ = _ops(bs, interpret)[0](h_ND, w_DV, t_N)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fused(h_ND, w_DV, t_N, bs, interpret, backward, softcap):
+  logp, ent, _ = _ops(bs, interpret, softcap)[0](h_ND, w_DV, t_N)
   return logp, ent
 
 
-def _fused_fwd(h_ND, w_DV, t_N, bs, interpret, backward):
-  logp, ent, lse = _ops(bs, interpret)[0](h_ND, w_DV, t_N)
+def _fused_fwd(h_ND, w_DV, t_N, bs, interpret, backward, softcap):
+  logp, ent, lse = _ops(bs, interpret, softcap)[0](h_ND, w_DV, t_N)
   return (logp, ent), (h_ND, w_DV, t_N, lse, ent)
 
 
-def _fused_bwd(bs, interpret, backward, res, grads):
+def _fused_bwd(bs, interpret, backward, softcap, res, grads):
   if backward == "xla":  # same residuals; recomputes tiles in XLA with cuBLAS matmuls
-    return backward_blockwise(min(bs.vocab_chunk, res[1].shape[1]), res, grads)
+    if softcap is None:
+      return backward_blockwise(min(bs.vocab_chunk, res[1].shape[1]), res, grads)
+    return backward_blockwise(min(bs.vocab_chunk, res[1].shape[1]), res, grads, softcap)
   h_ND, w_DV, t_N, lse, ent = res
   g_logp, g_ent = (g.astype(jnp.float32) for g in grads)
-  _, dh_op, dw_op = _ops(bs, interpret)
+  _, dh_op, dw_op = _ops(bs, interpret, softcap)
   args = (h_ND, w_DV, t_N, lse, lse - ent, g_logp, g_ent)
   return dh_op(*args), dw_op(*args), None
 
@@ -286,8 +304,9 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def logprob_entropy_pallas(h_BTD, w_DV, targets_BT, *, block_sizes: BlockSizes = BlockSizes(),
-                           interpret: bool = False, backward: str = "pallas"):
-  """(log p(target) [B,T], entropy [B,T]) in float32 from the fused Pallas kernels.
+                           interpret: bool = False, backward: str = "pallas", softcap=None):
+  """(log p(target) [B,T], entropy [B,T]) in float32 from the fused Pallas kernels; with
+  ``softcap``, of the soft-capped logits.
 
   ``backward="pallas"`` differentiates with the two backward kernels; ``"xla"`` with the
   blockwise XLA backward over ``vocab_chunk``-wide tiles (same residuals), for comparison on
@@ -299,5 +318,5 @@ def logprob_entropy_pallas(h_BTD, w_DV, targets_BT, *, block_sizes: BlockSizes =
   b, t, d = h_BTD.shape
   logp, ent = _fused(h_BTD.reshape(b * t, d), w_DV,
                      targets_BT.reshape(b * t).astype(jnp.int32), block_sizes, interpret,
-                     backward)
+                     backward, softcap)
   return logp.reshape(b, t), ent.reshape(b, t)

@@ -12,6 +12,9 @@ unembedding is never copied or padded: tiles are ``dynamic_slice``s of it, and t
 when the vocabulary is not a multiple of ``block_v``, is shifted back to end at ``V`` with the
 columns it shares with the previous tile masked.  Each column of dW is produced whole by one
 tile (the sum over tokens is inside the matmul), so dW is written in place in W's own dtype.
+
+With ``softcap`` the logits are ``c * tanh(z / c)`` (Gemma 2); the backward multiplies the
+logit gradient by ``1 - tanh(z / c) ** 2``, read from the capped logits.
 """
 
 from __future__ import annotations
@@ -32,19 +35,21 @@ def _tile(w_DV, j, block_v):
   return jax.lax.dynamic_slice_in_dim(w_DV, start, block_v, axis=1), ids, fresh, start
 
 
-def _logits(h_ND, w_DC, fresh_C):
+def _logits(h_ND, w_DC, fresh_C, softcap=None):
   z = jnp.dot(h_ND, w_DC, preferred_element_type=jnp.float32)
+  if softcap is not None:
+    z = jnp.tanh(z / softcap) * softcap
   return jnp.where(fresh_C[None, :], z, -jnp.inf)
 
 
-def _forward(h_ND, w_DV, t_N, block_v):
+def _forward(h_ND, w_DV, t_N, block_v, softcap=None):
   n_tiles = -(-w_DV.shape[1] // block_v)
   n_tok = h_ND.shape[0]
 
   def body(carry, j):
     m, s, u, zt = carry
     w_DC, ids, fresh, _ = _tile(w_DV, j, block_v)
-    z = _logits(h_ND, w_DC, fresh)
+    z = _logits(h_ND, w_DC, fresh, softcap)
     m_new = jnp.maximum(m, jnp.max(z, axis=-1))
     rescale = jnp.exp(m - m_new)
     e = jnp.exp(z - m_new[:, None])
@@ -60,18 +65,22 @@ def _forward(h_ND, w_DV, t_N, block_v):
   return zt - lse, lse - u / s, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _logprob_entropy_flat(h_ND, w_DV, t_N, block_v):
-  logp, ent, _ = _forward(h_ND, w_DV, t_N, block_v)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _logprob_entropy_flat(h_ND, w_DV, t_N, block_v, softcap):
+  logp, ent, _ = _forward(h_ND, w_DV, t_N, block_v, softcap)
   return logp, ent
 
 
-def _fwd(h_ND, w_DV, t_N, block_v):
-  logp, ent, lse = _forward(h_ND, w_DV, t_N, block_v)
+def _fwd(h_ND, w_DV, t_N, block_v, softcap):
+  logp, ent, lse = _forward(h_ND, w_DV, t_N, block_v, softcap)
   return (logp, ent), (h_ND, w_DV, t_N, lse, ent)
 
 
-def backward_blockwise(block_v, res, grads):
+def _backward(block_v, softcap, res, grads):
+  return backward_blockwise(block_v, res, grads, softcap)
+
+
+def backward_blockwise(block_v, res, grads, softcap=None):
   """The backward pass from the residuals (h, W, targets, lse, entropy), blockwise over the
   vocabulary; shared with the Pallas forward (`kernels.logprob.pallas`, backward="xla")."""
   h_ND, w_DV, t_N, lse, ent = res
@@ -82,11 +91,13 @@ def backward_blockwise(block_v, res, grads):
   def body(carry, j):
     dh, dw = carry
     w_DC, ids, fresh, start = _tile(w_DV, j, block_v)
-    z = _logits(h_ND, w_DC, fresh)
+    z = _logits(h_ND, w_DC, fresh, softcap)
     p = jnp.exp(z - lse[:, None])  # zero on masked columns
     zf = jnp.where(fresh[None, :], z, 0.0)
     onehot = ((t_N[:, None] == ids[None, :]) & fresh[None, :]).astype(jnp.float32)
     gz = g_logp[:, None] * (onehot - p) - g_ent[:, None] * p * (zf - mu[:, None])
+    if softcap is not None:  # through the cap: d(c tanh(x/c))/dx = 1 - (capped / c)^2
+      gz = gz * (1.0 - jnp.square(zf / softcap))
     dh = dh + jnp.dot(gz.astype(w_DC.dtype), w_DC.T, preferred_element_type=jnp.float32)
     dw_DC = jnp.dot(h_ND.T, gz.astype(h_ND.dtype), preferred_element_type=jnp.float32)
     old = jax.lax.dynamic_slice_in_dim(dw, start, block_v, axis=1)
@@ -98,13 +109,15 @@ def backward_blockwise(block_v, res, grads):
   return dh.astype(h_ND.dtype), dw, None
 
 
-_logprob_entropy_flat.defvjp(_fwd, backward_blockwise)
+_logprob_entropy_flat.defvjp(_fwd, _backward)
 
 
-def logprob_entropy_blockwise(h_BTD, w_DV, targets_BT, *, block_v: int = 8192):
-  """(log p(target) [B,T], entropy [B,T]) in float32, blockwise over the vocabulary."""
+def logprob_entropy_blockwise(h_BTD, w_DV, targets_BT, *, block_v: int = 8192, softcap=None):
+  """(log p(target) [B,T], entropy [B,T]) in float32, blockwise over the vocabulary; with
+  ``softcap``, of the soft-capped logits."""
   b, t, d = h_BTD.shape
   block_v = min(block_v, w_DV.shape[1])
   logp, ent = _logprob_entropy_flat(h_BTD.reshape(b * t, d), w_DV,
-                                    targets_BT.reshape(b * t).astype(jnp.int32), block_v)
+                                    targets_BT.reshape(b * t).astype(jnp.int32), block_v,
+                                    softcap)
   return logp.reshape(b, t), ent.reshape(b, t)

@@ -73,12 +73,14 @@ def char_tokenizer() -> transformers.PreTrainedTokenizerFast:
       unk_token="<unk>")
 
 
-def redraw(model: torch.nn.Module, gen: torch.Generator):
-  """Weights large enough that every one of them shows in the logits."""
+def redraw(model: torch.nn.Module, gen: torch.Generator, norm_delta: bool = False):
+  """Weights large enough that every one of them shows in the logits.  ``norm_delta``: the
+  norms store ``w`` of ``(1 + w)`` (Gemma), drawn around 0 so the scale stays near 1."""
   with torch.no_grad():
     for name, p in model.named_parameters():
       if "norm" in name:
-        p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+        p.copy_((torch.rand(p.shape, generator=gen) - 0.5) if norm_delta else
+                0.5 + torch.rand(p.shape, generator=gen))
       elif name.endswith("bias"):
         p.copy_(0.5 * torch.randn(p.shape, generator=gen))
       else:
