@@ -1,0 +1,151 @@
+"""The whole experiment: which stages run, every section, and :func:`validate`, which collects
+every problem of a config (each stage's ``check``, the data settings, the sinks) before any work."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import typing
+from typing import Literal, Optional
+
+from jaxrlhf.config.sections import (CheckpointConfig, ConfigError, DataConfig, DistributedConfig,
+                                     KernelsConfig, LoggingConfig, MeshConfig, ModelConfig,
+                                     PlanConfig, PoolsConfig, RolloutConfig, SINK_PACKAGES, Sink)
+from jaxrlhf.config.stages import DPOConfig, GRPOConfig, PPOConfig, RMConfig, SFTConfig, _Checks
+
+
+# The stages an experiment can run; each has a config field of the same name here and an
+# AlgorithmSpec registered under that name (jaxrlhf/train/spec.py).
+Stage = Literal["sft", "rm", "ppo", "grpo", "dpo"]
+
+
+STAGE_NAMES: tuple[str, ...] = typing.get_args(Stage)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  name: str = "unnamed"
+  description: str = ""
+  # Dotted fields the command line must set before the experiment can run (templates for the
+  # user's model and data), e.g. ("model.hf_path", "data.tokenizer"); see validate().
+  required: tuple[str, ...] = ()
+  seed: int = 0
+  # The stages run in order; each later stage starts from the earlier stages' results.
+  stages: tuple[Stage, ...] = ("sft",)
+  model: ModelConfig = ModelConfig()
+  # Reward / value / guard models; None means "same shape as model".
+  reward_model: Optional[ModelConfig] = None
+  value_model: Optional[ModelConfig] = None
+  guard_model: Optional[ModelConfig] = None
+  mesh: MeshConfig = MeshConfig()
+  distributed: DistributedConfig = DistributedConfig()
+  rollout: RolloutConfig = RolloutConfig()
+  sft: SFTConfig = SFTConfig()
+  rm: RMConfig = RMConfig()
+  ppo: PPOConfig = PPOConfig()
+  grpo: GRPOConfig = GRPOConfig()
+  dpo: DPOConfig = DPOConfig()
+  data: DataConfig = DataConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  logging: LoggingConfig = LoggingConfig()
+  kernels: KernelsConfig = KernelsConfig()
+  plan: PlanConfig = PlanConfig()
+  pools: PoolsConfig = PoolsConfig()
+
+  def role_model(self, role: str) -> ModelConfig:
+    """The model config of a role: policy, reference, reward, value or guard."""
+    if role in ("policy", "reference"):
+      return self.model
+    other = {"reward": self.reward_model, "value": self.value_model,
+             "guard": self.guard_model}.get(role, "missing")
+    if other == "missing":
+      raise ConfigError(f"unknown role {role!r}; valid: policy, reference, reward, value, guard")
+    return other if other is not None else self.model
+
+
+def validate(cfg: "ExperimentConfig", required: bool = True) -> "ExperimentConfig":
+  """Raises ConfigError for values no run can use, naming the field and the fix; returns
+  ``cfg``.  Checked before any work, so a bad setting of a late stage (PPO after SFT and the
+  reward model) stops the run at once instead of after the earlier stages have trained.  Checks
+  that need the data or the mesh stay with the code that has them.  ``required=False`` skips
+  :attr:`ExperimentConfig.required` (to print a template's config)."""
+  problems, missing = [], []
+  for field in cfg.required if required else ():
+    value = cfg
+    for part in field.split("."):
+      value = getattr(value, part, None)
+    if value in (None, "", ()):
+      missing.append(field)
+  if missing:
+    problems.append("this experiment is a template for your model and data; set "
+                    + " ".join(f"--set={f}=..." for f in missing)
+                    + f" ({', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set)")
+
+  c = _Checks()
+  c.problems = problems
+  for role, m in (("model", cfg.model), ("reward_model", cfg.reward_model),
+                  ("value_model", cfg.value_model), ("guard_model", cfg.guard_model)):
+    if m is None:
+      continue
+    c.at_least(m, role, ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                         "head_dim", "mlp_dim", "max_seq_len"), 1)
+    if m.n_heads >= 1 and m.n_kv_heads >= 1 and m.n_heads % m.n_kv_heads:
+      problems.append(f"{role}.n_heads={m.n_heads} is not a multiple of {role}.n_kv_heads="
+                      f"{m.n_kv_heads}: each key/value head serves a whole group of query heads; "
+                      f"pick n_kv_heads dividing n_heads")
+    problems += m.architecture_problems(role)
+  c.at_least(cfg.data, "data", ("max_prompt_len", "max_response_len", "eval_size"), 1)
+  _validate_data(cfg, problems)
+  for name in cfg.stages:
+    getattr(cfg, name).check(name, cfg, c)
+  problems += sink_problems(cfg.logging.sinks)
+  problems = list(dict.fromkeys(problems))  # rollout checks repeat for PPO and GRPO
+  if problems:
+    raise ConfigError(f"{cfg.name}: " + "; ".join(problems))
+  return cfg
+
+
+def sink_problems(sinks) -> list[str]:
+  """What stops ``logging.sinks`` from working here: an unknown sink, or one whose package is
+  not installed (checked without importing it, before any work)."""
+  problems = []
+  valid = typing.get_args(Sink)
+  for name in sinks:
+    if name not in valid:
+      problems.append(f"logging.sinks: unknown sink {name!r}; choose from {', '.join(valid)}")
+    elif name in SINK_PACKAGES and importlib.util.find_spec(SINK_PACKAGES[name][0]) is None:
+      module, extra = SINK_PACKAGES[name]
+      problems.append(f"logging.sinks has {name!r} but the {module} package is not installed: "
+                      f"pip install -e '.[{extra}]' (or drop {name} from logging.sinks)")
+  return problems
+
+
+# The kind of held-out data each stage evaluates on: greedy answers on prompts with an
+# "answer" (exact match), or preference pairs (pair accuracy).
+EVAL_KIND = {"sft": "prompts", "rm": "pairs", "ppo": "prompts", "grpo": "prompts",
+             "dpo": "pairs"}
+
+
+def _validate_data(cfg: "ExperimentConfig", problems: list) -> None:
+  d = cfg.data
+  targets = []
+  for item in d.fields:
+    src, sep, dst = item.partition(":")
+    if not sep or not src.strip() or not dst.strip() or ":" in dst:
+      problems.append(f"data.fields: {item!r} is not SOURCE:TARGET; write e.g. "
+                      f"data.fields=question:prompt,solution:answer")
+    else:
+      targets.append(dst.strip())
+  for dup in sorted({t for t in targets if targets.count(t) > 1}):
+    problems.append(f"data.fields: two columns are renamed to {dup!r}; keep one")
+  if not (math.isfinite(d.eval_split) and 0.0 <= d.eval_split < 1.0):
+    problems.append(f"data.eval_split={d.eval_split!r}: must be in [0, 1) (e.g. 0.05 holds out "
+                    f"5% of each training file; 0 turns it off)")
+  kinds = sorted({EVAL_KIND[s] for s in cfg.stages})
+  if d.task == "jsonl" and d.eval_path and len(kinds) > 1:
+    problems.append(f"data.eval_path={d.eval_path!r} serves every stage, but the stages "
+                    f"({', '.join(cfg.stages)}) read different kinds of data ({', '.join(kinds)}); "
+                    f"give each its own: " + " ".join(f"--set=data.{k}_eval_path=FILE"
+                                                      for k in kinds)
+                    + " (or --set=data.eval_split=0.05 to hold out part of each training file)")

@@ -1,0 +1,341 @@
+"""The frozen, typed sections of a run's configuration other than the stages: the model, mesh,
+rollout, optimizer, KL, rewards, data, checkpoints, logging, kernels, planning and pools; and
+:class:`ConfigError`, the one error a bad setting raises."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+
+class ConfigError(ValueError):
+  """A user-facing configuration error: the message names the field and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU), with the Qwen3 / Gemma variants
+  below (off by default)."""
+
+  vocab_size: int = 512
+  d_model: int = 128
+  n_layers: int = 2
+  n_heads: int = 4
+  n_kv_heads: int = 4
+  head_dim: int = 32
+  mlp_dim: int = 512
+  max_seq_len: int = 256
+  rope_theta: float = 10000.0
+  # Rotary frequency scaling of long-context checkpoints: "none"; "linear" (every frequency
+  # divided by rope_factor); "llama3" (Llama 3.1+: wavelengths longer than
+  # rope_original_max_len / rope_low_freq_factor divided by rope_factor, those shorter than
+  # rope_original_max_len / rope_high_freq_factor kept, a smooth ramp between).
+  rope_scaling: Literal["none", "linear", "llama3"] = "none"
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 8192
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  # Qwen2-style biases on the q/k/v projections.
+  qkv_bias: bool = False
+  param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+  compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+  # What the backward pass keeps: "none" keeps everything, "full" recomputes each layer,
+  # "dots" keeps matmul outputs only, "dots_no_batch" keeps weight-only matmuls.
+  remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+  scan_layers: bool = True
+  init_std: float = 0.02
+  # How a scalar-head model (reward, guard) turns per-token scores into one sequence score:
+  # "last" reads the last real token (the usual reward model); "mean" averages the response
+  # tokens, so each token's score only has to judge that token.
+  score_pool: Literal["last", "mean"] = "last"
+  # Load weights from a local Hugging Face model directory (issue: HF interop).
+  hf_path: str = ""
+  # The checkpoint's real vocabulary when ``vocab_size`` was padded up to a multiple of ``tp``
+  # (jaxrlhf.model.hf); ids at or above it are padding that must never be sampled.  0: no padding.
+  unpadded_vocab_size: int = 0
+  # Architecture variants of other families (Qwen3, Gemma 2 / 3; docs/hf.md).  Every one is
+  # off by default, and off it leaves the Llama computation exactly as it is.
+  # Qwen3 / Gemma 3: an RMSNorm over head_dim on q and k (one weight, shared by the heads),
+  # before the rotary embedding.
+  qk_norm: bool = False
+  # Gemma: every RMSNorm scales by (norm_offset + w), so a stored weight is a delta from 1.
+  norm_offset: float = 0.0
+  # Gemma 2 / 3: RMSNorms on the attention and MLP outputs too, before each residual add.
+  post_norms: bool = False
+  # The gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, tanh approximation).
+  mlp_activation: Literal["silu", "gelu_tanh"] = "silu"
+  # Gemma: token embeddings multiplied by sqrt(d_model) (rounded to the parameter dtype).
+  embed_scale: bool = False
+  # Attention logits scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5.  0: off.
+  query_pre_attn_scalar: float = 0.0
+  # Gemma 2: logits soft-capped as cap * tanh(x / cap), in attention and at the LM head.  0: off.
+  attn_softcap: float = 0.0
+  final_softcap: float = 0.0
+  # Sliding-window attention: a query sees the last sliding_window slots (itself included), on
+  # the layers that layer_types marks "sliding" (all layers when layer_types is empty).  0: off.
+  sliding_window: int = 0
+  # Per layer, "full" or "sliding" attention (Gemma's interleaving).  Empty: every layer alike.
+  layer_types: tuple[str, ...] = ()
+  # Gemma 3: the rotary base of the sliding layers, which use no rope scaling.  0: rope_theta
+  # (and its scaling) on every layer.
+  rope_local_theta: float = 0.0
+
+  @property
+  def group_size(self) -> int:
+    return self.n_heads // self.n_kv_heads
+
+  def num_params(self, head: str = "lm") -> int:
+    d, f, v, l = self.d_model, self.mlp_dim, self.vocab_size, self.n_layers
+    attn = d * self.head_dim * (self.n_heads * 2 + self.n_kv_heads * 2)
+    if self.qkv_bias:
+      attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
+    if self.qk_norm:
+      attn += 2 * self.head_dim
+    per_layer = attn + 3 * d * f + (4 if self.post_norms else 2) * d
+    total = v * d + l * per_layer + d
+    if head == "lm" and not self.tie_embeddings:
+      total += d * v
+    if head == "scalar":
+      total += d + 1
+    return total
+
+  def architecture_problems(self, prefix: str = "model") -> list[str]:
+    """What is inconsistent among the family fields above, one message per problem."""
+    out = []
+    if self.layer_types:
+      bad = sorted(set(self.layer_types) - {"full", "sliding"})
+      if bad:
+        out.append(f"{prefix}.layer_types has {bad}: each entry is 'full' or 'sliding'")
+      if len(self.layer_types) != self.n_layers:
+        out.append(f"{prefix}.layer_types has {len(self.layer_types)} entries for "
+                   f"{prefix}.n_layers={self.n_layers}: give one per layer (or none)")
+      if "sliding" in self.layer_types and self.sliding_window < 1:
+        out.append(f"{prefix}.layer_types has 'sliding' layers but {prefix}.sliding_window="
+                   f"{self.sliding_window}: set the window (in tokens)")
+    if self.sliding_window < 0:
+      out.append(f"{prefix}.sliding_window={self.sliding_window}: must be >= 0 (0 is off)")
+    for n in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "rope_local_theta"):
+      v = getattr(self, n)
+      if not (math.isfinite(v) and v >= 0):
+        out.append(f"{prefix}.{n}={v!r}: must be a number >= 0 (0 is off)")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh ``dp x fsdp x tp``; -1 on one axis means "all remaining devices"."""
+
+  dp: int = -1
+  fsdp: int = 1
+  tp: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """Multi-process (multi-host) start-up; used only when asked for (see BUILD.md)."""
+
+  enabled: bool = False
+  coordinator_address: str = ""
+  num_processes: int = 0
+  process_id: int = -1
+  # CPU collectives for multi-process CPU runs (tests, laptops): "gloo" or "none".
+  cpu_collectives: Literal["gloo", "none"] = "gloo"
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """Generation: sampling settings and lengths."""
+
+  max_new_tokens: int = 16
+  temperature: float = 1.0
+  top_k: int = 0  # 0: off
+  top_p: float = 1.0  # 1.0: off
+  # Extra token ids that end a sequence besides the tokenizer's EOS.
+  stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """optax AdamW with warm-up + decay, global-norm clipping, gradient accumulation."""
+
+  lr: float = 1e-3
+  schedule: Literal["constant", "cosine", "linear"] = "cosine"
+  warmup_steps: int = 10
+  # Final learning rate as a fraction of ``lr`` for decaying schedules.
+  end_lr_ratio: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0  # 0: off
+  grad_accum: int = 1
+  # A step whose loss or gradients are not finite is skipped; this many in a row stop the run.
+  max_consecutive_skips: int = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class KLConfig:
+  """KL to the frozen reference.  ``logr = logp_ref - logp`` per token."""
+
+  coef: float = 0.05
+  estimator: Literal["k1", "k2", "k3"] = "k1"
+  # "reward": -coef * kl per token in the reward (PPO).  "loss": coef * mean kl in the loss (GRPO).
+  placement: Literal["reward", "loss"] = "reward"
+  adaptive: bool = False
+  target: float = 6.0
+  horizon: int = 10000
+  # logr is clamped to [-clamp_logr, clamp_logr] before the estimator; the estimate to
+  # [-clamp_kl, clamp_kl] after it.
+  clamp_logr: float = 20.0
+  clamp_kl: float = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+  """Where rewards come from and how they are normalised."""
+
+  # Weighted sources: "model" (the learned reward model), "rule:NAME" (a jittable rule from
+  # jaxrlhf.rewards), "host:NAME" (a host Python function).  Weights align with sources.
+  sources: tuple[str, ...] = ("model",)
+  weights: tuple[float, ...] = (1.0,)
+  normalize: Literal["none", "batch", "running"] = "none"
+  clip: float = 0.0  # 0: off; else rewards are clipped to [-clip, clip] after normalisation
+  # Sequences without EOS within max_new_tokens: "none", "penalty" (add missing_eos_penalty),
+  # or "mask" (drop from the update).
+  missing_eos: Literal["none", "penalty", "mask"] = "none"
+  missing_eos_penalty: float = -1.0
+  # Reward-hacking guard: a smaller scalar-head classifier.
+  guard: bool = False
+  guard_threshold: float = 0.5
+  guard_action: Literal["penalty", "mask"] = "penalty"
+  guard_penalty: float = -1.0
+  # A host reward that raises or returns a non-number for a response: "mask" scores it as
+  # unscorable (masked out of the update, counted in reward/host_errors and
+  # reward/host_invalid); "raise" stops the run with the function's error.
+  host_errors: Literal["mask", "raise"] = "mask"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  # A built-in synthetic task ("addition") or "jsonl" for the user's files below.
+  task: str = "addition"
+  digits: int = 2
+  # Write the sum least-significant digit first ("07+45=" -> "250"): each digit then depends
+  # only on two operand digits and the carry already written, which small models learn fast.
+  reverse_answer: bool = False
+  seed: int = 0
+  eval_size: int = 256
+  # "char" (built-in tokenizer for synthetic tasks) or a local transformers tokenizer directory.
+  tokenizer: str = "char"
+  prompts_path: str = ""  # JSONL {"prompt", optional "answer"}
+  sft_path: str = ""  # JSONL {"prompt", "response"}
+  pairs_path: str = ""  # JSONL {"prompt", "chosen", "rejected"}
+  eval_path: str = ""
+  max_prompt_len: int = 16
+  max_response_len: int = 16
+  # Over-long prompts and responses (files only): "error" stops with file:line, "truncate" cuts
+  # them (a prompt keeps its last tokens, a response its first), "skip" drops the example;
+  # truncations and skips are reported.
+  overlong: Literal["error", "truncate", "skip"] = "error"
+  # How each data file is read: "auto" by its name (a .parquet file, a folder written by
+  # datasets' save_to_disk, else JSONL), or one format for all of them.
+  format: Literal["auto", "jsonl", "parquet", "hf_disk"] = "auto"
+  # Column renames applied to every row before use, "SOURCE:TARGET" pairs, e.g.
+  # ("question:prompt", "solution:answer"); other columns pass through to host rewards.
+  fields: tuple[str, ...] = ()
+  # Evaluation data per kind of file; empty: data.eval_path if set, else split off the training
+  # file by data.eval_split, else the first data.eval_size training examples (said on the
+  # console: they are not held out).
+  # SFT, PPO and GRPO evaluate greedy answers on prompts with an "answer"; RM and DPO
+  # evaluate preference pairs.
+  prompts_eval_path: str = ""
+  pairs_eval_path: str = ""
+  # > 0: this fraction of each training file (chosen by data.seed) is held out for evaluation
+  # and never trained on (at most data.eval_size examples of it are evaluated).
+  eval_split: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  enabled: bool = True
+  every_steps: int = 50
+  every_seconds: float = 0.0  # 0: off
+  keep: int = 2
+  best_metric: str = ""  # e.g. "eval/accuracy"; empty: no best-checkpoint tracking
+  best_mode: Literal["max", "min"] = "max"
+  async_save: bool = True
+
+
+Sink = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
+
+
+# sink -> (the module it needs, the extra that installs it); the others come with jaxrlhf.
+SINK_PACKAGES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+  every_steps: int = 1
+  console: bool = True
+  # Where the console is not a terminal (CI logs), one plain line per stage at most this often
+  # (plus each stage's first and last step); on a terminal the bar updates in place.
+  console_every_s: float = 10.0
+  # Metrics shown on the console line, when present.
+  console_keys: tuple[str, ...] = ("loss", "reward/mean", "kl/mean", "eval/accuracy",
+                                   "eval/pair_accuracy", "time/step_s")
+  # Where metrics go besides the console: "jsonl" (WORKDIR/metrics.jsonl, always written),
+  # "tensorboard", "wandb", "mlflow" (docs/observability.md).
+  sinks: tuple[Sink, ...] = ("jsonl", "tensorboard")
+  # A sink other than jsonl that raises mid-run: "disable" reports it once and trains on
+  # without it; "stop" ends the run (the checkpoints written so far are kept).
+  sink_errors: Literal["disable", "stop"] = "disable"
+  # Run the step as separately-timed phases (generation, scoring, update) to see where the
+  # time goes; the default one-program step reports total time only.
+  phase_timing: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelsConfig:
+  """Which implementation each hot op uses: "auto" picks by backend (Pallas on GPU, XLA
+  elsewhere); "pallas_interpret" runs the Pallas kernels in the slow interpreter (debugging)."""
+
+  logprob: Literal["auto", "xla", "pallas", "pallas_interpret", "naive"] = "auto"
+  attention: Literal["auto", "xla", "pallas", "pallas_interpret", "cudnn"] = "auto"
+  logprob_block_v: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+  """Settings for ``--plan``: the cluster a run is sized for."""
+
+  accelerator: str = "h100"
+  devices: int = 8
+  runs_per_month: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolsConfig:
+  """Disaggregated RL (``--role=actor|critic|all``, docs/pools.md): an actor pool (generation,
+  reference, policy update) and a critic pool (reward, guard, value) exchanging batches
+  through Redis streams.  The Redis password comes from ``JAXRLHF_REDIS_PASSWORD`` only, so it
+  never lands in a saved config."""
+
+  mode: Literal["sync", "async"] = "sync"
+  # async: rollouts the actor may generate ahead of its updates (policy-version lag bound).
+  max_staleness: int = 1
+  # Unread messages a stream may hold before its producer waits (back-pressure).
+  max_queue: int = 4
+  # > 0: decoupled PPO for stale rollouts, ratio to the current policy times the importance
+  # weight current/behaviour truncated at this value; 0: the ratio uses behaviour log-probs.
+  is_correction: float = 0.0
+  # redis://HOST:PORT/DB; empty: $JAXRLHF_REDIS_URL, else redis://127.0.0.1:6379/0.
+  redis_url: str = ""
+  # Stream key prefix; empty: "jaxrlhf:EXPERIMENT".
+  namespace: str = ""
+  # How long a pool keeps retrying an unreachable Redis (with back-off) before giving up.
+  redis_wait_s: float = 300.0
+  # How long a pool waits for the other pool's next message before giving up.
+  peer_wait_s: float = 1800.0

@@ -1,0 +1,178 @@
+"""Each stage's settings, with the checks of those settings (``check``): what every stage has
+(:class:`StageConfig`), what the RL algorithms share (:class:`RLConfig`), and each algorithm's own."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal, TYPE_CHECKING
+
+from jaxrlhf.config.sections import KLConfig, OptimizerConfig, RewardConfig
+if TYPE_CHECKING:
+  from jaxrlhf.config.experiment import ExperimentConfig
+
+
+class _Checks:
+  """Collects one-line problems ``FIELD=VALUE: RULE`` for :func:`validate`."""
+
+  def __init__(self):
+    self.problems: list[str] = []
+
+  def need(self, ok: bool, field: str, value, rule: str):
+    if not ok:
+      self.problems.append(f"{field}={value!r}: {rule}")
+
+  def at_least(self, obj, prefix: str, names, low: int):
+    for n in names:
+      v = getattr(obj, n)
+      self.need(v >= low, f"{prefix}.{n}", v, f"must be >= {low}")
+
+  def finite(self, obj, prefix: str, n: str, low: float = 0.0, rule: str = ""):
+    v = getattr(obj, n)
+    self.need(math.isfinite(v) and v >= low, f"{prefix}.{n}", v,
+              rule or f"must be a number >= {low:g}")
+
+  def optimizer(self, o: OptimizerConfig, prefix: str):
+    self.finite(o, prefix, "lr", rule="must be a number >= 0 (the peak learning rate, e.g. 1e-4)")
+    for n in ("end_lr_ratio", "weight_decay", "grad_clip"):
+      self.finite(o, prefix, n)
+    self.finite(o, prefix, "eps", 1e-30, "must be a number > 0")
+    for n in ("b1", "b2"):
+      v = getattr(o, n)
+      self.need(0.0 <= v < 1.0, f"{prefix}.{n}", v, "must be in [0, 1)")
+    self.at_least(o, prefix, ("warmup_steps", "max_consecutive_skips"), 0)
+    self.at_least(o, prefix, ("grad_accum",), 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageConfig:
+  """What every stage has: a step budget, a batch, an optimizer, an evaluation interval.
+  Each stage's :meth:`check` lists the problems of its settings (one place for them all)."""
+
+  steps: int = 100
+  batch_size: int = 32
+  optim: OptimizerConfig = OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant")
+  eval_every: int = 20
+
+  def check(self, name: str, cfg: "ExperimentConfig", c: _Checks) -> None:
+    c.at_least(self, name, ("steps", "batch_size"), 1)
+    c.at_least(self, name, ("eval_every",), 0)
+    c.optimizer(self.optim, f"{name}.optim")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig(StageConfig):
+  steps: int = 300
+  batch_size: int = 64
+  response_only: bool = True
+  optim: OptimizerConfig = OptimizerConfig(lr=3e-3)
+  eval_every: int = 100
+  # Stop at the first evaluation (every ``eval_every`` steps) whose held-out exact match
+  # reaches this; 0 trains all ``steps``.  A stage stopped here counts as finished.
+  stop_accuracy: float = 0.0
+
+  def check(self, name, cfg, c):
+    super().check(name, cfg, c)
+    stop = self.stop_accuracy
+    c.need(0.0 <= stop <= 1.0, f"{name}.stop_accuracy", stop,
+           f"must be in [0, 1] (0 trains all {name}.steps)")
+    c.need(not (stop > 0 and self.eval_every <= 0), f"{name}.stop_accuracy", stop,
+           f"is checked at evaluations, but {name}.eval_every={self.eval_every}; set "
+           f"--set={name}.eval_every=10 (or any positive number of steps)")
+
+
+@dataclasses.dataclass(frozen=True)
+class RMConfig(StageConfig):
+  steps: int = 200
+  batch_size: int = 64
+  optim: OptimizerConfig = OptimizerConfig(lr=1e-3)
+  eval_every: int = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig(StageConfig):
+  """What every RL algorithm shares: prompts and samples per step, the clipped policy loss
+  over ``ppo_epochs`` x ``num_minibatches``, the KL to the reference, the reward sources."""
+
+  num_samples: int = 1  # responses per prompt
+  ppo_epochs: int = 1
+  num_minibatches: int = 1
+  clip_low: float = 0.2
+  clip_high: float = 0.2
+  dual_clip: float = 0.0  # 0: off; else c > 1 bounds the loss for negative advantages
+  entropy_coef: float = 0.0
+  loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+  kl: KLConfig = KLConfig()
+  reward: RewardConfig = RewardConfig()
+
+  def check(self, name, cfg, c):
+    super().check(name, cfg, c)
+    c.at_least(self, name, ("num_samples", "ppo_epochs", "num_minibatches"), 1)
+    c.finite(self.kl, f"{name}.kl", "coef")
+    r = self.reward
+    if len(r.weights) != len(r.sources):
+      c.problems.append(f"{name}.reward.weights has {len(r.weights)} entries but "
+                        f"{name}.reward.sources has {len(r.sources)}; give one weight per source")
+    rows = self.batch_size * self.num_samples
+    if self.num_minibatches >= 1 and rows % self.num_minibatches:
+      c.problems.append(f"{name}: batch_size*num_samples={rows} must divide into "
+                        f"num_minibatches={self.num_minibatches}")
+    ro = cfg.rollout
+    c.at_least(ro, "rollout", ("max_new_tokens",), 1)
+    c.at_least(ro, "rollout", ("top_k",), 0)
+    c.finite(ro, "rollout", "temperature", rule="must be a number >= 0 (0 is greedy)")
+    c.need(0.0 < ro.top_p <= 1.0, "rollout.top_p", ro.top_p,
+           "must be in (0, 1] (1 turns top-p off)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOConfig(RLConfig):
+  batch_size: int = 32  # prompts per step
+  value_clip: float = 0.2
+  vf_coef: float = 0.5
+  gamma: float = 1.0
+  lam: float = 0.95
+  whiten_advantages: bool = True
+  shared_backbone: bool = False
+  value_optim: OptimizerConfig = OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant")
+
+  def check(self, name, cfg, c):
+    super().check(name, cfg, c)
+    c.optimizer(self.value_optim, f"{name}.value_optim")
+    if self.shared_backbone and cfg.value_model is not None and cfg.value_model != cfg.model:
+      # One model, two heads: the value head reads the policy's own hidden states, and the
+      # value loss trains the shared backbone too (with ppo.optim; ppo.value_optim is unused).
+      c.problems.append(f"{name}.shared_backbone=true: the value head sits on the policy, so "
+                        "value_model must be unset (or equal to model); drop the value_model "
+                        f"settings or set {name}.shared_backbone=false")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig(RLConfig):
+  batch_size: int = 16  # prompts per step
+  num_samples: int = 8  # group size
+  advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp"] = "grpo"
+  std_eps: float = 1e-6
+  kl: KLConfig = KLConfig(coef=0.04, estimator="k3", placement="loss")
+  reward: RewardConfig = RewardConfig(sources=("rule:exact_match",))
+
+  def check(self, name, cfg, c):
+    super().check(name, cfg, c)
+    if self.advantage in ("grpo", "drgrpo", "rloo"):  # not a stage name
+      c.need(self.num_samples >= 2, f"{name}.num_samples", self.num_samples,
+             f"must be >= 2: {name}.advantage={self.advantage!r} compares the samples of one "
+             "prompt, so one sample gives every advantage 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig(StageConfig):
+  batch_size: int = 32  # pairs per step
+  beta: float = 0.1
+  loss: Literal["sigmoid", "ipo", "cdpo"] = "sigmoid"
+  label_smoothing: float = 0.0  # cDPO
+  # Reference log-probs: "step" computes them inside every step; "cache" precomputes once.
+  reference: Literal["step", "cache"] = "step"
+
+  def check(self, name, cfg, c):
+    super().check(name, cfg, c)
+    c.finite(self, name, "beta", 1e-30, "must be a number > 0 (e.g. 0.1)")

@@ -1,0 +1,275 @@
+"""Users' files: JSONL, Parquet and ``datasets.save_to_disk`` folders, columns mapped by
+``data.fields``, plain text or chat messages; every bad row is an error at ``FILE:ROW``."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional, Sequence
+
+from jaxrlhf.config import ConfigError
+from jaxrlhf.data.examples import Chat, Example
+
+
+# What a row of each kind needs (besides the alternatives _to_example accepts: "messages"
+# for SFT, whole conversations as "chosen"/"rejected" for pairs).
+_REQUIRED = {"prompts": ("prompt",), "sft": ("prompt", "response"),
+             "pairs": ("prompt", "chosen", "rejected")}
+
+
+_PATH_FIELD = {"prompts": "prompts_path", "sft": "sft_path", "pairs": "pairs_path"}
+
+
+# The fields of each kind that batches encode (besides the prompt).
+_TEXT_FIELDS = {"prompts": ("answer",), "sft": ("response", "answer"),
+                "pairs": ("chosen", "rejected")}
+
+
+FORMATS = ("jsonl", "parquet", "hf_disk")
+
+
+def _example(kind):
+  return json.dumps({k: "..." for k in _REQUIRED[kind]})
+
+
+def detect_format(path: str, fmt: str = "auto") -> str:
+  """``data.format``, or for "auto": "hf_disk" for a folder written by ``save_to_disk``,
+  "parquet" for a ``.parquet`` file, else "jsonl"."""
+  if fmt != "auto":
+    return fmt
+  if os.path.isdir(path):
+    return "hf_disk" if any(os.path.isfile(os.path.join(path, f)) for f in
+                            ("dataset_info.json", "state.json", "dataset_dict.json")) else "jsonl"
+  return "parquet" if path.lower().endswith((".parquet", ".pq")) else "jsonl"
+
+
+def _jsonl_rows(path: str, kind: str, field: str):
+  """``(line, object)`` for each non-blank line; errors name the file and physical line."""
+  if os.path.isdir(path):
+    raise ConfigError(f"{path}: is a directory, not a JSONL file (data.{field}); give the path "
+                      f"of a file with one JSON object per line like {_example(kind)}, a .parquet "
+                      f"file, or a folder written by datasets' save_to_disk")
+  try:
+    f = open(path, "rb")  # decoded line by line, so that a bad byte is reported at its line
+  except OSError as e:
+    raise ConfigError(f"{path}: cannot be read ({e.strerror}) (data.{field}); check the path "
+                      f"and its permissions") from None
+  with f:
+    for lineno, raw in enumerate(f, 1):
+      try:
+        line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+      except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at "
+                          f"column {e.start + 1}); save the file as UTF-8 (from Latin-1: "
+                          f"iconv -f latin1 -t utf-8 {path} > NEW.jsonl)") from None
+      if not line.strip():
+        continue
+      try:
+        obj = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one "
+                          f"JSON object like {_example(kind)}") from None
+      if not isinstance(obj, dict):
+        raise ConfigError(f"{path}:{lineno}: expected a JSON object like {_example(kind)}")
+      yield lineno, obj
+
+
+def _parquet_rows(path: str, field: str):
+  """``(row, record)`` with rows counted from 1, like lines."""
+  try:
+    import pyarrow.parquet as pq
+  except ImportError:
+    raise ConfigError(f"{path} (data.{field}) is a Parquet file, which needs pyarrow; pip "
+                      f"install 'jaxrlhf[data]'") from None
+  if os.path.isdir(path):
+    raise ConfigError(f"{path} (data.{field}): data.format=parquet reads one .parquet file, not "
+                      f"a folder; give a file (or data.format=auto for a save_to_disk folder)")
+  try:
+    table = pq.read_table(path)
+  except Exception as e:  # noqa: BLE001  (pyarrow's ArrowInvalid, OSError...)
+    raise ConfigError(f"{path}: not a readable Parquet file (data.{field}): {type(e).__name__}: "
+                      f"{' '.join(str(e).split())[:200]}; write it with "
+                      f"pandas.DataFrame.to_parquet or pyarrow.parquet.write_table") from None
+  yield from enumerate(table.to_pylist(), 1)
+
+
+def _hf_disk_rows(path: str, field: str):
+  """Rows of a folder written by ``datasets.Dataset.save_to_disk``, counted from 1."""
+  try:
+    import datasets
+  except ImportError:
+    raise ConfigError(f"{path} (data.{field}) is a datasets folder, which needs the datasets "
+                      f"package; pip install 'jaxrlhf[data]'") from None
+  if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+    with open(os.path.join(path, "dataset_dict.json")) as f:
+      splits = json.load(f).get("splits", [])
+    raise ConfigError(f"{path} (data.{field}) holds several splits ({', '.join(splits)}); point "
+                      f"data.{field} at one of them, e.g. {os.path.join(path, splits[0] if splits else 'train')}")
+  try:
+    ds = datasets.load_from_disk(path)
+  except Exception as e:  # noqa: BLE001  (FileNotFoundError, datasets' own errors)
+    raise ConfigError(f"{path}: datasets.load_from_disk cannot read this folder (data.{field}): "
+                      f"{type(e).__name__}: {' '.join(str(e).split())[:200]}; write it with "
+                      f"Dataset.save_to_disk(DIR)") from None
+  yield from enumerate(ds.to_list(), 1)
+
+
+def _field_map(fields: Sequence[str]) -> dict[str, str]:
+  return {src.strip(): dst.strip() for src, _, dst in (f.partition(":") for f in fields)}
+
+
+def _describe(value) -> str:
+  if isinstance(value, bool):
+    return f"the boolean {json.dumps(value)}"
+  if isinstance(value, (int, float)):
+    return f"the number {json.dumps(value)}"
+  if isinstance(value, list):
+    return "a JSON array"
+  return "a JSON object" if isinstance(value, dict) else f"a {type(value).__name__}"
+
+
+def _as_text(value) -> str:
+  """What a non-string answer most likely meant, written as the string to put in the file."""
+  return json.dumps(value) if isinstance(value, (bool, int, float)) else "..."
+
+
+def _messages(value, where: str, name: str) -> Optional[Chat]:
+  """``value`` as chat messages, or None when it is not a list; errors name ``where``."""
+  if not isinstance(value, (list, tuple)):
+    return None
+  if not value:
+    raise ConfigError(f"{where}: \"{name}\" is an empty list of messages; give at least one "
+                      f"{{\"role\": ..., \"content\": ...}}")
+  for i, m in enumerate(value):
+    if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)):
+      raise ConfigError(f"{where}: \"{name}\"[{i}] is not a chat message; each message is "
+                        f"{{\"role\": \"user\" | \"assistant\" | \"system\", \"content\": "
+                        f"\"TEXT\"}} (got {json.dumps(m, default=str)[:80]})")
+  return Chat.of(value)
+
+
+def _text(obj: dict, name: str, where: str, kind: str) -> "str | Chat":
+  value = obj.get(name)
+  if isinstance(value, str):
+    return value
+  chat = _messages(value, where, name)
+  if chat is None:
+    raise ConfigError(f"{where}: missing string field(s) {name}; each line needs "
+                      f"{_example(kind)} (a prompt or response may also be a list of chat "
+                      f"messages)")
+  return chat
+
+
+def _last_assistant(msgs: list, where: str, name: str) -> int:
+  idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+  if not idx:
+    raise ConfigError(f"{where}: \"{name}\" has no assistant message; a conversation to train "
+                      f"on needs the assistant's reply")
+  if idx[-1] != len(msgs) - 1:
+    raise ConfigError(f"{where}: \"{name}\" ends with a {msgs[-1]['role']!r} message after the "
+                      f"last assistant reply; end each conversation with the assistant turn to "
+                      f"train on (drop the trailing messages)")
+  return idx[-1]
+
+
+def _to_example(obj: dict, kind: str, where: str, line: int) -> Example:
+  """One row (after ``data.fields`` renames) as an :class:`Example`; errors name ``where``."""
+  answer = obj.get("answer")  # optional in every kind; null is the same as absent
+  if answer is not None and not isinstance(answer, str):
+    raise ConfigError(f"{where}: field \"answer\" is {_describe(answer)}, not a string; write "
+                      f"it as a string: \"answer\": {json.dumps(_as_text(answer))} (a table "
+                      f"column: cast it to string)")
+  extra = {k: v for k, v in obj.items()
+           if k not in ("prompt", "answer", "response", "chosen", "rejected", "messages")}
+  fields = {}
+  if kind == "sft" and "messages" in obj and "prompt" not in obj:  # not a stage name
+    msgs = _messages(obj["messages"], where, "messages")
+    if msgs is None:
+      raise ConfigError(f"{where}: \"messages\" must be a list of chat messages "
+                        f"[{{\"role\": ..., \"content\": ...}}, ...]")
+    m = msgs.messages
+    k = _last_assistant(m, where, "messages")
+    if k == 0:
+      raise ConfigError(f"{where}: \"messages\" starts with the assistant's reply; put the user "
+                        f"turn (the prompt) before it")
+    fields = dict(prompt=Chat.of(m[:k]), response=Chat.of(m[k:]))
+  elif kind == "pairs" and "prompt" not in obj and all(
+      isinstance(obj.get(n), list) for n in ("chosen", "rejected")):
+    # Whole conversations: the prompt is the messages both share.
+    c = _messages(obj["chosen"], where, "chosen").messages
+    r = _messages(obj["rejected"], where, "rejected").messages
+    n = 0
+    while n < min(len(c), len(r)) and c[n] == r[n]:
+      n += 1
+    if n == 0:
+      raise ConfigError(f"{where}: \"chosen\" and \"rejected\" share no first message, so there "
+                        f"is no prompt; add a \"prompt\" field, or start both with the same "
+                        f"user turn")
+    for name, conv in (("chosen", c), ("rejected", r)):
+      if len(conv) != n + 1 or conv[n]["role"] != "assistant":
+        raise ConfigError(f"{where}: after the shared prompt, \"{name}\" must be one assistant "
+                          f"message (it has {len(conv) - n} message(s) more)")
+    fields = dict(prompt=Chat.of(c[:n]), chosen=Chat.of(c[n:]), rejected=Chat.of(r[n:]))
+  else:
+    missing = [k for k in _REQUIRED[kind] if not isinstance(obj.get(k), (str, list))]
+    if missing:
+      alt = {"sft": " or {\"messages\": [...]}",
+             "pairs": " or {\"chosen\": [messages], \"rejected\": [messages]}"}.get(kind, "")
+      raise ConfigError(f"{where}: missing string field(s) {', '.join(missing)}; each line "
+                        f"needs {_example(kind)}{alt}")
+    fields = {k: _text(obj, k, where, kind) for k in _REQUIRED[kind]}
+    for k in _REQUIRED[kind][1:]:
+      if isinstance(fields[k], Chat):
+        m = fields[k].messages
+        if len(m) != 1 or m[0]["role"] != "assistant":
+          raise ConfigError(f"{where}: \"{k}\" as messages must be one assistant message "
+                            f"[{{\"role\": \"assistant\", \"content\": ...}}] (put earlier "
+                            f"turns in \"prompt\")")
+  return Example(answer=answer or "", line=line, extra=extra, **fields)
+
+
+def read_examples(path: str, kind: str, field: str = "", fmt: str = "auto",
+                  fields: Sequence[str] = ()) -> list[Example]:
+  """Reads a user's file of ``kind`` (prompts, sft, pairs), given as ``data.<field>``, in
+  format ``fmt`` (see :func:`detect_format`), with the ``data.fields`` renames.  Errors name
+  the file and its line (JSONL, blank lines count) or row (tables, from 1); examples carry it."""
+  field = field or _PATH_FIELD[kind]
+  if not path:
+    raise ConfigError(f"no {kind} file given; set data.{field}=FILE.jsonl (or a .parquet file, or a "
+                      f"datasets save_to_disk folder)")
+  if not os.path.exists(path):
+    raise ConfigError(f"{path}: file not found (data.{field})")
+  fmt = detect_format(path, fmt)
+  rows = {"jsonl": lambda: _jsonl_rows(path, kind, field),
+          "parquet": lambda: _parquet_rows(path, field),
+          "hf_disk": lambda: _hf_disk_rows(path, field)}[fmt]()
+  renames = _field_map(fields)
+  out = []
+  for line, obj in rows:
+    where = f"{path}:{line}"
+    if renames:
+      absent = [s for s in renames if s not in obj]
+      if absent:
+        raise ConfigError(f"{where}: data.fields renames {', '.join(map(repr, absent))}, but this "
+                          f"row has no such field (it has: {', '.join(map(str, obj))}); fix "
+                          f"data.fields=SOURCE:TARGET,...")
+      clash = [k for k in obj if k not in renames and k in renames.values()]
+      if clash:
+        src = next(s for s, d in renames.items() if d == clash[0])
+        raise ConfigError(f"{where}: data.fields renames {src!r} to {clash[0]!r}, but this row "
+                          f"already has a {clash[0]!r} field, which would be lost; rename that "
+                          f"one too (e.g. data.fields={src}:{clash[0]},{clash[0]}:original_"
+                          f"{clash[0]}) or drop the column")
+      obj = {renames.get(k, k): v for k, v in obj.items()}
+    out.append(_to_example(obj, kind, where, line))
+  if not out:
+    raise ConfigError(f"{path}: the file is empty; it needs one JSON object per line like "
+                      f"{_example(kind)}" if fmt == "jsonl" else
+                      f"{path}: no rows (data.{field}); it needs rows like {_example(kind)}")
+  return out
+
+
+def read_jsonl(path: str, kind: str, field: str = "") -> list[Example]:
+  """A JSONL file of ``kind`` (see :func:`read_examples`)."""
+  return read_examples(path, kind, field, "jsonl")

@@ -1,0 +1,155 @@
+"""Where a run's examples come from (a built-in task or the user's files, training and
+evaluation sets per kind), drawn as a pure function of ``(seed, step)``."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from jaxrlhf.config import ConfigError, DataConfig
+from jaxrlhf.data.tokenizers import make_tokenizer
+from jaxrlhf.data.examples import AdditionTask, Example
+from jaxrlhf.data.files import _PATH_FIELD, read_examples
+from jaxrlhf.data.encoding import Encoder
+
+
+class DataSource:
+  """Examples for training (by step) and a fixed evaluation set per kind, for one experiment."""
+
+  def __init__(self, cfg: DataConfig, seed: int = 0):
+    self.cfg = cfg
+    self.seed = seed + cfg.seed
+    self.tokenizer = make_tokenizer(cfg)
+    self.encoder = Encoder(cfg, self.tokenizer)
+    self._files: dict[tuple[str, str], list[Example]] = {}
+    self._said: set[str] = set()
+    if cfg.task == "addition":
+      self.task = AdditionTask(cfg.digits, cfg.reverse_answer)
+    elif cfg.task == "jsonl":
+      self.task = None
+    else:
+      raise ConfigError(f"data.task={cfg.task!r}: choose 'addition' or 'jsonl' (your files: "
+                        f"JSONL, Parquet or datasets folders)")
+
+  def _file(self, field: str, kind: str) -> list[Example]:
+    """The examples of ``data.<field>`` read as ``kind``, each checked once (:meth:`Encoder.check`)
+    with what ``data.overlong`` did reported; the same for training and evaluation files."""
+    if (field, kind) not in self._files:
+      path = getattr(self.cfg, field)
+      examples = read_examples(path, kind, field, self.cfg.format, self.cfg.fields)
+      before = dict(self.encoder.counts)
+      kept = [ex for ex in examples if self.encoder.check(ex, kind, f"{path}:{ex.line}")]
+      if not kept:
+        raise ConfigError(f"{path}: every example (data.{field}) was skipped as over-long "
+                          f"(data.max_prompt_len={self.cfg.max_prompt_len}, data.max_response_len="
+                          f"{self.cfg.max_response_len}, data.overlong=skip); raise the limits or "
+                          f"shorten the examples")
+      dropped = len(examples) - len(kept)
+      truncated = self.encoder.counts["data/truncated"] - before["data/truncated"]
+      if dropped or truncated:
+        # Never silent: say what the data.overlong policy did to this file.
+        print(f"{path}: {dropped} over-long example(s) skipped, {truncated} truncated to "
+              f"data.max_prompt_len={self.cfg.max_prompt_len} / data.max_response_len="
+              f"{self.cfg.max_response_len} (data.overlong={self.cfg.overlong}); "
+              f"{len(kept)} examples kept")
+      self._files[(field, kind)] = kept
+    return self._files[(field, kind)]
+
+  def _split(self, field: str, kind: str) -> tuple[list[Example], list[Example]]:
+    """``(train, held_out)`` of a training file: with ``data.eval_split > 0`` a fixed random
+    part (by ``data.seed``) is held out and never trained on; else nothing is."""
+    examples = self._file(field, kind)
+    frac = self.cfg.eval_split
+    if frac <= 0:
+      return examples, []
+    n_eval = max(1, int(round(frac * len(examples))))
+    if n_eval >= len(examples):
+      path = getattr(self.cfg, field)
+      raise ConfigError(f"data.eval_split={frac} of the {len(examples)} examples in {path} "
+                        f"(data.{field}) leaves none to train on; lower data.eval_split or give "
+                        f"a held-out file")
+    order = np.random.default_rng([self.cfg.seed, 7_777]).permutation(len(examples))
+    held = set(int(i) for i in order[:n_eval])
+    return ([ex for i, ex in enumerate(examples) if i not in held],
+            [ex for i, ex in enumerate(examples) if i in held])
+
+  def check_answers(self, sources: Sequence[str], setting: str,
+                    weights: Optional[Sequence[float]] = None) -> None:
+    """Stops a run up front when a reward source that compares responses with the reference
+    answer (:func:`jaxrlhf.rewards.reads_answer`) meets training prompts without one: an empty
+    answer would reward empty responses.  ``setting`` names where ``sources`` come from (e.g.
+    ``grpo.reward.sources``); sources with weight 0 are off and need nothing."""
+    from jaxrlhf.rewards import reads_answer  # rewards imports jax; data stays numpy-only
+    weights = weights if weights is not None else [1.0] * len(sources)
+    needy = [s for s, w in zip(sources, weights) if w != 0 and reads_answer(s)]
+    if not needy or self.task is not None:  # the built-in task always has answers
+      return
+    examples = self._file("prompts_path", "prompts")
+    lacking = [ex for ex in examples if not ex.answer]
+    if lacking:
+      path, names = self.cfg.prompts_path, " and ".join(needy)
+      raise ConfigError(
+          f"{path}:{lacking[0].line}: {len(lacking)} of the {len(examples)} prompts in {path} "
+          f"lack \"answer\" (the first on this line), but {setting} uses {names}, which "
+          f"compares each response with it (an empty answer rewards empty responses); add an "
+          f"\"answer\" to every line, or drop {names} from {setting}")
+
+  def examples(self, kind: str, step: int, n: int, stream: int = 0) -> list[Example]:
+    """The ``n`` training examples of batch ``step`` (deterministic in seed, stream, step);
+    examples held out by ``data.eval_split`` never appear."""
+    rng = np.random.default_rng([self.seed, stream, step])
+    if self.task is not None:
+      return self.task.sample(rng, n, "train")
+    pool = self._split(_PATH_FIELD[kind], kind)[0]
+    return [pool[int(i)] for i in rng.integers(0, len(pool), size=n)]
+
+  def eval_source(self, kind: str = "prompts") -> tuple[str, str]:
+    """Where the evaluation examples of ``kind`` come from: ``(field, how)``, ``how`` one of
+    "file" (a held-out file), "split" (held out of the training file by data.eval_split) or
+    "train" (the first training examples: not held out)."""
+    own = f"{kind}_eval_path"
+    if getattr(self.cfg, own, ""):
+      return own, "file"
+    if self.cfg.eval_path:
+      return "eval_path", "file"
+    field = _PATH_FIELD[kind]
+    if kind == "prompts" and not self.cfg.prompts_path:
+      # No prompts file (an SFT or DPO run): the prompts (and any answers) of the file it has,
+      # a DPO run's held-out pairs included.
+      if self.cfg.sft_path:
+        field = "sft_path"
+      elif self.cfg.pairs_path:
+        return self.eval_source("pairs")
+    return field, ("split" if self.cfg.eval_split > 0 else "train")
+
+  def eval_examples(self, kind: str = "prompts") -> list[Example]:
+    """The fixed evaluation set of ``kind`` ("prompts": greedy answers checked against
+    "answer"; "pairs": preference accuracy), at most ``data.eval_size``; where it comes from is
+    said on the console once (:meth:`eval_source`)."""
+    if self.task is not None:
+      return self.task.sample(np.random.default_rng([self.seed, 999_999]), self.cfg.eval_size,
+                              "eval")
+    # An evaluation file gets the same checks and data.overlong policy as the training files: an
+    # over-long held-out prompt is an error at its line, or is truncated or skipped and counted.
+    field, how = self.eval_source(kind)
+    read_as = {"sft_path": "sft", "pairs_path": "pairs", "pairs_eval_path": "pairs"}.get(field,
+                                                                                        kind)
+    path = getattr(self.cfg, field)
+    if how == "file":
+      examples = self._file(field, read_as)[: self.cfg.eval_size]
+      note = f"{len(examples)} held-out examples from data.{field}={path}"
+    elif how == "split":
+      examples = self._split(field, read_as)[1][: self.cfg.eval_size]
+      note = (f"{len(examples)} examples held out of data.{field}={path} by data.eval_split="
+              f"{self.cfg.eval_split:g} (not trained on)")
+    else:
+      examples = self._file(field, read_as)[: self.cfg.eval_size]
+      note = (f"the first {len(examples)} examples of the training file data.{field}={path}, "
+              f"which are also trained on (not held out); set data.{kind}_eval_path=FILE or "
+              f"data.eval_split=0.05 for a held-out set")
+    if kind not in self._said:
+      self._said.add(kind)
+      what = "exact match" if kind == "prompts" else "pair accuracy"
+      print(f"evaluation ({what}, {kind}): {note}", flush=True)
+    return examples

@@ -1,0 +1,116 @@
+"""Tokenizers: the built-in character tokenizer of the synthetic tasks, and a local
+transformers tokenizer folder (with its chat template)."""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from jaxrlhf.config import ConfigError, DataConfig
+
+
+PAD, BOS, EOS = 0, 1, 2
+
+
+class CharTokenizer:
+  """A character tokenizer for the synthetic tasks: ids 0-2 are pad/bos/eos."""
+
+  chars = "0123456789+-*=() abcdefghijklmnopqrstuvwxyz?:"
+
+  def __init__(self):
+    self.pad_id, self.bos_id, self.eos_id = PAD, BOS, EOS
+    self._to_id = {c: i + 3 for i, c in enumerate(self.chars)}
+    self.vocab_size = 3 + len(self.chars)
+
+  def encode(self, text: str) -> list[int]:
+    try:
+      return [self._to_id[c] for c in text]
+    except KeyError as e:
+      raise ConfigError(f"character {e.args[0]!r} is not in the built-in char tokenizer "
+                        f"({self.chars!r}); remove it, or set data.tokenizer to a tokenizer "
+                        f"directory") from None
+
+  def chat(self, messages: list, add_generation_prompt: bool) -> list[int]:
+    raise ConfigError("chat messages need a chat template, and the built-in char tokenizer has "
+                      "none; set data.tokenizer to a tokenizer folder whose tokenizer_config.json "
+                      "has a chat_template, or write prompts and responses as plain strings")
+
+  def decode(self, ids: Sequence[int]) -> str:
+    out = []
+    for i in ids:
+      i = int(i)
+      if i == self.eos_id:
+        break
+      if i >= 3:
+        out.append(self.chars[i - 3])
+    return "".join(out)
+
+
+class HFTokenizer:
+  """A transformers tokenizer from a local directory (no hub access)."""
+
+  # One of these must be in the folder; without any, transformers fails with a message about
+  # its backends that does not name the folder.
+  FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
+           "tokenizer.model", "spiece.model")
+
+  def __init__(self, path: str):
+    if not os.path.isdir(path):
+      raise ConfigError(f"data.tokenizer={path!r} is not a directory; give a local tokenizer "
+                        f"folder (tokenizer.json / tokenizer_config.json) or 'char'")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in self.FILES):
+      raise ConfigError(f"data.tokenizer={path!r}: no tokenizer files in this folder (looked for "
+                        f"{', '.join(self.FILES)}); save the tokenizer there with "
+                        f"tokenizer.save_pretrained(DIR), or point data.tokenizer at the "
+                        f"model's folder")
+    from transformers import AutoTokenizer
+    try:
+      self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      reason = " ".join(str(e).split())[:300]  # one line, however transformers wraps it
+      raise ConfigError(f"data.tokenizer={path!r}: transformers cannot load a tokenizer from "
+                        f"this folder ({type(e).__name__}: {reason}); re-save it with "
+                        f"tokenizer.save_pretrained(DIR), or point data.tokenizer at the "
+                        f"model's folder") from None
+    self.path = path
+    self.eos_id = self._tok.eos_token_id
+    if self.eos_id is None:
+      raise ConfigError(f"tokenizer in {path} has no eos_token; set one in tokenizer_config.json")
+    self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
+    self.bos_id = self._tok.bos_token_id
+    self.vocab_size = len(self._tok)
+
+  def encode(self, text: str) -> list[int]:
+    return list(self._tok.encode(text, add_special_tokens=False))
+
+  def chat(self, messages: list, add_generation_prompt: bool) -> list[int]:
+    """The token ids of ``messages`` rendered by the tokenizer's own chat template (which
+    writes any BOS itself); ``add_generation_prompt`` appends the assistant-turn opening."""
+    if not self._tok.chat_template:
+      raise ConfigError(f"data.tokenizer={self.path!r} has no chat template, so chat messages "
+                        f"cannot be rendered; use the tokenizer of a chat (instruct) model, or "
+                        f"set one: tok.chat_template = open('template.jinja').read(); "
+                        f"tok.save_pretrained({self.path!r}); or write prompts as plain strings")
+    try:
+      out = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                          tokenize=True, return_dict=False)
+    except ImportError as e:
+      raise ConfigError(f"rendering the chat template of {self.path} needs jinja2 ({e}); "
+                        f"pip install jinja2") from None
+    except Exception as e:  # noqa: BLE001  (jinja's TemplateError, a template's raise_exception)
+      raise ConfigError(f"the chat template of data.tokenizer={self.path!r} failed on these "
+                        f"messages ({type(e).__name__}: {' '.join(str(e).split())[:200]}); check "
+                        f"the roles and order the template expects") from None
+    if isinstance(out, dict) or hasattr(out, "input_ids"):
+      out = out["input_ids"]
+    return [int(i) for i in out]
+
+  def decode(self, ids: Sequence[int]) -> str:
+    ids = [int(i) for i in ids]
+    if self.eos_id in ids:
+      ids = ids[:ids.index(self.eos_id)]
+    return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def make_tokenizer(cfg: DataConfig):
+  return CharTokenizer() if cfg.tokenizer == "char" else HFTokenizer(cfg.tokenizer)

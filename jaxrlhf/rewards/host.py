@@ -1,0 +1,228 @@
+"""Host rewards over decoded strings (``host:NAME``, ``host:path/to/file.py:function``,
+``host:package.module:function``): resolving a source to a checked function, and scoring a
+batch with failures masked and counted."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import os
+from typing import Callable, Sequence
+
+import numpy as np
+
+from jaxrlhf import registry
+from jaxrlhf.config import ConfigError
+from jaxrlhf.rewards.shaping import _check
+from jaxrlhf.rewards.rules import _adder, _lookup
+
+
+# fn(responses: list[str], examples: list[dict]) -> list[float | None], one score per response.
+# examples[i] is the example response i answers (each prompt's example repeated once per
+# sample): its "prompt", "answer" and every other field of the data row (tests, metadata...).
+# None or NaN: unscorable (masked out of the update and counted).
+HostFn = Callable[[list, list], list]
+
+
+HOST_RULES: dict[str, HostFn] = {}
+
+
+HOST_ERROR_POLICIES = ("mask", "raise")
+
+
+HOST_SIGNATURE = "fn(responses: list[str], examples: list[dict]) -> list[float]"
+
+
+def register_host_reward(name: str, *, needs_answer: bool = True):
+  """Decorator adding a host reward function to :data:`HOST_RULES` (source ``host:NAME``),
+  called as :data:`HOST_SIGNATURE`; ``needs_answer=False`` for one that ignores each
+  example's ``"answer"`` (see :func:`reads_answer`)."""
+  return _adder(HOST_RULES, "host reward", name, f"host:{name}", needs_answer)
+
+
+def get_host_reward(name: str) -> HostFn:
+  return _lookup(HOST_RULES, "host", "host reward", "register_host_reward", name)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostReward:
+  """A resolved ``host:...`` reward source: the function and how errors name it."""
+
+  source: str  # as written in reward.sources
+  fn: HostFn = dataclasses.field(repr=False)
+  where: str  # "my_reward.py:score", "pkg.mod:score" or "host reward 'exact_match'"
+  path: str = ""  # the user's file, when it came from one (for the line of an exception)
+
+
+def resolve_host_reward(source: str, setting: str = "reward.sources") -> HostReward:
+  """Turns ``host:NAME``, ``host:path/to/file.py:function`` or ``host:package.module:function``
+  into a checked :class:`HostReward`; raises ConfigError naming ``setting``, the file, the
+  function and the fix (file not found, no such function, not callable, a signature that cannot
+  take ``(responses, examples)``)."""
+  kind, _, rest = source.partition(":")
+  if kind != "host" or not rest:
+    raise ConfigError(f"{setting}: {source!r} is not a host reward; write host:NAME, "
+                      f"host:path/to/file.py:function or host:package.module:function")
+  if ":" not in rest:
+    if rest not in HOST_RULES:
+      raise ConfigError(f"{setting}: {source!r}: no host reward {rest!r} is registered "
+                        f"(registered: {', '.join(sorted(HOST_RULES))}); for your own function "
+                        f"write host:path/to/file.py:function or host:package.module:function")
+    return HostReward(source, HOST_RULES[rest], f"host reward {rest!r}")
+  target, _, fname = rest.rpartition(":")
+  what = f"{setting}: {source}"
+  if not fname.isidentifier():
+    raise ConfigError(f"{what}: {fname!r} is not a function name; write "
+                      f"host:path/to/file.py:function")
+  if target.endswith(".py"):
+    module, path = registry.load_python_file(target, what), target
+    where = f"{target}:{fname}"
+  else:
+    if "/" in target or os.sep in target:
+      raise ConfigError(f"{what}: {target} is not a .py file nor a module name; write "
+                        f"host:path/to/file.py:function or host:package.module:function")
+    module, path = registry.import_module(target, what), ""
+    where = f"{target}:{fname}"
+  if not hasattr(module, fname):
+    defined = sorted(n for n, v in vars(module).items()
+                     if callable(v) and not n.startswith("_")
+                     and getattr(v, "__module__", None) == module.__name__)
+    raise ConfigError(f"{what}: {target} defines no {fname!r}"
+                      + (f" (its functions: {', '.join(defined)})" if defined else "")
+                      + f"; define {HOST_SIGNATURE} there, or fix the name after the last ':'")
+  fn = getattr(module, fname)
+  if not callable(fn):
+    raise ConfigError(f"{what}: {where} is a {type(fn).__name__}, not a function; it must be "
+                      f"{HOST_SIGNATURE}")
+  try:
+    sig = inspect.signature(fn)
+  except (TypeError, ValueError):
+    sig = None  # some builtins have none: the first call will tell
+  if sig is not None:
+    try:
+      sig.bind([], [])
+    except TypeError:
+      raise ConfigError(f"{what}: {where}{sig} cannot be called with (responses, examples); a "
+                        f"host reward is {HOST_SIGNATURE}") from None
+  return HostReward(source, fn, where, path)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostScores:
+  """What a host reward gave a batch: ``scores`` float32 ``[B]`` (NaN where it gave None or
+  NaN, raised, or returned something that is not a number: masked downstream), and counts."""
+
+  scores: np.ndarray
+  errors: int = 0  # responses whose scoring raised an exception
+  invalid: int = 0  # values that were not numbers (a string, a list, ...)
+  unscored: int = 0  # None or non-finite values (the function's own "cannot score")
+
+  def metrics(self, prefix: str = "reward/host") -> dict:
+    return {f"{prefix}_errors": float(self.errors), f"{prefix}_invalid": float(self.invalid),
+            f"{prefix}_unscored": float(self.unscored)}
+
+
+_WARNED: set[str] = set()  # sources whose first masked failure was already reported
+
+
+def _describe_exception(reward: HostReward, e: BaseException) -> str:
+  where = registry.user_frame(e, reward.path) if reward.path else ""
+  return f"{type(e).__name__}: {e}{where}"
+
+
+def _call(reward: HostReward, responses: list, examples: list):
+  out = reward.fn(responses, examples)
+  if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
+    raise ConfigError(f"{reward.where} returned {type(out).__name__} {str(out)[:60]!r}; a host "
+                      f"reward returns a list with one float per response "
+                      f"({len(responses)} here): {HOST_SIGNATURE}")
+  out = list(np.asarray(out).reshape(-1)) if hasattr(out, "shape") else list(out)
+  if len(out) != len(responses):
+    # Never broadcast: one score for a batch of responses is a bug in the function.
+    raise ConfigError(f"{reward.where} returned {len(out)} score(s) for {len(responses)} "
+                      f"responses; return one float per response, in order "
+                      f"({HOST_SIGNATURE})")
+  return out
+
+
+def score_host(reward: HostReward, responses: Sequence[str], examples: Sequence[dict],
+               num_samples: int = 1, on_error: str = "mask") -> HostScores:
+  """Runs a host reward on a batch: ``responses[i]`` answers ``examples[i // num_samples]``
+  (every field of the data row, as a dict).  Returns float32 scores with failures masked as
+  NaN and counted; ``on_error="raise"`` stops at the first exception or non-number instead
+  (ConfigError naming the function, the response and the fix).  A wrong number of scores always
+  stops.  When a batch call raises, each response is scored alone, so one bad response masks
+  only itself."""
+  _check("reward.host_errors", on_error, HOST_ERROR_POLICIES)
+  responses = [str(r) for r in responses]
+  rows = [dict(ex) for ex in examples for _ in range(num_samples)]
+  if len(rows) != len(responses):
+    raise ValueError(f"{reward.where}: {len(responses)} responses for {len(examples)} examples x "
+                     f"{num_samples} samples")
+  n = len(responses)
+  errors = 0
+  failure = ""
+  raised = object()  # the value of a response whose scoring raised
+  try:
+    values = _call(reward, responses, rows)
+  except ConfigError:
+    raise
+  except Exception as e:  # noqa: BLE001  (the user's code)
+    if on_error == "raise":
+      raise ConfigError(f"{reward.where} raised {_describe_exception(reward, e)} on a batch of "
+                        f"{n} responses; fix the function, or set reward.host_errors=mask to "
+                        f"score such responses as masked (counted in reward/host_errors)") from e
+    values = []
+    for i in range(n):  # one at a time: find the responses that fail
+      try:
+        values.extend(_call(reward, responses[i:i + 1], rows[i:i + 1]))
+      except ConfigError:
+        raise
+      except Exception as e1:  # noqa: BLE001
+        values.append(raised)
+        errors += 1
+        failure = failure or f"response {i}: {_describe_exception(reward, e1)}"
+  scores = np.full(n, np.nan, np.float32)
+  invalid = unscored = 0
+  for i, v in enumerate(values):
+    if v is raised:
+      continue
+    if v is None:
+      unscored += 1
+      continue
+    # Numbers and booleans (a pass/fail check: 1.0 / 0.0); strings are not parsed.
+    if not isinstance(v, (int, float, np.integer, np.floating, np.bool_)):
+      if on_error == "raise":
+        raise ConfigError(f"{reward.where} returned {v!r} ({type(v).__name__}) for response {i}; "
+                          f"return a float (or None when it cannot score), or set "
+                          f"reward.host_errors=mask")
+      invalid += 1
+      failure = failure or f"response {i}: returned {v!r} ({type(v).__name__}), not a float"
+      continue
+    scores[i] = float(v)
+    unscored += int(not math.isfinite(float(v)))
+  if failure and reward.source not in _WARNED:
+    # Masked, counted in the metrics, and said once on the console: never silent.
+    _WARNED.add(reward.source)
+    print(f"warning: {reward.where}: {errors + invalid} of {n} responses could not be scored "
+          f"(first, {failure}); they are masked out of the update and counted in "
+          f"reward/host_errors and reward/host_invalid (set reward.host_errors=raise to stop "
+          f"instead)", flush=True)
+  return HostScores(scores, errors, invalid, unscored)
+
+
+def run_host_reward(name: str, responses: Sequence[str], answers: Sequence[str]) -> np.ndarray:
+  """A registered host reward on responses and their answers only: float32 ``[B]``, with None
+  (unscorable) as NaN; a function that fails stops here (``on_error="raise"``)."""
+  return score_host(resolve_host_reward(f"host:{name}"), responses,
+                    [{"answer": a} for a in answers], on_error="raise").scores
+
+
+@register_host_reward("exact_match")
+def host_exact_match(responses: list, examples: list) -> list:
+  """1.0 when the decoded response equals the answer after stripping surrounding whitespace."""
+  if len(responses) != len(examples):
+    raise ValueError(f"exact_match: {len(responses)} responses but {len(examples)} examples")
+  return [1.0 if r.strip() == str(ex.get("answer", "")).strip() else 0.0
+          for r, ex in zip(responses, examples)]
