@@ -52,6 +52,11 @@ PARAM_RULES: Rules = {
 # so spreading them over every data replica costs 1/N of their size per device.
 FROZEN_PARAM_RULES: Rules = {**PARAM_RULES, "embed": ("dp", "fsdp")}
 
+# Decoding (the RL step's generation, docs/rollout.md): weights tensor-parallel only, whole on
+# every tp group (replicated over dp and fsdp), so a decoded token reads local weights instead
+# of all-gathering the fsdp shards again; the KV cache follows the activations' rules.
+DECODE_PARAM_RULES: Rules = {**PARAM_RULES, "embed": None}
+
 # Activations: batch over the data axes, features over tp where the weights put them.
 ACT_RULES: Rules = {
     "batch": ("dp", "fsdp"),
@@ -65,7 +70,7 @@ ACT_RULES: Rules = {
     "layers": None,
 }
 
-for _table in (PARAM_RULES, FROZEN_PARAM_RULES, ACT_RULES):
+for _table in (PARAM_RULES, FROZEN_PARAM_RULES, DECODE_PARAM_RULES, ACT_RULES):
   assert set(_table) == set(LOGICAL_AXES), "every rule table must cover every logical axis"
 
 

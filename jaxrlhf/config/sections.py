@@ -155,6 +155,11 @@ class RolloutConfig:
   top_p: float = 1.0  # 1.0: off
   # Extra token ids that end a sequence besides the tokenizer's EOS.
   stop_token_ids: tuple[int, ...] = ()
+  # The policy's layout while the RL step generates: "tp" reshards it once per step into
+  # tensor-parallel weights, whole on every tp group (one all-gather over fsdp, a copy of
+  # params/tp per device that lives only during generation); "train" decodes in the training
+  # layout (fsdp shards all-gathered again for every token).  The same with fsdp=1.
+  decode_layout: Literal["tp", "train"] = "tp"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -124,6 +124,8 @@ class StagePlan:
   models_in_memory: list[str]
   # Why ``steps`` is a budget the stage may end before (e.g. "sft.stop_accuracy=0.8"), or "".
   may_end_early: str = ""
+  # An RL stage's decode layout (rollout.decode_layout): see :func:`decode_plan`.
+  decode: Optional[dict] = None
 
   @property
   def peak(self) -> ProgramPlan:
@@ -140,6 +142,29 @@ def _consumers(state, frozen, batch) -> dict[str, int]:
     out[f"{role} parameters (frozen)"] = tree_bytes(p)
   out["batch"] = tree_bytes(batch)
   return out
+
+
+def decode_plan(stage, state, mesh, acc) -> dict:
+  """What the decode layout costs and saves, per device: the policy copy it holds while
+  generating, the bytes the once-per-step reshard gathers and their time at the link the
+  fsdp groups use (NVLink inside a node, the network across nodes)."""
+  import jax
+  layout = "tp" if stage.decode_shardings is not None else "train"
+  train_bytes = tree_bytes(state.params["policy"])
+  if layout == "train":
+    return {"layout": "train" if stage.cfg.rollout.decode_layout == "train" else
+            "tp (the training layout: no fsdp)", "copy_bytes": 0.0, "reshard_bytes": 0.0,
+            "reshard_seconds": 0.0, "policy_bytes": float(train_bytes)}
+  copy = tree_bytes(jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                 state.params["policy"], stage.decode_shardings))
+  sizes = dict(mesh.shape)
+  node_size, node_bw = node_of(acc.name)
+  crosses = sizes["tp"] * sizes["fsdp"] > node_size  # fsdp groups span nodes (tp is minor)
+  bw = node_bw if crosses else acc.interconnect_bandwidth / 2
+  gathered = copy - train_bytes
+  return {"layout": "tp", "copy_bytes": float(copy), "reshard_bytes": float(gathered),
+          "reshard_seconds": gathered / bw, "policy_bytes": float(train_bytes),
+          "link": "network" if crosses else acc.interconnect}
 
 
 def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True) -> StagePlan:
@@ -201,7 +226,8 @@ def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True
                    est_step_seconds=step_seconds, tokens_per_step=tokens,
                    consumers=_consumers(state, frozen, batch),
                    models_in_memory=models,
-                   may_end_early=stage.stop_rule())
+                   may_end_early=stage.stop_rule(),
+                   decode=decode_plan(stage, state, mesh, acc) if rl else None)
 
 
 def _plan_phases(stage, state, frozen, batch, read, one_program: bool, step_fn):

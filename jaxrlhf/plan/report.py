@@ -63,7 +63,8 @@ def to_json(plan: Plan) -> dict:
                   "est_step_seconds": s.est_step_seconds,
                   "tokens_per_s": s.tokens_per_step / s.est_step_seconds
                   if s.est_step_seconds > 0 else math.nan,
-                  "models_in_memory": s.models_in_memory, "consumers": s.consumers}
+                  "models_in_memory": s.models_in_memory, "consumers": s.consumers,
+                  **({"decode": s.decode} if s.decode is not None else {})}
                  for s in plan.stages],
       "cost": {"usd_per_hour_per_device": acc.usd_per_hour, "gpu_hours_per_run": plan.gpu_hours,
                "usd_per_run": plan.usd_per_run, "runs_per_month": plan.runs_per_month,
@@ -102,8 +103,19 @@ def format_plan(plan: Plan) -> str:
     tps = s.tokens_per_step / s.est_step_seconds if s.est_step_seconds > 0 else math.nan
     lines.append(f"step: {fmt_secs(s.est_step_seconds)} (roofline, a lower bound), "
                  f"{tps:,.0f} tokens/s")
+    if s.decode is not None:
+      d = s.decode
+      if d["layout"] == "tp":
+        lines.append(f"decode layout: tp (rollout.decode_layout): the policy is resharded once per "
+                     f"step, {fmt_bytes(d['reshard_bytes'])} gathered per device over "
+                     f"{d['link']} ({fmt_secs(d['reshard_seconds'])}, inside generate), into a "
+                     f"{fmt_bytes(d['copy_bytes'])} copy per device that lives while it "
+                     f"generates; --set=rollout.decode_layout=train decodes in the training "
+                     f"layout instead (no copy, its fsdp shards gathered for every token)")
+      else:
+        lines.append(f"decode layout: {d['layout']}")
     gen = next((p for p in s.programs if p.name.endswith("/generate")), None)
-    if gen is not None and gen.bound == "collectives":
+    if gen is not None and gen.bound == "collectives" and (s.decode or {}).get("layout") == "train":
       # One gather per step instead of one per token: the decode loop's traffic once.
       steps = max(plan.cfg.rollout.max_new_tokens - 1, 1)
       once = (gen.comm_intra_bytes / steps / (acc.interconnect_bandwidth / 2)

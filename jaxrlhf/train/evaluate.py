@@ -23,8 +23,11 @@ class ExactMatchEval:
     rollout = dataclasses.replace(cfg.rollout, temperature=0.0)
     model_cfg = cfg.role_model(role)
     eos, pad = data.tokenizer.eos_id, data.tokenizer.pad_id
+    decode = stage.decode_layout_shardings(role)
 
     def accuracy(params, batch):
+      if decode is not None:  # greedy decoding in the decode layout too (docs/rollout.md)
+        params = jax.lax.with_sharding_constraint(params, decode)
       out = generate(params, batch["prompt"], batch["prompt_mask"], jax.random.key(0),
                      cfg=model_cfg, rollout=rollout, eos_id=eos, pad_id=pad,
                      kernels=cfg.kernels)

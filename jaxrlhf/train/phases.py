@@ -45,10 +45,16 @@ def kl_coef_of(carry: StepCarry):
 
 
 def generate(stage, frozen, batch, c: StepCarry) -> StepCarry:
+  """Samples the rollout.  With a decode layout (``rollout.decode_layout=tp`` on a mesh with
+  fsdp) the policy is resharded into it first, inside this program: one all-gather per step
+  instead of one per decoded token; the copy lives only while this phase runs."""
   del frozen
   rng, k = jax.random.split(c.state.rng)
   tok = stage.tok
-  ro = sample(c.state.params["policy"], batch["prompt"], batch["prompt_mask"], k,
+  policy = c.state.params["policy"]
+  if stage.decode_shardings is not None:
+    policy = jax.lax.with_sharding_constraint(policy, stage.decode_shardings)
+  ro = sample(policy, batch["prompt"], batch["prompt_mask"], k,
               cfg=stage.model_cfg("policy"), rollout=stage.cfg.rollout, eos_id=tok.eos_id,
               pad_id=tok.pad_id, num_samples=stage.n, kernels=stage.cfg.kernels)
   rollout = Rollout(tokens_BT=ro.tokens, mask_BT=ro.mask, response_mask_BN=ro.response_mask,

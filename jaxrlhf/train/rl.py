@@ -62,6 +62,7 @@ class RLStage(Stage):
     self.evaluator = ExactMatchEval(self)
     self.n = self.scfg.num_samples
     self.N = cfg.rollout.max_new_tokens
+    self.decode_shardings = self.decode_layout_shardings("policy")
     rcfg = self.scfg.reward
     self.host_sources = []
     self.device_sources = []

@@ -14,7 +14,8 @@ from jaxrlhf import model as M
 from jaxrlhf.model import hf
 from jaxrlhf.config import ConfigError, ExperimentConfig, ModelConfig
 from jaxrlhf.data import DataSource
-from jaxrlhf.mesh import FROZEN_PARAM_RULES, PARAM_RULES, batch_sharding, replicated
+from jaxrlhf.mesh import (DECODE_PARAM_RULES, FROZEN_PARAM_RULES, PARAM_RULES, batch_sharding,
+                          replicated)
 from jaxrlhf.train import spec
 from jaxrlhf.train.common import (TrainState, init_state, jit_step, make_optimizer,
                                   make_state_fn, shardings_of, skip_counters, state_shardings)
@@ -170,6 +171,18 @@ class Stage:
         return hf.load_or_init(cfg, self.mesh, key, head, rules)
       source = hf.load_or_init(cfg, self.mesh, key, "lm", rules)  # + a zero value head below
     return jax.device_put(convert_head(source, cfg, head), shardings)
+
+  def decode_layout_shardings(self, role: str = "policy"):
+    """The shardings ``role`` generates in (``rollout.decode_layout``, docs/rollout.md), or
+    None when they are its training shardings (``train``, a mesh without fsdp, or no mesh):
+    generation then reads the parameters as they are."""
+    if self.mesh is None or self.cfg.rollout.decode_layout == "train":
+      return None
+    cfg, head = self.model_cfg(role), self.trainable.get(role, "lm")
+    decode = M.param_shardings(cfg, self.mesh, head, DECODE_PARAM_RULES, check=False)
+    train = M.param_shardings(cfg, self.mesh, head, PARAM_RULES, check=False)
+    same = all(a.spec == b.spec for a, b in zip(jax.tree.leaves(decode), jax.tree.leaves(train)))
+    return None if same else decode
 
   def model_cfg(self, role: str) -> ModelConfig:
     return self.cfg.role_model(role)
