@@ -177,7 +177,7 @@ def test_redis_address_rules(monkeypatch):
   with pytest.raises(ConfigError, match="not in the URL|do not put"):
     S.settings("redis://:hunter2@127.0.0.1:6379/0")
   monkeypatch.setenv(S.PASSWORD_ENV, "s3cret")
-  assert S.settings("redis://10.1.2.3:6379/0") == ("redis://10.1.2.3:6379/0", "s3cret")
+  assert S.settings("rediss://10.1.2.3:6379/0") == ("rediss://10.1.2.3:6379/0", "s3cret")
   monkeypatch.setenv(S.URL_ENV, "redis://127.0.0.2:7000/1")
   assert S.settings("")[0] == "redis://127.0.0.2:7000/1"
 
@@ -197,11 +197,11 @@ def test_inbox_rejects_malformed_and_foreign_entries_and_publish_is_idempotent(r
   with pytest.raises(S.PeerTimeout, match="batch 0"):  # all five read and dropped by now
     inbox.take(0, timeout=0.5)
   assert store.publish(stream, index, 0, wire.encode(_msg(batch=0)), group="actor",
-                       max_queue=10)
-  assert not store.publish(stream, index, 0, wire.encode(_msg(batch=0)), group="actor",
-                           max_queue=10)  # a restarted producer: no second entry for batch 0
+                       max_queue=10) is S.Published.ADDED
+  assert store.publish(stream, index, 0, wire.encode(_msg(batch=0)), group="actor",
+                       max_queue=10) is S.Published.PRESENT  # a restarted producer: no 2nd
   assert store.publish(stream, index, 1, wire.encode(_msg(batch=1)), group="actor",
-                       max_queue=10)
+                       max_queue=10) is S.Published.ADDED
   assert inbox.take(0, timeout=10).batch == 0
   assert inbox.take(1, timeout=10).batch == 1
   reasons = [e["reason"] for e in events if e["event"] == "rejected"]
@@ -243,14 +243,14 @@ def test_publish_waits_while_the_queue_is_full(redis_url):
   store.ensure_group(stream, "critic")
   for b in range(2):
     assert store.publish(stream, index, b, wire.encode(_msg(batch=b)), group="critic",
-                         max_queue=2)
+                         max_queue=2) is S.Published.ADDED
   with pytest.raises(S.PeerTimeout, match="unread"):
     store.publish(stream, index, 2, wire.encode(_msg(batch=2)), group="critic", max_queue=2,
                   wait_s=0.5)
   assert any("max_queue" in line for line in logs)
   store.read(stream, "critic", "c", pending=False)  # the consumer reads one -> room again
   assert store.publish(stream, index, 2, wire.encode(_msg(batch=2)), group="critic",
-                       max_queue=2, wait_s=5)
+                       max_queue=2, wait_s=5) is S.Published.ADDED
 
 
 def test_unreachable_redis_is_retried_then_explained():
