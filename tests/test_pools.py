@@ -355,10 +355,11 @@ def test_truncated_importance_correction_of_stale_rollouts():
     shaped = Shaped(adv_BN=adv, update_mask_BN=ro.response_mask_BN)
 
     def upd(ro):
-      # A fresh copy of the state each time: the update donates it.
-      st = jax.tree.map(jnp.copy, state)
+      # Fresh copies each time: the update donates its whole carry (state, rollout, shaped),
+      # and one buffer may not be donated twice (the mask is in the rollout and in shaped).
+      st, ro, sh = (jax.tree.map(jnp.copy, t) for t in (state, ro, shaped))
       out = pool_program(stage, update_phases, st)(frozen, {}, StepCarry(state=st, rollout=ro,
-                                                                        shaped=shaped))
+                                                                        shaped=sh))
       return out.metrics
 
     mf = upd(ro)

@@ -303,3 +303,24 @@ def test_pools_that_disagree_on_a_setting_stop_before_consuming(server):
   assert C.agree(store, streams, "actor", mine, timeout=2, should_stop=lambda: False)
   other = C.Streams("t", "run2")
   assert not C.agree(store, other, "actor", mine, timeout=5, should_stop=lambda: True)
+
+
+def test_a_pool_agrees_with_itself_and_a_changed_setting_is_named(server):
+  from helpers import mesh
+  from jaxrlhf.data import DataSource
+  from jaxrlhf.train.ppo import PPOStage
+  from test_pools import pools_config
+  cfg = pools_config(steps=2)
+  stage = PPOStage(cfg, mesh(), DataSource(cfg.data, cfg.seed))
+  mine = C.settings_of(cfg, stage, {"rm": "abc"})
+  assert "redis_url" not in json.dumps(mine) and mine["inputs"] == {"rm": "abc"}
+  store = S.Store(server.url, wait_s=5, log=lambda line: None)
+  streams = C.Streams("t", "self")
+  store.set_str(streams.stream("settings:critic"), json.dumps(mine))
+  assert C.agree(store, streams, "actor", mine, timeout=2, should_stop=lambda: False)
+  heavier = dataclasses.replace(cfg, ppo=dataclasses.replace(
+      cfg.ppo, reward=dataclasses.replace(cfg.ppo.reward, weights=(1.0, 2.0))))
+  theirs = C.settings_of(heavier, stage, {"rm": "abc"})
+  store.set_str(streams.stream("settings:critic"), json.dumps(theirs))
+  with pytest.raises(ConfigError, match="ppo.reward.weights"):
+    C.agree(store, streams, "actor", mine, timeout=2, should_stop=lambda: False)

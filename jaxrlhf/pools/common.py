@@ -141,10 +141,11 @@ def settings_of(cfg: ExperimentConfig, stage: PPOStage, inputs: dict) -> dict:
   d = to_dict(cfg)
   shapes = {k: [list(v[0]), v[1]] for k, v in {**rollout_schema(stage),
                                                 **scores_schema(stage)}.items()}
-  return {"shapes": shapes, "ppo": d["ppo"], "data": d["data"], "seed": cfg.seed,
-          "stages": list(cfg.stages),
-          "pools": {k: d["pools"][k] for k in ("mode", "max_staleness", "is_correction")},
-          "inputs": dict(inputs)}
+  out = {"shapes": shapes, "ppo": d["ppo"], "data": d["data"], "seed": cfg.seed,
+         "stages": list(cfg.stages),
+         "pools": {k: d["pools"][k] for k in ("mode", "max_staleness", "is_correction")},
+         "inputs": dict(inputs)}
+  return json.loads(json.dumps(out))  # as the other pool reads it back (tuples are lists)
 
 
 def agree(store, streams, role: str, mine: dict, *, timeout: float, should_stop) -> bool:

@@ -61,9 +61,20 @@ def run_critic(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: d
   step; returns the last metrics.  ``inputs`` as for :func:`jaxrlhf.pools.actor.run_actor`."""
   C.check_config(cfg)
   with C.PoolLock(C.pool_dir(workdir, ROLE), f"the {ROLE} pool of {workdir}"):
-    return _run_critic(cfg, workdir, store, mesh, roles, events=events, log=log,
-                       should_stop=should_stop, consumer=consumer, writer=writer,
-                       inputs=dict(inputs or {}), resume=resume)
+    while True:
+      try:
+        return _run_critic(cfg, workdir, store, mesh, roles, events=events, log=log,
+                           should_stop=should_stop, consumer=consumer, writer=writer,
+                           inputs=dict(inputs or {}), resume=resume)
+      except RunChanged as e:
+        # The actor started over (killed before its first checkpoint, or its workdir was
+        # wiped): this critic's work on the old run is void; follow the new one from its start.
+        log(f"critic: {e}; following it")
+        resume = "latest"  # the old run's checkpoints are set aside by the run check
+
+
+class RunChanged(RuntimeError):
+  """The actor moved to another run while this critic was on one."""
 
 
 def _run_critic(cfg, workdir, store, mesh, roles, *, events, log, should_stop, consumer,
@@ -125,8 +136,7 @@ def _run_critic(cfg, workdir, store, mesh, roles, *, events, log, should_stop, c
         last_check[0] = time.monotonic()
         now = store.get_str(run_key)
         if now != run:
-          raise RuntimeError(f"critic: the actor moved from run {run} to {now}; restart the "
-                             "critic to follow it")
+          raise RunChanged(f"the actor moved from run {run} to {now}")
 
     inbox = Inbox(store, streams.stream("rollouts"), streams.index("rollouts"),
                   C.GROUP["rollouts"], consumer, kind="rollout", run=run,
