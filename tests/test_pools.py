@@ -386,3 +386,56 @@ def test_configs_the_pools_cannot_run_are_refused():
       ({"pools": PoolsConfig(max_queue=0)}, "max_queue")]:
     with pytest.raises(ConfigError, match=match):
       check_config(dataclasses.replace(base, **changes))
+
+
+# ------------------------------------------------------------------------- faults, in-process
+
+
+def test_a_critic_stopped_during_back_pressure_never_checkpoints_past_its_scores(redis_url,
+                                                                                 tmp_path):
+  """Finding 1 of issue 28: a stop while the scores stream is full makes publish return
+  STOPPED.  The critic must not train on that batch, count it done, checkpoint or ack past
+  it: after a restart it scores the batch again and the actor gets its advantages."""
+  from jaxrlhf.checkpoint import checkpoint_dir
+  cfg = dataclasses.replace(pools_config(steps=3, mode="sync", peer_wait_s=60.0),
+                            checkpoint=CheckpointConfig(every_steps=1, keep=5, async_save=False))
+  stop = {"critic": False, "actor": False}
+  meshes = {"actor": mesh(), "critic": make_mesh(MeshConfig(), jax.devices()[1:2])}
+  logs, errors, out = [], [], {}
+
+  class StopsAtBatch1(S.Store):
+    def publish(self, stream, index, batch, fields, **kw):
+      if batch == 1:  # as if a SIGTERM came while the actor's queue was full
+        stop["critic"] = True
+        return S.Published.STOPPED
+      return super().publish(stream, index, batch, fields, **kw)
+
+  def go(role, store_cls):
+    try:
+      store = store_cls(redis_url, wait_s=30, log=logs.append)
+      fn = run_actor if role == "actor" else run_critic
+      out[role] = fn(cfg, str(tmp_path), store, meshes[role], {}, log=logs.append,
+                     writer=Records(), should_stop=lambda: stop[role])
+    except BaseException as e:  # noqa: BLE001 - reported below
+      errors.append((role, e))
+
+  threads = {"critic": threading.Thread(target=go, args=("critic", StopsAtBatch1)),
+             "actor": threading.Thread(target=go, args=("actor", S.Store))}
+  for t in threads.values():
+    t.start()
+  threads["critic"].join(timeout=600)
+  stop["actor"] = True
+  threads["actor"].join(timeout=600)
+  assert not errors, (errors, logs[-20:])
+  assert out["critic"]["done"] == 1, out["critic"]["done"]
+  saved = [int(d) for d in os.listdir(checkpoint_dir(str(tmp_path), "ppo.critic")) if d.isdigit()]
+  assert max(saved) == 1, saved  # nothing saved past the unpublished batch
+  # Both come back; the critic scores batch 1 again and the run finishes.
+  stop.update(critic=False, actor=False)
+  threads = {r: threading.Thread(target=go, args=(r, S.Store)) for r in ("critic", "actor")}
+  for t in threads.values():
+    t.start()
+  for t in threads.values():
+    t.join(timeout=600)
+  assert not errors, (errors, logs[-20:])
+  assert out["critic"]["done"] == out["actor"]["done"] == 3

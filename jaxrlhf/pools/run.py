@@ -48,6 +48,7 @@ def run_role(cfg: ExperimentConfig, workdir: str, role: str, redis_url: str = ""
   """One pool in this process; exit status."""
   from jaxrlhf.data import DataSource
   from jaxrlhf.mesh import make_mesh
+  from jaxrlhf.model import hf
   from jaxrlhf.pools import common as C
   from jaxrlhf.pools import store as S
   from jaxrlhf.preemption import PreemptionHandler
@@ -68,7 +69,7 @@ def run_role(cfg: ExperimentConfig, workdir: str, role: str, redis_url: str = ""
   pipeline.quiet_library_logs()
   os.makedirs(workdir, exist_ok=True)
   mesh = make_mesh(cfg.mesh)
-  cfg = pipeline.resolve_models(cfg, dict(mesh.shape)["tp"])
+  cfg = hf.resolve_models(cfg, dict(mesh.shape)["tp"])
   roles, inputs = earlier_roles(cfg, mesh, DataSource(cfg.data, cfg.seed), workdir)
   log = lambda m: print(m, flush=True)  # noqa: E731
   store = S.Store(url, password, wait_s=cfg.pools.redis_wait_s, log=log)
