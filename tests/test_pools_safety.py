@@ -324,3 +324,113 @@ def test_a_pool_agrees_with_itself_and_a_changed_setting_is_named(server):
   store.set_str(streams.stream("settings:critic"), json.dumps(theirs))
   with pytest.raises(ConfigError, match="ppo.reward.weights"):
     C.agree(store, streams, "actor", mine, timeout=2, should_stop=lambda: False)
+
+
+# ----------------------------------------------------------- stopping, resuming, skipping
+
+
+def test_repeated_non_finite_updates_stop_a_pool_after_a_checkpoint():
+  import types
+  import jax.numpy as jnp
+  from jaxrlhf.train.loop import TrainingError
+  stage = types.SimpleNamespace(scfg=types.SimpleNamespace(
+      optim=types.SimpleNamespace(max_consecutive_skips=3)))
+  saved = []
+  for n in (0, 2):
+    C.check_skips(stage, types.SimpleNamespace(extras={"skips/consecutive": jnp.int32(n)}),
+                  "critic", 5, lambda: saved.append(1))
+  assert not saved
+  with pytest.raises(TrainingError, match="ppo.optim.max_consecutive_skips"):
+    C.check_skips(stage, types.SimpleNamespace(extras={"skips/consecutive": jnp.int32(3)}),
+                  "critic", 5, lambda: saved.append(1))
+  assert saved == [1]
+
+
+def test_the_critic_never_publishes_a_non_finite_advantage():
+  import jax.numpy as jnp
+  from jaxrlhf.pools.critic import finite_scores
+  adv = jnp.array([[1.0, 2.0], [jnp.nan, 0.0], [0.5, jnp.inf], [3.0, 4.0]])
+  keep = jnp.array([True, True, True, False])
+  score = jnp.array([0.1, 0.2, 0.3, 0.4])
+  out, valid, bad = finite_scores(adv, keep, score)
+  assert bad == 2 and bool(jnp.all(jnp.isfinite(out)))
+  assert valid.tolist() == [True, False, False, False]
+  assert out.tolist() == [[1.0, 2.0], [0.0, 0.0], [0.0, 0.0], [3.0, 4.0]]
+
+
+def test_resume_none_moves_a_pools_checkpoints_aside(tmp_path):
+  from jaxrlhf import checkpoint as ckpt
+  from jaxrlhf.train import pipeline
+  work = str(tmp_path)
+  for role in ("actor", "critic"):
+    os.makedirs(ckpt.checkpoint_dir(work, f"ppo.{role}") + "/3")
+    os.makedirs(ckpt.stage_result_dir(work, f"ppo.{role}"))
+  lines = []
+  C.start_over(work, "actor", lines.append)
+  assert not os.path.exists(ckpt.checkpoint_dir(work, "ppo.actor"))
+  assert not os.path.exists(ckpt.stage_result_dir(work, "ppo.actor"))
+  assert os.path.exists(ckpt.checkpoint_dir(work, "ppo.critic")) and "moved aside" in lines[0]
+  pipeline.start_over(work, ("ppo",))  # a colocated --resume=none: both pool folders go
+  assert not os.path.exists(os.path.join(work, "ppo.critic"))
+  assert any(d.startswith("ppo.critic.replaced-") for d in os.listdir(work))
+
+
+CHILD = r"""
+import os, signal, sys, time, redis
+role = sys.argv[1]
+r = redis.Redis.from_url(os.environ["JAXRLHF_REDIS_URL"],
+                         password=os.environ["JAXRLHF_REDIS_PASSWORD"])
+r.set("up:" + role, "1")
+def stop(signum, frame):
+  open(os.path.join(sys.argv[2], role + ".stopped"), "w").write(signal.Signals(signum).name)
+  sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+while True:
+  time.sleep(0.05)
+"""
+
+PARENT = r"""
+import dataclasses, sys
+sys.path.insert(0, {here!r})
+from jaxrlhf.pools import run as R
+from test_pools import pools_config
+R.pool_command = lambda base, role: [sys.executable, "-c", {child!r}, role, {work!r}]
+cfg = dataclasses.replace(pools_config(steps=2), stages=("ppo",))
+sys.exit(R.run_all(cfg, {work!r}, ["main"], grace_s=20))
+"""
+
+
+def test_role_all_stops_both_pools_gracefully_then_its_redis_on_sigterm(tmp_path):
+  import signal
+  work = str(tmp_path / "w")
+  os.makedirs(work)
+  env = {k: v for k, v in os.environ.items() if k not in (S.URL_ENV, S.PASSWORD_ENV)}
+  parent = subprocess.Popen([sys.executable, "-c", PARENT.format(here=HERE, child=CHILD,
+                                                                 work=work)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  url = None
+  t0 = time.time()
+  while time.time() - t0 < 60 and url is None:
+    line = parent.stdout.readline()
+    if "started redis-server at" in line:
+      url = line.split(" at ")[1].split()[0]
+  assert url, "no redis started"
+  port = int(url.rsplit(":", 1)[1].split("/")[0])
+  with pytest.raises(redis_lib.AuthenticationError):  # a password nobody was told
+    redis_lib.Redis(port=port).ping()
+  while not all(os.path.exists(os.path.join(work, "pools", "lock")) for _ in [0]):
+    time.sleep(0.1)
+  # A second --role=all on the same workdir is refused while this one runs.
+  second = subprocess.run([sys.executable, "-c", PARENT.format(here=HERE, child=CHILD,
+                                                               work=work)],
+                          env=env, capture_output=True, text=True, timeout=120)
+  assert second.returncode != 0 and f"pid {parent.pid}" in second.stderr + second.stdout
+  time.sleep(3.0)  # both children up
+  parent.send_signal(signal.SIGTERM)
+  rest = parent.communicate(timeout=60)[0]
+  assert parent.returncode == 0, rest
+  for role in ("actor", "critic"):
+    with open(os.path.join(work, f"{role}.stopped")) as f:
+      assert f.read() == "SIGTERM"
+  with pytest.raises(redis_lib.ConnectionError):  # its redis is gone too
+    redis_lib.Redis(port=port, socket_timeout=1).ping()

@@ -47,6 +47,16 @@ def value_metrics(stage, frozen, batch, c: StepCarry) -> StepCarry:
   return c.replace(state=state, metrics=metrics)
 
 
+def finite_scores(adv_BN, keep_B, score_B):
+  """``(adv, valid, rows dropped)`` as they leave this pool: a row whose score or any
+  advantage is not finite is marked invalid (the actor's update masks it) and its advantages
+  sent as zeros — never a NaN on the wire."""
+  finite_B = jnp.all(jnp.isfinite(adv_BN), axis=-1)
+  valid_B = keep_B & jnp.isfinite(score_B) & finite_B
+  adv = jnp.where(finite_B[:, None], adv_BN, 0.0).astype(jnp.float32)
+  return adv, valid_B, int(jax.device_get(jnp.sum(~finite_B)))
+
+
 def critic_programs(stage):
   """The critic's two programs from the RL phase list (train/program.py): scoring (reward,
   values, reward shaping), then the value update, with this pool's bookkeeping after it."""
@@ -163,12 +173,7 @@ def _run_critic(cfg, workdir, store, mesh, roles, *, events, log, should_stop, c
                       kl_coef=jnp.float32(msg.meta["kl_coef"]))
         c = score(frozen, batch, c)
         smetrics = {k: float(v) for k, v in jax.device_get(c.metrics).items()}
-        # Only finite advantages leave this pool: a row with a non-finite one is marked
-        # invalid (the actor's update masks it) and zeroed, never sent as NaN.
-        finite = jnp.all(jnp.isfinite(c.shaped.adv_BN), axis=-1)
-        valid = c.scored.keep_B & jnp.isfinite(c.scored.score_B) & finite
-        adv = jnp.where(finite[:, None], c.shaped.adv_BN, 0.0).astype(jnp.float32)
-        bad = int(jax.device_get(jnp.sum(~finite)))
+        adv, valid, bad = finite_scores(c.shaped.adv_BN, c.scored.keep_B, c.scored.score_B)
         if bad:
           log(f"critic: batch {msg.batch}: {bad} rows with non-finite advantages sent as "
               "invalid (masked out of the policy update)")

@@ -159,6 +159,11 @@ def stop_process(proc, grace_s: float) -> None:
       proc.wait()
 
 
+def pool_command(base: list, role: str) -> list:
+  """The command line of one pool process of ``--role=all``."""
+  return [sys.executable, "-m", "jaxrlhf.main", *base, f"--role={role}"]
+
+
 def run_all(cfg: ExperimentConfig, workdir: str, argv: list, redis_url: str = "",
             grace_s: float = 120.0, resume: str = "latest") -> int:
   """Earlier stages (normal pipeline), then both pools as subprocesses of this one.
@@ -223,8 +228,8 @@ def _run_all(cfg, workdir, argv, redis_url, grace_s, resume) -> int:
   try:
     for role in ("critic", "actor"):
       # Their own process group: a Ctrl-C reaches them once, through on_signal.
-      procs[role] = subprocess.Popen([sys.executable, "-m", "jaxrlhf.main", *base,
-                                      f"--role={role}"], env=env, start_new_session=True)
+      procs[role] = subprocess.Popen(pool_command(base, role), env=env,
+                                     start_new_session=True)
     rc = 0
     t_stop = None
     while procs:
