@@ -439,3 +439,9 @@ def test_a_critic_stopped_during_back_pressure_never_checkpoints_past_its_scores
     t.join(timeout=600)
   assert not errors, (errors, logs[-20:])
   assert out["critic"]["done"] == out["actor"]["done"] == 3
+  # Finding 4: the checkpoint records the earlier stages' results it was built on, and a
+  # pool restarted on a retrained one is refused, as a colocated stage is.
+  store = S.Store(redis_url, wait_s=30, log=logs.append)
+  with pytest.raises(ConfigError, match="rewritten since"):
+    run_critic(cfg, str(tmp_path), store, meshes["critic"], {}, log=logs.append,
+               writer=Records(), inputs={"rm": "retrained"})
