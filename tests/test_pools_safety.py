@@ -434,3 +434,14 @@ def test_role_all_stops_both_pools_gracefully_then_its_redis_on_sigterm(tmp_path
       assert f.read() == "SIGTERM"
   with pytest.raises(redis_lib.ConnectionError):  # its redis is gone too
     redis_lib.Redis(port=port, socket_timeout=1).ping()
+
+
+def test_with_checkpointing_off_every_applied_batch_is_final(tmp_path):
+  """So the pools ack and trim after every batch: nothing is ever re-read, and the streams
+  stay bounded (with checkpointing on, a checkpoint comes at least every MAX_UNACKED)."""
+  from jaxrlhf.config import CheckpointConfig
+  from test_pools import pools_config
+  cfg = dataclasses.replace(pools_config(steps=2), checkpoint=CheckpointConfig(enabled=False))
+  with C.PoolCheckpointer(str(tmp_path), "critic", cfg) as ck:
+    assert ck.save(1, None, {"done": 1})
+  assert 1 <= C.MAX_UNACKED <= 64

@@ -230,7 +230,10 @@ def _run_actor(cfg, workdir, store, mesh, roles, *, events, log, should_stop, co
           metrics.update(stage.evaluate(state, frozen))
         writer.write(name, done, metrics)
         last = metrics
-        if ck.save(done, state, extra_of(), metrics, force=done == steps):
+        # A checkpoint at least every MAX_UNACKED batches, whatever checkpoint.every_steps:
+        # the streams hold what a restart may re-read, and this bounds it.
+        if ck.save(done, state, extra_of(), metrics,
+                   force=done == steps or len(inbox.unacked) >= C.MAX_UNACKED):
           inbox.ack_through(done - 1)
           store.trim(ro_stream, ro_index, C.GROUP["rollouts"],
                      keep_from=store.entry_of(ro_index, done))

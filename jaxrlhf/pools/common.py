@@ -207,6 +207,10 @@ class PoolLock:
 
 
 GROUP = {"rollouts": "critic", "scores": "actor"}
+# Most entries a pool leaves unacknowledged (taken, not yet covered by a checkpoint) before it
+# checkpoints regardless of checkpoint.every_steps: with trimming after each checkpoint, each
+# stream then holds at most MAX_UNACKED + max_queue (+ max_staleness) entries.
+MAX_UNACKED = 32
 
 
 def rollout_schema(stage: PPOStage) -> dict:

@@ -211,7 +211,10 @@ def _run_critic(cfg, workdir, store, mesh, roles, *, events, log, should_stop, c
         t_prev = now
         writer.write(name, done, metrics)
         last = metrics
-        if ck.save(done, state, extra_of(done), metrics, force=done == steps):
+        # A checkpoint at least every MAX_UNACKED batches, whatever checkpoint.every_steps:
+        # the streams hold what a restart may re-read, and this bounds it.
+        if ck.save(done, state, extra_of(done), metrics,
+                   force=done == steps or len(inbox.unacked) >= C.MAX_UNACKED):
           inbox.ack_through(done - 1)
           store.trim(sc_stream, sc_index, C.GROUP["scores"])
     if should_stop() and done < steps:
