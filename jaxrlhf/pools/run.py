@@ -127,8 +127,10 @@ def start_local_redis(directory: str, password: str, attempts: int = 5):
     conf = (f"port {port}\nbind 127.0.0.1\ndir \"{directory}\"\nsave \"\"\nappendonly yes\n"
             f"protected-mode yes\nmaxmemory-policy noeviction\nrequirepass {password}\n")
     log = open(os.path.join(directory, "redis.log"), "a")
+    # Its own session: a Ctrl-C at the terminal must not take Redis away from pools that are
+    # still writing their stop checkpoints and acks; run_all stops it after them.
     proc = subprocess.Popen([exe, "-"], stdin=subprocess.PIPE, stdout=log,
-                            stderr=subprocess.STDOUT)
+                            stderr=subprocess.STDOUT, start_new_session=True)
     proc.stdin.write(conf.encode())
     proc.stdin.close()
     log.close()
