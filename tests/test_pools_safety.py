@@ -381,7 +381,9 @@ role = sys.argv[1]
 r = redis.Redis.from_url(os.environ["JAXRLHF_REDIS_URL"],
                          password=os.environ["JAXRLHF_REDIS_PASSWORD"])
 r.set("up:" + role, "1")
+open(os.path.join(sys.argv[2], role + ".up"), "w").close()
 def stop(signum, frame):
+  r.set("stopped:" + role, "1")  # Redis must still be up while the pools stop
   open(os.path.join(sys.argv[2], role + ".stopped"), "w").write(signal.Signals(signum).name)
   sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
@@ -400,14 +402,16 @@ sys.exit(R.run_all(cfg, {work!r}, ["main"], grace_s=20))
 """
 
 
-def test_role_all_stops_both_pools_gracefully_then_its_redis_on_sigterm(tmp_path):
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_role_all_stops_both_pools_gracefully_then_its_redis(tmp_path, how):
   import signal
   work = str(tmp_path / "w")
   os.makedirs(work)
   env = {k: v for k, v in os.environ.items() if k not in (S.URL_ENV, S.PASSWORD_ENV)}
   parent = subprocess.Popen([sys.executable, "-c", PARENT.format(here=HERE, child=CHILD,
                                                                  work=work)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own group, as at a terminal
   url = None
   t0 = time.time()
   while time.time() - t0 < 60 and url is None:
@@ -418,15 +422,21 @@ def test_role_all_stops_both_pools_gracefully_then_its_redis_on_sigterm(tmp_path
   port = int(url.rsplit(":", 1)[1].split("/")[0])
   with pytest.raises(redis_lib.AuthenticationError):  # a password nobody was told
     redis_lib.Redis(port=port).ping()
-  while not all(os.path.exists(os.path.join(work, "pools", "lock")) for _ in [0]):
+  if how == "SIGTERM":
+    # A second --role=all on the same workdir is refused while this one runs.
+    second = subprocess.run([sys.executable, "-c", PARENT.format(here=HERE, child=CHILD,
+                                                                 work=work)],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode != 0 and f"pid {parent.pid}" in second.stderr + second.stdout
+  t0 = time.time()
+  while time.time() - t0 < 60:  # both children up
+    if all(os.path.exists(os.path.join(work, f"{r}.up")) for r in ("actor", "critic")):
+      break
     time.sleep(0.1)
-  # A second --role=all on the same workdir is refused while this one runs.
-  second = subprocess.run([sys.executable, "-c", PARENT.format(here=HERE, child=CHILD,
-                                                               work=work)],
-                          env=env, capture_output=True, text=True, timeout=120)
-  assert second.returncode != 0 and f"pid {parent.pid}" in second.stderr + second.stdout
-  time.sleep(3.0)  # both children up
-  parent.send_signal(signal.SIGTERM)
+  if how == "SIGTERM":
+    parent.send_signal(signal.SIGTERM)
+  else:  # a terminal's Ctrl-C: SIGINT to the foreground process group
+    os.killpg(parent.pid, signal.SIGINT)
   rest = parent.communicate(timeout=60)[0]
   assert parent.returncode == 0, rest
   for role in ("actor", "critic"):
