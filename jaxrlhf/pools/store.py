@@ -17,7 +17,9 @@ actor) read through a consumer group, plus an index hash (batch id -> entry id):
   entry and what the producer may still need to read back (the actor re-reads rollouts it
   published when it restarts);
 * an unreachable Redis is retried with exponential back-off and one line per attempt, up to
-  ``redis_wait_s``, then :class:`Unreachable` says what to check.
+  ``redis_wait_s``, then :class:`Unreachable` says what to check; an answer that retrying
+  cannot change (wrong password, out of memory, an evicting memory policy) is a
+  :class:`StoreError` at once.
 """
 
 from __future__ import annotations
