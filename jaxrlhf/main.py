@@ -127,6 +127,10 @@ def _run(argv) -> int:
   flag_values = {name: flags.FLAGS[name].value for name in (*FLAG_FIELDS, "mesh")}
   cfg = resolve_config(_EXPERIMENT.value, _SET.value, flag_values, _STEPS.value,
                        required=not _PRINT_CONFIG.value, config_file=_CONFIG.value)
+  if cfg.pools.redis_url or _REDIS_URL.value:
+    # Before anything prints or saves the config: no credentials in a Redis URL.
+    from jaxrlhf.pools.store import check_url
+    check_url(_REDIS_URL.value or cfg.pools.redis_url)
   if _PRINT_CONFIG.value:
     print(to_json(cfg))
     return 0
@@ -149,13 +153,14 @@ def _run(argv) -> int:
 
   if _ROLE.value == "all":
     from jaxrlhf.pools import run as pools_run
-    return pools_run.run_all(cfg, workdir, sys.argv, _REDIS_URL.value)
+    return pools_run.run_all(cfg, workdir, sys.argv, _REDIS_URL.value, resume=_RESUME.value)
   from jaxrlhf import distributed
   if distributed.wanted(cfg.distributed):
     distributed.initialize(cfg.distributed)
   if _ROLE.value:
     from jaxrlhf.pools import run as pools_run
-    return pools_run.run_role(cfg, workdir, _ROLE.value, _REDIS_URL.value, _POOL_EVENTS.value)
+    return pools_run.run_role(cfg, workdir, _ROLE.value, _REDIS_URL.value, _POOL_EVENTS.value,
+                              resume=_RESUME.value)
   from jaxrlhf.train import pipeline
   return pipeline.run(cfg, workdir, resume=_RESUME.value, profile_steps=_PROFILE.value)
 

@@ -19,13 +19,14 @@ class RedisServer:
   """``redis-server`` in ``directory`` on ``port``; :meth:`stop` / :meth:`start` to take it
   away and bring it back (with ``appendonly``, its streams survive)."""
 
-  def __init__(self, directory, appendonly=False):
+  def __init__(self, directory, appendonly=False, password=None):
     self.exe = shutil.which("redis-server")
     if self.exe is None:
       pytest.skip("redis-server is not installed (apt-get install redis-server; .ci/run does)")
     self.dir = str(directory)
     self.port = free_port()
     self.appendonly = appendonly
+    self.password = password
     self.proc = None
     self.url = f"redis://127.0.0.1:{self.port}/0"
 
@@ -34,13 +35,15 @@ class RedisServer:
             "--save", "", "--appendonly", "yes" if self.appendonly else "no"]
     if self.appendonly:
       args += ["--appendfsync", "always"]
+    if self.password:
+      args += ["--requirepass", self.password]
     self.proc = subprocess.Popen(args, stdout=open(os.path.join(self.dir, "redis.log"), "a"),
                                  stderr=subprocess.STDOUT)
     import redis
     t0 = time.time()
     while time.time() - t0 < 20:
       try:
-        if redis.Redis(port=self.port, socket_timeout=0.5).ping():
+        if redis.Redis(port=self.port, password=self.password, socket_timeout=0.5).ping():
           return self
       except redis.ConnectionError:
         time.sleep(0.05)

@@ -177,7 +177,7 @@ def test_redis_address_rules(monkeypatch):
   with pytest.raises(ConfigError, match="not in the URL|do not put"):
     S.settings("redis://:hunter2@127.0.0.1:6379/0")
   monkeypatch.setenv(S.PASSWORD_ENV, "s3cret")
-  assert S.settings("redis://10.1.2.3:6379/0") == ("redis://10.1.2.3:6379/0", "s3cret")
+  assert S.settings("rediss://10.1.2.3:6379/0") == ("rediss://10.1.2.3:6379/0", "s3cret")
   monkeypatch.setenv(S.URL_ENV, "redis://127.0.0.2:7000/1")
   assert S.settings("")[0] == "redis://127.0.0.2:7000/1"
 
@@ -197,11 +197,11 @@ def test_inbox_rejects_malformed_and_foreign_entries_and_publish_is_idempotent(r
   with pytest.raises(S.PeerTimeout, match="batch 0"):  # all five read and dropped by now
     inbox.take(0, timeout=0.5)
   assert store.publish(stream, index, 0, wire.encode(_msg(batch=0)), group="actor",
-                       max_queue=10)
-  assert not store.publish(stream, index, 0, wire.encode(_msg(batch=0)), group="actor",
-                           max_queue=10)  # a restarted producer: no second entry for batch 0
+                       max_queue=10) is S.Published.ADDED
+  assert store.publish(stream, index, 0, wire.encode(_msg(batch=0)), group="actor",
+                       max_queue=10) is S.Published.PRESENT  # a restarted producer: no 2nd
   assert store.publish(stream, index, 1, wire.encode(_msg(batch=1)), group="actor",
-                       max_queue=10)
+                       max_queue=10) is S.Published.ADDED
   assert inbox.take(0, timeout=10).batch == 0
   assert inbox.take(1, timeout=10).batch == 1
   reasons = [e["reason"] for e in events if e["event"] == "rejected"]
@@ -243,14 +243,14 @@ def test_publish_waits_while_the_queue_is_full(redis_url):
   store.ensure_group(stream, "critic")
   for b in range(2):
     assert store.publish(stream, index, b, wire.encode(_msg(batch=b)), group="critic",
-                         max_queue=2)
+                         max_queue=2) is S.Published.ADDED
   with pytest.raises(S.PeerTimeout, match="unread"):
     store.publish(stream, index, 2, wire.encode(_msg(batch=2)), group="critic", max_queue=2,
                   wait_s=0.5)
   assert any("max_queue" in line for line in logs)
   store.read(stream, "critic", "c", pending=False)  # the consumer reads one -> room again
   assert store.publish(stream, index, 2, wire.encode(_msg(batch=2)), group="critic",
-                       max_queue=2, wait_s=5)
+                       max_queue=2, wait_s=5) is S.Published.ADDED
 
 
 def test_unreachable_redis_is_retried_then_explained():
@@ -355,10 +355,11 @@ def test_truncated_importance_correction_of_stale_rollouts():
     shaped = Shaped(adv_BN=adv, update_mask_BN=ro.response_mask_BN)
 
     def upd(ro):
-      # A fresh copy of the state each time: the update donates it.
-      st = jax.tree.map(jnp.copy, state)
+      # Fresh copies each time: the update donates its whole carry (state, rollout, shaped),
+      # and one buffer may not be donated twice (the mask is in the rollout and in shaped).
+      st, ro, sh = (jax.tree.map(jnp.copy, t) for t in (state, ro, shaped))
       out = pool_program(stage, update_phases, st)(frozen, {}, StepCarry(state=st, rollout=ro,
-                                                                        shaped=shaped))
+                                                                        shaped=sh))
       return out.metrics
 
     mf = upd(ro)
@@ -385,3 +386,62 @@ def test_configs_the_pools_cannot_run_are_refused():
       ({"pools": PoolsConfig(max_queue=0)}, "max_queue")]:
     with pytest.raises(ConfigError, match=match):
       check_config(dataclasses.replace(base, **changes))
+
+
+# ------------------------------------------------------------------------- faults, in-process
+
+
+def test_a_critic_stopped_during_back_pressure_never_checkpoints_past_its_scores(redis_url,
+                                                                                 tmp_path):
+  """Finding 1 of issue 28: a stop while the scores stream is full makes publish return
+  STOPPED.  The critic must not train on that batch, count it done, checkpoint or ack past
+  it: after a restart it scores the batch again and the actor gets its advantages."""
+  from jaxrlhf.checkpoint import checkpoint_dir
+  cfg = dataclasses.replace(pools_config(steps=3, mode="sync", peer_wait_s=60.0),
+                            checkpoint=CheckpointConfig(every_steps=1, keep=5, async_save=False))
+  stop = {"critic": False, "actor": False}
+  meshes = {"actor": mesh(), "critic": make_mesh(MeshConfig(), jax.devices()[1:2])}
+  logs, errors, out = [], [], {}
+
+  class StopsAtBatch1(S.Store):
+    def publish(self, stream, index, batch, fields, **kw):
+      if batch == 1:  # as if a SIGTERM came while the actor's queue was full
+        stop["critic"] = True
+        return S.Published.STOPPED
+      return super().publish(stream, index, batch, fields, **kw)
+
+  def go(role, store_cls):
+    try:
+      store = store_cls(redis_url, wait_s=30, log=logs.append)
+      fn = run_actor if role == "actor" else run_critic
+      out[role] = fn(cfg, str(tmp_path), store, meshes[role], {}, log=logs.append,
+                     writer=Records(), should_stop=lambda: stop[role])
+    except BaseException as e:  # noqa: BLE001 - reported below
+      errors.append((role, e))
+
+  threads = {"critic": threading.Thread(target=go, args=("critic", StopsAtBatch1)),
+             "actor": threading.Thread(target=go, args=("actor", S.Store))}
+  for t in threads.values():
+    t.start()
+  threads["critic"].join(timeout=600)
+  stop["actor"] = True
+  threads["actor"].join(timeout=600)
+  assert not errors, (errors, logs[-20:])
+  assert out["critic"]["done"] == 1, out["critic"]["done"]
+  saved = [int(d) for d in os.listdir(checkpoint_dir(str(tmp_path), "ppo.critic")) if d.isdigit()]
+  assert max(saved) == 1, saved  # nothing saved past the unpublished batch
+  # Both come back; the critic scores batch 1 again and the run finishes.
+  stop.update(critic=False, actor=False)
+  threads = {r: threading.Thread(target=go, args=(r, S.Store)) for r in ("critic", "actor")}
+  for t in threads.values():
+    t.start()
+  for t in threads.values():
+    t.join(timeout=600)
+  assert not errors, (errors, logs[-20:])
+  assert out["critic"]["done"] == out["actor"]["done"] == 3
+  # Finding 4: the checkpoint records the earlier stages' results it was built on, and a
+  # pool restarted on a retrained one is refused, as a colocated stage is.
+  store = S.Store(redis_url, wait_s=30, log=logs.append)
+  with pytest.raises(ConfigError, match="rewritten since"):
+    run_critic(cfg, str(tmp_path), store, meshes["critic"], {}, log=logs.append,
+               writer=Records(), inputs={"rm": "retrained"})

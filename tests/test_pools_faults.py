@@ -8,11 +8,15 @@ persistent compilation cache (``$JAXRLHF_COMPILATION_CACHE``, turned on by each 
 itself), so restarts do not compile again.
 """
 
+import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -26,8 +30,9 @@ STEPS = 10
 
 
 class Pool:
-  def __init__(self, role, workdir, url, cache, n):
+  def __init__(self, role, workdir, url, cache, n, steps=STEPS, every=2):
     self.role = role
+    self.workdir = workdir
     self.events_path = os.path.join(workdir, f"{role}.events")
     self.out_path = os.path.join(workdir, f"{role}.{n}.out")
     # The trainer's own setting: a pool process turns the cache on itself (run_role).
@@ -40,7 +45,7 @@ class Pool:
     self.proc = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "pools_worker.py"), f"--role={role}",
          f"--workdir={workdir}", f"--redis_url={url}", f"--events={self.events_path}",
-         f"--steps={STEPS}", "--every=2"],
+         f"--steps={steps}", f"--every={every}"],
         stdout=self._out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
 
   def output(self):
@@ -59,9 +64,9 @@ class Pool:
       time.sleep(0.05)
     raise AssertionError(f"{self.role} never applied batch {batch}:\n{self.output()[-3000:]}")
 
-  def kill(self):
-    self.proc.send_signal(signal.SIGKILL)
-    self.proc.wait(timeout=30)
+  def kill(self, sig=signal.SIGKILL):
+    self.proc.send_signal(sig)
+    self.proc.wait(timeout=120)  # SIGTERM: the pool writes its stop checkpoint first
     self._out.close()
 
   def finish(self, timeout=300):
@@ -76,6 +81,16 @@ class Pool:
       self.proc.kill()
       self.proc.wait(timeout=30)
     self._out.close()
+
+
+def all_logs(workdir):
+  """Every pool process's output in ``workdir`` (killed ones too), for a failure's report."""
+  parts = []
+  for name in sorted(os.listdir(workdir)):
+    if name.endswith(".out"):
+      with open(os.path.join(workdir, name)) as f:
+        parts.append(f"===== {name} =====\n{f.read()[-6000:]}")
+  return "\n".join(parts)
 
 
 def lineage(events):
@@ -101,42 +116,170 @@ def test_pools_survive_killed_pools_and_a_redis_outage(tmp_path):
   n = iter(range(100))
   pools = {}
   try:
-    pools["critic"] = Pool("critic", work, server.url, cache, next(n))
-    pools["actor"] = Pool("actor", work, server.url, cache, next(n))
-    # 1. The critic dies between checkpoints (every 2 batches) and comes back.
-    pools["critic"].wait_applied(2)
-    pools["critic"].kill()
-    # The pool processes filled the compilation cache they were pointed at (run_role turns it on).
-    assert os.path.isdir(cache) and len(os.listdir(cache)) >= 4, os.listdir(cache)
-    pools["critic"] = Pool("critic", work, server.url, cache, next(n))
-    # 2. The actor dies between checkpoints and comes back.
-    pools["actor"].wait_applied(4)
-    pools["actor"].kill()
-    pools["actor"] = Pool("actor", work, server.url, cache, next(n))
-    # 3. Redis goes away for two seconds.
-    pools["actor"].wait_applied(6)
-    server.stop()
-    time.sleep(2.0)
-    server.start()
-    for p in pools.values():
-      p.finish()
+    _faults(pools, work, server, cache, n)
     out = {r: p.output() for r, p in pools.items()}
+  except BaseException:
+    # Both pools' side of a failure (the killed processes' too), not only the one that
+    # noticed it: the actor's half of a lost batch is in the actor's log.
+    print(all_logs(work))
+    raise
   finally:
     for p in pools.values():
       p.stop()
     server.stop()
+  _check_history(work, STEPS)
+  # The outage was waited out with a clear message, and the pools said when Redis came back.
+  joined = out["actor"] + out["critic"]
+  assert "unreachable" in joined and "reachable again" in joined, joined[-3000:]
 
+
+def _check_history(work, steps):
   for role in ("actor", "critic"):
     events = read_events(os.path.join(work, f"{role}.events"))
     kept = lineage(events)
-    assert [e["batch"] for e in kept] == list(range(STEPS)), (role, kept)
-    assert sum(e["event"] == "resumed" for e in events) == 1, role
+    assert [e["batch"] for e in kept] == list(range(steps)), (role, kept)
     assert events[-1]["event"] == "finished"
   actor_events = read_events(os.path.join(work, "actor.events"))
   assert all(e["scores_batch"] == e["batch"] for e in lineage(actor_events))
   # Every rollout was generated and published once: a restarted actor reuses, never repeats.
   published = [e["batch"] for e in actor_events if e["event"] == "published"]
-  assert sorted(published) == list(range(STEPS)), published
-  # The outage was waited out with a clear message, and the pools said when Redis came back.
-  joined = out["actor"] + out["critic"]
-  assert "unreachable" in joined and "reachable again" in joined, joined[-3000:]
+  assert sorted(published) == list(range(steps)), published
+
+
+def _faults(pools, work, server, cache, n):
+  """Critic SIGKILL, actor SIGKILL, Redis down 2 s; each restarted."""
+  pools["critic"] = Pool("critic", work, server.url, cache, next(n))
+  pools["actor"] = Pool("actor", work, server.url, cache, next(n))
+  # 1. The critic dies between checkpoints (every 2 batches) and comes back.
+  pools["critic"].wait_applied(2)
+  pools["critic"].kill()
+  # The pool processes filled the compilation cache they were pointed at (run_role turns it on).
+  assert os.path.isdir(cache) and len(os.listdir(cache)) >= 4, os.listdir(cache)
+  pools["critic"] = Pool("critic", work, server.url, cache, next(n))
+  # 2. The actor dies between checkpoints and comes back.
+  pools["actor"].wait_applied(4)
+  pools["actor"].kill()
+  pools["actor"] = Pool("actor", work, server.url, cache, next(n))
+  # 3. Redis goes away for two seconds.
+  pools["actor"].wait_applied(6)
+  server.stop()
+  time.sleep(2.0)
+  server.start()
+  for p in pools.values():
+    p.finish()
+  for role in ("actor", "critic"):
+    events = read_events(os.path.join(work, f"{role}.events"))
+    assert sum(e["event"] == "resumed" for e in events) == 1, role
+
+
+# ------------------------------------------------------------------------------- chaos
+
+
+CHAOS_STEPS = 4
+
+
+def _final_metrics(work):
+  """Each pool's metrics of the last step (its metrics.jsonl), without timings."""
+  out = {}
+  for role in ("actor", "critic"):
+    rows = [json.loads(line) for line in open(os.path.join(work, f"ppo.{role}",
+                                                           "metrics.jsonl"))]
+    last = [r for r in rows if r.get("step") == CHAOS_STEPS][-1]
+    out[role] = {k: v for k, v in last.items()
+                 if not k.startswith(("time/", "wall_time", "perf/", "memory/", "throughput/"))}
+  return out
+
+
+def _run(work, server, cache, chaos=None, log=print):
+  """A sync run of CHAOS_STEPS batches (a checkpoint every step) in ``work``; ``chaos``: a
+  ``random.Random`` that picks one fault — SIGKILL or SIGTERM of the actor, the critic or
+  Redis, at a random moment — after which the victim is restarted and the run finished.
+  Returns the fault, as recorded in the test's output."""
+  os.makedirs(work)
+  n = iter(range(100))
+  pools, fault = {}, None
+  try:
+    for role in ("critic", "actor"):
+      pools[role] = Pool(role, work, server.url, cache, next(n), steps=CHAOS_STEPS, every=1)
+    if chaos is not None:
+      victim = chaos.choice(("actor", "critic", "redis"))
+      sig = chaos.choice((signal.SIGKILL, signal.SIGTERM))
+      watch = chaos.choice(("actor", "critic"))
+      after = chaos.randrange(-1, CHAOS_STEPS - 1)  # -1: during start-up / compilation
+      delay = round(chaos.uniform(0.0, 0.6), 3)
+      fault = dict(victim=victim, signal=sig.name, after_applied=after, watch=watch,
+                   delay_s=delay)
+      if after >= 0:
+        pools[watch].wait_applied(after)
+      time.sleep(delay if after >= 0 else 2.0 + delay * 10)
+      if victim == "redis":
+        server.proc.send_signal(sig)
+        server.proc.wait(timeout=60)
+        server.proc = None
+        time.sleep(chaos.uniform(0.0, 2.0))
+        server.start()
+      elif pools[victim].proc.poll() is None:
+        pools[victim].kill(sig)
+        pools[victim] = Pool(victim, work, server.url, cache, next(n), steps=CHAOS_STEPS,
+                             every=1)
+      else:
+        fault["note"] = "the victim had finished already"
+      log(f"chaos fault: {fault}")
+    for p in pools.values():
+      p.finish()
+  except BaseException:
+    print(f"fault: {fault}\n{all_logs(work)}")
+    raise
+  finally:
+    for p in pools.values():
+      p.stop()
+  try:
+    _check_history(work, CHAOS_STEPS)
+  except AssertionError:
+    print(f"fault: {fault}\n{all_logs(work)}")
+    raise
+  return fault
+
+
+def _chaos(tmp_path, trials, seed):
+  """``trials`` seeded faults, each against its own run; every run applies each batch once
+  on each side and ends with the uninterrupted run's metrics, value for value."""
+  cache = str(tmp_path / "jit_cache")
+  server = RedisServer(tmp_path, appendonly=True).start()
+  try:
+    server.stop()
+    reference = None
+    rng = random.Random(seed)
+    for trial in range(trials + 1):
+      # Each run on a Redis of its own data (a fresh folder), restarted between runs.
+      server.dir = str(tmp_path / f"redis{trial}")
+      os.makedirs(server.dir)
+      server.start()
+      work = str(tmp_path / f"trial{trial}")
+      t0 = time.time()
+      fault = _run(work, server, cache, chaos=rng if trial else None)
+      server.stop()
+      got = _final_metrics(work)
+      print(f"chaos trial {trial} (seed {seed}): {fault or 'no fault (reference)'}; "
+            f"{time.time() - t0:.1f}s", flush=True)
+      if reference is None:
+        reference = got
+        continue
+      for role in ("actor", "critic"):
+        assert got[role] == reference[role], (trial, fault, role, got[role], reference[role])
+  finally:
+    server.stop()
+
+
+def test_chaos_a_few_seeded_faults(tmp_path):
+  _chaos(tmp_path, trials=int(os.environ.get("JAXRLHF_CHAOS_CI_TRIALS", "2")), seed=28)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("JAXRLHF_CHAOS_TRIALS"),
+                    reason="the full chaos loop: JAXRLHF_CHAOS_TRIALS=20 pytest -m slow "
+                           "tests/test_pools_faults.py")
+def test_chaos_full_loop(tmp_path):
+  trials = int(os.environ["JAXRLHF_CHAOS_TRIALS"])
+  assert trials >= 1
+  _chaos(tmp_path, trials=trials, seed=int(os.environ.get("JAXRLHF_CHAOS_SEED", "2028")))

@@ -162,6 +162,11 @@ class GRPOConfig(RLConfig):
       c.need(self.num_samples >= 2, f"{name}.num_samples", self.num_samples,
              f"must be >= 2: {name}.advantage={self.advantage!r} compares the samples of one "
              "prompt, so one sample gives every advantage 0")
+    # A group whose rewards are all equal has std 0: std_eps is what keeps its advantages
+    # 0 / (0 + eps) = 0 rather than 0 / 0 = NaN.
+    c.need(math.isfinite(self.std_eps) and self.std_eps > 0, f"{name}.std_eps", self.std_eps,
+           "must be a finite number > 0 (e.g. 1e-6): a group of equal rewards has std 0, and "
+           "0 would make its advantages 0/0 = NaN")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ from jaxrlhf.metrics import MetricsWriter
 from jaxrlhf.pools import common as C
 from jaxrlhf.pools import wire
 from jaxrlhf.pools.store import Inbox, Store
-from jaxrlhf.train import program
+from jaxrlhf.train import pipeline, program
 from jaxrlhf.train.common import put_batch, shardings_of
 from jaxrlhf.train.ppo import PPOStage
 from jaxrlhf.train.types import Shaped, StepCarry
@@ -82,10 +82,22 @@ def actor_programs(stage):
 
 def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: dict, *,
               events=None, log=print, should_stop=lambda: False, consumer: str = "actor-0",
-              writer=None) -> dict:
+              writer=None, inputs=None, resume: str = "latest") -> dict:
   """Trains the policy of ``cfg``'s PPO stage against a critic pool; returns the last
-  metrics (with the final held-out evaluation)."""
+  metrics (with the final held-out evaluation).  ``inputs``: earlier stage -> the id of the
+  result ``roles`` come from (a checkpoint built on other results is refused)."""
   C.check_config(cfg)
+  with C.PoolLock(C.pool_dir(workdir, ROLE), f"the {ROLE} pool of {workdir}"):
+    return _run_actor(cfg, workdir, store, mesh, roles, events=events, log=log,
+                      should_stop=should_stop, consumer=consumer, writer=writer,
+                      inputs=dict(inputs or {}), resume=resume)
+
+
+def _run_actor(cfg, workdir, store, mesh, roles, *, events, log, should_stop, consumer,
+               writer, inputs, resume) -> dict:
+  store.check_server()
+  if resume == "none":
+    C.start_over(workdir, ROLE, log)
   events = events or C.EventLog(None)
   stage = PPOStage(cfg, mesh, DataSource(cfg.data, cfg.seed))
   pcfg, steps, ahead = cfg.pools, stage.steps, C.staleness(cfg)
@@ -97,8 +109,9 @@ def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: di
   writer = writer or MetricsWriter(where, cfg.logging, {f"{C.STAGE}.{ROLE}": steps})
   name = f"{C.STAGE}.{ROLE}"
   with C.PoolCheckpointer(workdir, ROLE, cfg) as ck:
-    point = ck.resume(C.abstract_of(state), "latest", cfg)
+    point = ck.resume(C.abstract_of(state), resume, cfg)
     if point is not None:
+      pipeline.check_inputs(point.extra, inputs, f"{ck.directory}/{point.step}")
       state, extra = point.state, point.extra
       run, done, published = extra["run"], extra["done"], extra["published"]
       start_eval = extra.get("start_eval", {})
@@ -108,11 +121,15 @@ def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: di
       run, done, published = uuid.uuid4().hex[:12], 0, 0
       start_eval = stage.evaluate(state, frozen)
       # Saved before anything is published: a restart always finds this run's id.
-      ck.save(0, state, {"run": run, "done": 0, "published": 0, "start_eval": start_eval},
-              force=True)
+      ck.save(0, state, {"run": run, "done": 0, "published": 0, "start_eval": start_eval,
+                         "inputs": inputs}, force=True)
       events(event="started", run=run)
-    streams = C.Streams(C.namespace(cfg), run)
+    streams = C.Streams(C.namespace(cfg, workdir), run)
+    log(f"actor: run {run} in redis namespace {streams.ns} (pools.namespace)")
     store.set_str(streams.run_key, run)
+    if not C.agree(store, streams, ROLE, C.settings_of(cfg, stage, inputs),
+                   timeout=pcfg.peer_wait_s, should_stop=should_stop):
+      return {"start_eval": start_eval, "state": state, "done": done}
     ro_stream, ro_index = streams.stream("rollouts"), streams.index("rollouts")
     store.ensure_group(ro_stream, C.GROUP["rollouts"])
     ro_schema = C.rollout_schema(stage)
@@ -128,7 +145,7 @@ def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: di
 
     def extra_of():
       return {"run": run, "done": done, "published": published, "start_eval": start_eval,
-              "stage": name}
+              "stage": name, "inputs": inputs}
 
     inflight: dict = {}  # batch id -> (rollout on device, policy version)
     # Rollouts the checkpoint's state had already published: read back, not regenerated.
@@ -171,9 +188,12 @@ def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: di
             added = store.publish(ro_stream, ro_index, b, wire.encode(msg),
                                   group=C.GROUP["rollouts"], max_queue=pcfg.max_queue,
                                   should_stop=should_stop, wait_s=pcfg.peer_wait_s)
-            if not added:  # stopped while the queue was full: batch b stays unpublished
+            if not added.published:  # stopped while the queue was full: b stays unpublished
               break
-            events(event="published", batch=b, policy_version=version)
+            # PRESENT: Redis ran the publish but its reply was lost to an outage, and the
+            # retry found the entry.  It is this rollout (nothing else can have published b:
+            # the read-back above found none), so b counts as published.
+            events(event="published", batch=b, policy_version=version, how=added.value)
           inflight[b] = (ro, version)
           published += 1
           t_gen += time.perf_counter() - t0
@@ -199,6 +219,8 @@ def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: di
         done += 1
         now = time.perf_counter()
         events(event="applied", batch=done - 1, policy_version=version, scores_batch=scores.batch)
+        C.check_skips(stage, state, ROLE, done, lambda: (
+            ck.save(done, state, extra_of(), metrics, force=True), inbox.ack_through(done - 1)))
         metrics.update({"time/step_s": now - t_prev, "time/actor/generate_s": t_gen,
                         "time/actor/wait_s": t_wait, "time/actor/update_s": t_upd,
                         "pools/staleness": float(lag),
@@ -208,7 +230,10 @@ def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: di
           metrics.update(stage.evaluate(state, frozen))
         writer.write(name, done, metrics)
         last = metrics
-        if ck.save(done, state, extra_of(), metrics, force=done == steps):
+        # A checkpoint at least every MAX_UNACKED batches, whatever checkpoint.every_steps:
+        # the streams hold what a restart may re-read, and this bounds it.
+        if ck.save(done, state, extra_of(), metrics,
+                   force=done == steps or len(inbox.unacked) >= C.MAX_UNACKED):
           inbox.ack_through(done - 1)
           store.trim(ro_stream, ro_index, C.GROUP["rollouts"],
                      keep_from=store.entry_of(ro_index, done))

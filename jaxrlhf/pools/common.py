@@ -9,6 +9,8 @@ stage, so both pools start exactly where a colocated run would.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import hashlib
 import json
 import os
 import threading
@@ -23,6 +25,7 @@ from jaxrlhf import checkpoint as ckpt
 from jaxrlhf.config import ConfigError, ExperimentConfig, to_dict
 from jaxrlhf.train import phases, program
 from jaxrlhf.train.common import init_state, put_batch, shardings_of
+from jaxrlhf.train.loop import TrainingError
 from jaxrlhf.train.ppo import PPOStage
 from jaxrlhf.train.types import Rollout, StepCarry
 
@@ -47,8 +50,31 @@ def check_config(cfg: ExperimentConfig) -> None:
                       "rollouts generated ahead of the update); or use pools.mode=sync")
   if p.max_queue < 1:
     raise ConfigError(f"pools.max_queue={p.max_queue}: must be >= 1")
+  if p.mode == "async" and p.max_staleness >= 2 * p.max_queue + 1:
+    # The actor publishes up to max_staleness rollouts ahead and blocks on a full rollouts
+    # stream while the critic blocks on a full scores stream it is not reading: with room
+    # for only 2 x max_queue entries in flight, the two wait on each other.
+    raise ConfigError(f"pools.max_staleness={p.max_staleness} with pools.max_queue="
+                      f"{p.max_queue} can deadlock (both streams full, both pools waiting); "
+                      f"set pools.max_queue >= {p.max_staleness // 2 + 1} or lower "
+                      "pools.max_staleness")
   if p.is_correction < 0:
     raise ConfigError(f"pools.is_correction={p.is_correction}: 0 (off) or a cap > 0")
+
+
+def check_skips(stage, state, role: str, done: int, save) -> None:
+  """Stops the pool, as the colocated loop (:func:`jaxrlhf.train.loop.train_loop`) stops a
+  run, after ``optim.max_consecutive_skips`` non-finite updates in a row; ``save()`` first
+  checkpoints the state (the last finite update's parameters: a skip leaves them as they
+  were)."""
+  limit = stage.scfg.optim.max_consecutive_skips
+  consecutive = int(jax.device_get(state.extras["skips/consecutive"]))
+  if limit and consecutive >= limit:
+    save()
+    raise TrainingError(
+        f"{STAGE}.{role}: {consecutive} consecutive updates had a non-finite loss or gradient "
+        f"(batch {done - 1}); parameters were left at the last good state and checkpointed. "
+        f"Lower the learning rate, check the data, or raise {STAGE}.optim.max_consecutive_skips")
 
 
 def staleness(cfg: ExperimentConfig) -> int:
@@ -98,11 +124,93 @@ class Streams:
     return f"{self.ns}:{self.run}:{name}:index"
 
 
-def namespace(cfg: ExperimentConfig) -> str:
-  return cfg.pools.namespace or f"jaxrlhf:{cfg.name}"
+def namespace(cfg: ExperimentConfig, workdir: str) -> str:
+  """``pools.namespace``, else one per run: the experiment and a hash of the workdir's
+  absolute path, so two runs of one experiment (a seed sweep) on a shared Redis never share
+  keys.  Pools whose workdirs are mounted at different paths must set ``pools.namespace``."""
+  if cfg.pools.namespace:
+    return cfg.pools.namespace
+  digest = hashlib.sha256(os.path.abspath(workdir).encode()).hexdigest()[:12]
+  return f"jaxrlhf:{cfg.name}:{digest}"
+
+
+def settings_of(cfg: ExperimentConfig, stage: PPOStage, inputs: dict) -> dict:
+  """Everything both pools read and must agree on: the message shapes, the PPO settings
+  (reward sources and weights, KL, batch sizes), the data, the seed, the pools' mode, and the
+  earlier stages' results they start from.  No addresses or credentials."""
+  d = to_dict(cfg)
+  shapes = {k: [list(v[0]), v[1]] for k, v in {**rollout_schema(stage),
+                                                **scores_schema(stage)}.items()}
+  out = {"shapes": shapes, "ppo": d["ppo"], "data": d["data"], "seed": cfg.seed,
+         "stages": list(cfg.stages),
+         "pools": {k: d["pools"][k] for k in ("mode", "max_staleness", "is_correction")},
+         "inputs": dict(inputs)}
+  return json.loads(json.dumps(out))  # as the other pool reads it back (tuples are lists)
+
+
+def agree(store, streams, role: str, mine: dict, *, timeout: float, should_stop) -> bool:
+  """Publishes this pool's settings under the run's keys, waits for the other pool's and
+  raises :class:`ConfigError` naming every setting that differs — before either consumes an
+  entry, so a mismatch is never a stream of rejected (and lost) genuine batches.  False if
+  told to stop first."""
+  other = "critic" if role == "actor" else "actor"
+  store.set_str(streams.stream(f"settings:{role}"), json.dumps(mine, sort_keys=True))
+  raw = wait_for(f"the {other} pool's settings ({streams.stream('settings:' + other)})",
+                 lambda: store.get_str(streams.stream(f"settings:{other}")), timeout,
+                 should_stop)
+  if raw is None:
+    return False
+  theirs = json.loads(raw)
+  diff = sorted(_differences(mine, theirs))
+  if diff:
+    shown = "; ".join(f"{k}: {role} {a!r}, {other} {b!r}"[:300] for k, a, b in diff[:8])
+    raise ConfigError(f"the actor and critic pools of run {streams.run} disagree on "
+                      f"{len(diff)} setting(s): {shown}. Start both pools with the same "
+                      f"experiment, --set overrides and workdir")
+  return True
+
+
+def _differences(a, b, prefix=""):
+  if isinstance(a, dict) and isinstance(b, dict):
+    for k in sorted(set(a) | set(b)):
+      yield from _differences(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else k)
+  elif a != b:
+    yield prefix, a, b
+
+
+class PoolLock:
+  """An exclusive lock on a folder (``flock`` on ``FOLDER/lock``, released by the kernel when
+  the process dies): one process per pool folder, and one ``--role=all`` per workdir."""
+
+  def __init__(self, folder: str, what: str):
+    os.makedirs(folder, exist_ok=True)
+    self.path, self.what = os.path.join(folder, "lock"), what
+    self.fd = None
+
+  def __enter__(self):
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+      os.close(fd)
+      raise ConfigError(f"{self.what} is already running (pid {holder} holds {self.path}); "
+                        f"stop it first, or use another --workdir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    self.fd = fd
+    return self
+
+  def __exit__(self, *exc):
+    os.close(self.fd)  # closing the descriptor releases the lock
+    self.fd = None
 
 
 GROUP = {"rollouts": "critic", "scores": "actor"}
+# Most entries a pool leaves unacknowledged (taken, not yet covered by a checkpoint) before it
+# checkpoints regardless of checkpoint.every_steps: with trimming after each checkpoint, each
+# stream then holds at most MAX_UNACKED + max_queue (+ max_staleness) entries.
+MAX_UNACKED = 32
 
 
 def rollout_schema(stage: PPOStage) -> dict:
@@ -209,12 +317,18 @@ class PoolCheckpointer:
       self.ck = ckpt.Checkpointer(ckpt.checkpoint_dir(workdir, f"{STAGE}.{role}"),
                                   cfg.checkpoint, to_dict(cfg))
     self.directory = self.ck.directory
+    self.enabled = cfg.checkpoint.enabled
 
   def resume(self, abstract, policy, cfg):
     with _ORBAX:
       return self.ck.resume(abstract, policy, cfg)
 
   def save(self, step: int, state, extra: dict, metrics=None, *, force: bool = False) -> bool:
+    """Whether everything applied up to ``step`` is now final: saved, or (checkpointing off)
+    never to be restored, so the caller may ack and trim through it at once — the streams
+    stay bounded whatever the checkpoint cadence."""
+    if not self.enabled:
+      return True
     with _ORBAX:
       saved = self.ck.maybe_save(step, state, extra, metrics, force=force)
       if saved:
@@ -230,6 +344,17 @@ class PoolCheckpointer:
 
   def __exit__(self, *exc):
     self.close()
+
+
+def start_over(workdir: str, role: str, log) -> None:
+  """``--resume=none`` for one pool: its checkpoints and result moved aside (never deleted)."""
+  name = f"{STAGE}.{role}"
+  with _ORBAX:
+    moved = [ckpt._move_aside(p, "replaced") for p in (ckpt.checkpoint_dir(workdir, name),
+                                                       ckpt.stage_result_dir(workdir, name))]
+  moved = [m for m in moved if m]
+  if moved:
+    log(f"--resume=none: the {role} pool starts over; moved aside: {', '.join(moved)}")
 
 
 def save_result(workdir: str, role: str, params: dict, metrics: dict) -> None:

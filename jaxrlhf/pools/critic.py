@@ -26,7 +26,7 @@ from jaxrlhf.metrics import MetricsWriter
 from jaxrlhf.pools import common as C
 from jaxrlhf.pools import wire
 from jaxrlhf.pools.store import Inbox, Store
-from jaxrlhf.train import program
+from jaxrlhf.train import pipeline, program
 from jaxrlhf.train.common import put_batch
 from jaxrlhf.train.ppo import PPOStage
 from jaxrlhf.train.types import StepCarry
@@ -47,6 +47,16 @@ def value_metrics(stage, frozen, batch, c: StepCarry) -> StepCarry:
   return c.replace(state=state, metrics=metrics)
 
 
+def finite_scores(adv_BN, keep_B, score_B):
+  """``(adv, valid, rows dropped)`` as they leave this pool: a row whose score or any
+  advantage is not finite is marked invalid (the actor's update masks it) and its advantages
+  sent as zeros — never a NaN on the wire."""
+  finite_B = jnp.all(jnp.isfinite(adv_BN), axis=-1)
+  valid_B = keep_B & jnp.isfinite(score_B) & finite_B
+  adv = jnp.where(finite_B[:, None], adv_BN, 0.0).astype(jnp.float32)
+  return adv, valid_B, int(jax.device_get(jnp.sum(~finite_B)))
+
+
 def critic_programs(stage):
   """The critic's two programs from the RL phase list (train/program.py): scoring (reward,
   values, reward shaping), then the value update, with this pool's bookkeeping after it."""
@@ -56,27 +66,54 @@ def critic_programs(stage):
 
 def run_critic(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: dict, *,
                events=None, log=print, should_stop=lambda: False, consumer: str = "critic-0",
-               writer=None) -> dict:
+               writer=None, inputs=None, resume: str = "latest") -> dict:
   """Scores the actor's rollouts and trains the value model until the PPO stage's last
-  step; returns the last metrics."""
+  step; returns the last metrics.  ``inputs`` as for :func:`jaxrlhf.pools.actor.run_actor`."""
   C.check_config(cfg)
+  with C.PoolLock(C.pool_dir(workdir, ROLE), f"the {ROLE} pool of {workdir}"):
+    while True:
+      try:
+        return _run_critic(cfg, workdir, store, mesh, roles, events=events, log=log,
+                           should_stop=should_stop, consumer=consumer, writer=writer,
+                           inputs=dict(inputs or {}), resume=resume)
+      except RunChanged as e:
+        # The actor started over (killed before its first checkpoint, or its workdir was
+        # wiped): this critic's work on the old run is void; follow the new one from its start.
+        log(f"critic: {e}; following it")
+        resume = "latest"  # the old run's checkpoints are set aside by the run check
+
+
+class RunChanged(RuntimeError):
+  """The actor moved to another run while this critic was on one."""
+
+
+def _run_critic(cfg, workdir, store, mesh, roles, *, events, log, should_stop, consumer,
+                writer, inputs, resume) -> dict:
+  store.check_server()
+  if resume == "none":
+    C.start_over(workdir, ROLE, log)
   events = events or C.EventLog(None)
   stage = PPOStage(cfg, mesh, DataSource(cfg.data, cfg.seed))
   pcfg, steps = cfg.pools, stage.steps
   frozen_roles = [r for r in stage.frozen() if r != "reference"]
+  if "reward" in frozen_roles and "reward" not in roles and not cfg.role_model("reward").hf_path:
+    # As the colocated stage warns (RLStage.init): scores from random weights are noise.
+    log(f"warning: {C.STAGE}.{ROLE} uses a reward model but no earlier stage trained one; it "
+        "starts from random weights (add an 'rm' stage or set reward_model.hf_path)")
   extras = {k: v for k, v in stage.initial_extras().items() if k != "kl"}
   state, frozen = C.init_roles(stage, C.stage_key(cfg), roles, ["value"], frozen_roles, extras)
   fresh = state
   name = f"{C.STAGE}.{ROLE}"
   writer = writer or MetricsWriter(C.pool_dir(workdir, ROLE), cfg.logging, {name: steps})
-  ns = C.namespace(cfg)
+  ns = C.namespace(cfg, workdir)
   run_key = C.Streams(ns, "").run_key
+  log(f"critic: redis namespace {ns} (pools.namespace)")
   run = C.wait_for(f"the actor to start a run (key {run_key} on redis at {store.where})",
                    lambda: store.get_str(run_key), pcfg.peer_wait_s, should_stop)
   if run is None:
     return {}
   with C.PoolCheckpointer(workdir, ROLE, cfg) as ck:
-    point = ck.resume(C.abstract_of(state), "latest", cfg)
+    point = ck.resume(C.abstract_of(state), resume, cfg)
     done = 0
     if point is not None and point.extra.get("run") != run:
       log(f"critic: the checkpoints in {ck.directory} belong to run {point.extra.get('run')}, "
@@ -84,6 +121,7 @@ def run_critic(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: d
       ck.resume(C.abstract_of(state), "none", cfg)
       point = None
     if point is not None:
+      pipeline.check_inputs(point.extra, inputs, f"{ck.directory}/{point.step}")
       state, done = point.state, point.extra["done"]
       log(f"critic: resumed run {run} after batch {done}")
       events(event="resumed", done=done, run=run)
@@ -92,9 +130,15 @@ def run_critic(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: d
       events(event="started", run=run)
     del fresh
     streams = C.Streams(ns, run)
+    if not C.agree(store, streams, ROLE, C.settings_of(cfg, stage, inputs),
+                   timeout=pcfg.peer_wait_s, should_stop=should_stop):
+      return {"state": state, "done": done}
     sc_stream, sc_index = streams.stream("scores"), streams.index("scores")
     store.ensure_group(sc_stream, C.GROUP["scores"])
     last_check = [time.monotonic()]
+
+    def extra_of(done):
+      return {"run": run, "done": done, "stage": name, "inputs": inputs}
 
     def check_run():
       # The actor started a new run (its workdir was wiped): this critic's work is void.
@@ -102,8 +146,7 @@ def run_critic(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: d
         last_check[0] = time.monotonic()
         now = store.get_str(run_key)
         if now != run:
-          raise RuntimeError(f"critic: the actor moved from run {run} to {now}; restart the "
-                             "critic to follow it")
+          raise RunChanged(f"the actor moved from run {run} to {now}")
 
     inbox = Inbox(store, streams.stream("rollouts"), streams.index("rollouts"),
                   C.GROUP["rollouts"], consumer, kind="rollout", run=run,
@@ -130,16 +173,26 @@ def run_critic(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: d
                       kl_coef=jnp.float32(msg.meta["kl_coef"]))
         c = score(frozen, batch, c)
         smetrics = {k: float(v) for k, v in jax.device_get(c.metrics).items()}
-        valid = c.scored.keep_B & jnp.isfinite(c.scored.score_B)
+        adv, valid, bad = finite_scores(c.shaped.adv_BN, c.scored.keep_B, c.scored.score_B)
+        if bad:
+          log(f"critic: batch {msg.batch}: {bad} rows with non-finite advantages sent as "
+              "invalid (masked out of the policy update)")
+          events(event="nonfinite_advantages", batch=msg.batch, rows=bad)
         out = wire.Message(kind="scores", run=run, batch=msg.batch, step=done,
                            policy_version=msg.policy_version, producer=consumer,
                            meta=smetrics,
-                           arrays=C.to_host({"adv_BN": c.shaped.adv_BN.astype(jnp.float32),
-                                             "valid_B": valid}))
+                           arrays=C.to_host({"adv_BN": adv, "valid_B": valid}))
         added = store.publish(sc_stream, sc_index, msg.batch, wire.encode(out),
                               group=C.GROUP["scores"], max_queue=pcfg.max_queue,
                               should_stop=should_stop, wait_s=pcfg.peer_wait_s)
-        events(event="scored", batch=msg.batch, published=added)
+        if not added.published:
+          # Stopped while the actor's queue was full: the scores of this batch are not in
+          # the stream, so neither the value update nor the position may move past it (a
+          # checkpoint covering it would leave the actor waiting for them forever).  Its
+          # rollout stays unacked (ack_through below stops at done - 1), so the restarted
+          # critic reads it again.
+          break
+        events(event="scored", batch=msg.batch, published=added.value)
         t_score = time.perf_counter() - t0
         t0 = time.perf_counter()
         c = upd(frozen, batch, c.replace(metrics={}))
@@ -149,18 +202,23 @@ def run_critic(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: d
         done += 1
         now = time.perf_counter()
         events(event="applied", batch=msg.batch, policy_version=msg.policy_version)
+        C.check_skips(stage, state, ROLE, done, lambda: (
+            ck.save(done, state, extra_of(done), vmetrics, force=True),
+            inbox.ack_through(done - 1)))
         metrics = {**smetrics, **vmetrics, "time/step_s": now - t_prev,
                    "time/critic/wait_s": t_wait, "time/critic/score_s": t_score,
                    "time/critic/update_s": t_upd}
         t_prev = now
         writer.write(name, done, metrics)
         last = metrics
-        extra = {"run": run, "done": done, "stage": name}
-        if ck.save(done, state, extra, metrics, force=done == steps):
+        # A checkpoint at least every MAX_UNACKED batches, whatever checkpoint.every_steps:
+        # the streams hold what a restart may re-read, and this bounds it.
+        if ck.save(done, state, extra_of(done), metrics,
+                   force=done == steps or len(inbox.unacked) >= C.MAX_UNACKED):
           inbox.ack_through(done - 1)
           store.trim(sc_stream, sc_index, C.GROUP["scores"])
     if should_stop() and done < steps:
-      ck.save(done, state, {"run": run, "done": done, "stage": name}, last, force=True)
+      ck.save(done, state, extra_of(done), last, force=True)
       inbox.ack_through(done - 1)
   if done == steps:
     C.save_result(workdir, ROLE, {"value": state.params["value"]}, {"summary": {}, "steps": steps})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -24,27 +25,30 @@ from jaxrlhf.config import ConfigError, ExperimentConfig, to_dict
 ROLES = ("actor", "critic", "all")
 
 
-def earlier_roles(cfg: ExperimentConfig, mesh, data, workdir: str) -> dict:
-  """The roles the stages before PPO produced, from their results in ``workdir``."""
+def earlier_roles(cfg: ExperimentConfig, mesh, data, workdir: str) -> tuple[dict, dict]:
+  """``(roles, inputs)``: the roles the stages before PPO produced, from their results in
+  ``workdir``, and each stage's result id (what a pool's checkpoint records it was built on)."""
   from jaxrlhf import checkpoint as ckpt
   from jaxrlhf.train import pipeline
-  roles = {}
+  roles, inputs = {}, {}
   for name in cfg.stages[:-1]:
     if not ckpt.stage_result_exists(workdir, name):
       raise ConfigError(
           f"stage {name!r} has no result in {workdir}; the pools start from it. Train the "
           f"stages before ppo first (--role=all does), e.g. python -m jaxrlhf.main "
           f"--experiment={cfg.name} --set=stages={','.join(cfg.stages[:-1])} --workdir={workdir}")
-    roles.update(pipeline.load_finished(pipeline.spec.build_stage(name, cfg, mesh, data),
-                                        workdir).outputs)
-  return roles
+    outcome = pipeline.load_finished(pipeline.spec.build_stage(name, cfg, mesh, data), workdir)
+    roles.update(outcome.outputs)
+    inputs[name] = outcome.result_id
+  return roles, inputs
 
 
 def run_role(cfg: ExperimentConfig, workdir: str, role: str, redis_url: str = "",
-             events_path: str = "") -> int:
+             events_path: str = "", resume: str = "latest") -> int:
   """One pool in this process; exit status."""
   from jaxrlhf.data import DataSource
   from jaxrlhf.mesh import make_mesh
+  from jaxrlhf.model import hf
   from jaxrlhf.pools import common as C
   from jaxrlhf.pools import store as S
   from jaxrlhf.preemption import PreemptionHandler
@@ -58,11 +62,15 @@ def run_role(cfg: ExperimentConfig, workdir: str, role: str, redis_url: str = ""
                       "process (any number of local devices) for now; multi-host pools are not "
                       "implemented (docs/pools.md)")
   url, password = S.settings(redis_url or cfg.pools.redis_url)
+  # What is saved and printed from here on (config.json, checkpoints, trackers) holds the
+  # address without anything secret in it.
+  cfg = dataclasses.replace(cfg, pools=dataclasses.replace(cfg.pools,
+                                                           redis_url=S.redact(url)))
   pipeline.quiet_library_logs()
   os.makedirs(workdir, exist_ok=True)
   mesh = make_mesh(cfg.mesh)
-  cfg = pipeline.resolve_models(cfg, dict(mesh.shape)["tp"])
-  roles = earlier_roles(cfg, mesh, DataSource(cfg.data, cfg.seed), workdir)
+  cfg = hf.resolve_models(cfg, dict(mesh.shape)["tp"])
+  roles, inputs = earlier_roles(cfg, mesh, DataSource(cfg.data, cfg.seed), workdir)
   log = lambda m: print(m, flush=True)  # noqa: E731
   store = S.Store(url, password, wait_s=cfg.pools.redis_wait_s, log=log)
   events = C.EventLog(events_path or None)
@@ -79,10 +87,10 @@ def run_role(cfg: ExperimentConfig, workdir: str, role: str, redis_url: str = ""
   try:
     with PreemptionHandler() as stop:
       out = fn(cfg, workdir, store, mesh, roles, events=events, log=log,
-               should_stop=stop.should_stop, writer=writer)
+               should_stop=stop.should_stop, writer=writer, inputs=inputs, resume=resume)
     if out.get("done") == cfg.ppo.steps:  # the pool's trackers mark its run as finished
       writer.finish({role: {k: v for k, v in out.items() if isinstance(v, (int, float))}})
-  except (S.Unreachable, S.PeerTimeout) as e:
+  except (S.Unreachable, S.PeerTimeout, S.StoreError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     return 1
   finally:
@@ -100,48 +108,102 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def start_local_redis(directory: str):
-  """A loopback redis-server (persistence on, so a restart keeps the streams); returns
-  ``(process, url)``."""
+def start_local_redis(directory: str, password: str, attempts: int = 5):
+  """A loopback redis-server (persistence on, so a restart keeps the streams) that requires
+  ``password``; returns ``(process, url)``.
+
+  The settings go in on stdin (``redis-server -``), so the password never shows in the
+  process list.  The port is picked free and the server binds it itself: if another program
+  took it in between, the server exits and another port is tried.
+  """
+  import redis
   exe = shutil.which("redis-server")
   if exe is None:
     raise ConfigError("no Redis configured (--redis_url / $JAXRLHF_REDIS_URL) and redis-server "
                       "is not installed; install it (apt-get install redis-server) or point "
                       "--redis_url at a running server")
-  port = _free_port()
-  proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory,
-                           "--save", "", "--appendonly", "yes"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-  import redis
-  for _ in range(200):
+  for _ in range(attempts):
+    port = _free_port()
+    conf = (f"port {port}\nbind 127.0.0.1\ndir \"{directory}\"\nsave \"\"\nappendonly yes\n"
+            f"protected-mode yes\nmaxmemory-policy noeviction\nrequirepass {password}\n")
+    log = open(os.path.join(directory, "redis.log"), "a")
+    # Its own session: a Ctrl-C at the terminal must not take Redis away from pools that are
+    # still writing their stop checkpoints and acks; run_all stops it after them.
+    proc = subprocess.Popen([exe, "-"], stdin=subprocess.PIPE, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc.stdin.write(conf.encode())
+    proc.stdin.close()
+    log.close()
+    client = redis.Redis(port=port, password=password, socket_timeout=0.2,
+                         socket_connect_timeout=0.2)
+    for _ in range(200):
+      if proc.poll() is not None:
+        break  # most likely the port was taken meanwhile: try another
+      try:
+        if client.ping():
+          return proc, f"redis://127.0.0.1:{port}/0"
+      except (redis.ConnectionError, redis.TimeoutError):
+        time.sleep(0.05)
+    stop_process(proc, 5.0)
+  raise RuntimeError(f"the local redis-server did not start ({attempts} ports tried); see "
+                     f"{os.path.join(directory, 'redis.log')}")
+
+
+def stop_process(proc, grace_s: float) -> None:
+  """SIGTERM (a pool writes its stop checkpoint, Redis flushes its append-only file), then
+  SIGKILL after ``grace_s``."""
+  if proc.poll() is None:
+    proc.send_signal(signal.SIGTERM)
     try:
-      if redis.Redis(port=port, socket_timeout=0.5).ping():
-        return proc, f"redis://127.0.0.1:{port}/0"
-    except redis.ConnectionError:
-      time.sleep(0.05)
-  proc.kill()
-  raise RuntimeError("the local redis-server did not start")
+      proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait()
 
 
-def run_all(cfg: ExperimentConfig, workdir: str, argv: list, redis_url: str = "") -> int:
-  """Earlier stages (normal pipeline), then both pools as subprocesses of this one."""
+def pool_command(base: list, role: str) -> list:
+  """The command line of one pool process of ``--role=all``."""
+  return [sys.executable, "-m", "jaxrlhf.main", *base, f"--role={role}"]
+
+
+def run_all(cfg: ExperimentConfig, workdir: str, argv: list, redis_url: str = "",
+            grace_s: float = 120.0, resume: str = "latest") -> int:
+  """Earlier stages (normal pipeline), then both pools as subprocesses of this one.
+
+  One per workdir (a lock).  SIGTERM or Ctrl-C stops both pools gracefully (each writes its
+  stop checkpoint; SIGKILL only after ``grace_s``) and then the Redis server this started.
+  """
+  from jaxrlhf.pools import common as C
+  from jaxrlhf.pools import store as S
+  S.check_url(redis_url or cfg.pools.redis_url or os.environ.get(S.URL_ENV, "") or
+              S.DEFAULT_URL)
+  os.makedirs(workdir, exist_ok=True)
+  with C.PoolLock(os.path.join(workdir, "pools"), f"--role=all on {workdir}"):
+    return _run_all(cfg, workdir, argv, redis_url, grace_s, resume)
+
+
+def _run_all(cfg, workdir, argv, redis_url, grace_s, resume) -> int:
   from jaxrlhf.pools import store as S
   if len(cfg.stages) > 1:
     from jaxrlhf.train import pipeline
     pre = dataclasses.replace(cfg, stages=tuple(cfg.stages[:-1]))
-    rc = pipeline.run(pre, workdir)
+    rc = pipeline.run(pre, workdir, resume=resume)
     if rc:
       return rc
   url = redis_url or cfg.pools.redis_url or os.environ.get(S.URL_ENV, "")
   server = None
-  os.makedirs(workdir, exist_ok=True)
+  env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ}
   if not url:
-    # In the workdir, so a rerun after a crash finds the streams the pools resume from.
+    # In the workdir, so a rerun after a crash finds the streams the pools resume from; a
+    # fresh password each start (the pools get it in their environment only).
     where = os.path.join(workdir, "redis")
     os.makedirs(where, exist_ok=True)
-    server, url = start_local_redis(where)
-    print(f"started redis-server at {url} (loopback)", flush=True)
+    password = secrets.token_hex(24)
+    server, url = start_local_redis(where, password)
+    env[S.PASSWORD_ENV] = password
+    print(f"started redis-server at {url} (loopback, password-protected)", flush=True)
   S.settings(url)
+  env[S.URL_ENV] = url
   base, skip = [], False
   for a in argv[1:]:
     if skip:
@@ -151,31 +213,51 @@ def run_all(cfg: ExperimentConfig, workdir: str, argv: list, redis_url: str = ""
     elif not a.startswith(("--role=", "--redis_url=")):
       base.append(a)
   # Two processes on one machine's accelerators: neither may grab most of the memory up front.
-  env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ, S.URL_ENV: url}
   procs = {}
+  stopping = []
+
+  def on_signal(signum, frame):
+    del frame
+    if not stopping:
+      print(f"--role=all: {signal.Signals(signum).name}; stopping both pools (stop "
+            "checkpoints), then redis", file=sys.stderr, flush=True)
+    stopping.append(signum)
+    for q in procs.values():
+      if q.poll() is None:
+        q.send_signal(signal.SIGTERM)
+
+  previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
   try:
     for role in ("critic", "actor"):
-      procs[role] = subprocess.Popen([sys.executable, "-m", "jaxrlhf.main", *base,
-                                      f"--role={role}"], env=env)
+      # Their own process group: a Ctrl-C reaches them once, through on_signal.
+      procs[role] = subprocess.Popen(pool_command(base, role), env=env,
+                                     start_new_session=True)
     rc = 0
+    t_stop = None
     while procs:
+      if stopping and t_stop is None:
+        t_stop = time.monotonic()
+      if t_stop is not None and time.monotonic() - t_stop > grace_s:
+        for q in procs.values():
+          q.kill()
       for role, p in list(procs.items()):
         code = p.poll()
         if code is None:
           continue
         del procs[role]
-        if code:
+        if code and not stopping:
           print(f"error: the {role} pool exited with status {code}; stopping the other",
                 file=sys.stderr, flush=True)
           rc = code
+          stopping.append(None)
           for q in procs.values():
             q.send_signal(signal.SIGTERM)
       time.sleep(0.2)
     return rc
   finally:
+    for sig, h in previous.items():
+      signal.signal(sig, h)
     for p in procs.values():
-      p.kill()
-      p.wait()
+      stop_process(p, grace_s)
     if server is not None:
-      server.kill()
-      server.wait()
+      stop_process(server, 30.0)

@@ -17,17 +17,22 @@ actor) read through a consumer group, plus an index hash (batch id -> entry id):
   entry and what the producer may still need to read back (the actor re-reads rollouts it
   published when it restarts);
 * an unreachable Redis is retried with exponential back-off and one line per attempt, up to
-  ``redis_wait_s``, then :class:`Unreachable` says what to check.
+  ``redis_wait_s``, then :class:`Unreachable` says what to check; an answer that retrying
+  cannot change (wrong password, out of memory, an evicting memory policy) is a
+  :class:`StoreError` at once.
 """
 
 from __future__ import annotations
 
+import enum
 import ipaddress
+import math
 import os
 import time
 import urllib.parse
 from typing import Callable, Optional
 
+import numpy as np
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -48,12 +53,31 @@ return {1, id}
 """
 
 
+class Published(enum.Enum):
+  """What :meth:`Store.publish` did.  ``PRESENT`` is not a failure: the batch id already names
+  an entry — this producer's, published before a restart, or by this very call when Redis
+  ran the script and the connection dropped before its reply (the retry then finds it)."""
+
+  ADDED = "added"
+  PRESENT = "present"
+  STOPPED = "stopped"  # should_stop() said stop while the queue was full: nothing published
+
+  @property
+  def published(self) -> bool:
+    return self is not Published.STOPPED
+
+
 class Unreachable(RuntimeError):
   """Redis stayed unreachable for longer than ``pools.redis_wait_s``."""
 
 
 class PeerTimeout(RuntimeError):
   """The other pool sent nothing for longer than ``pools.peer_wait_s``."""
+
+
+class StoreError(RuntimeError):
+  """Redis answered, and the answer means this run cannot go on as configured (a wrong
+  password, out of memory, an evicting memory policy): retrying would not help."""
 
 
 # ---------------------------------------------------------------------------- addressing
@@ -77,21 +101,58 @@ def is_loopback(host: str) -> bool:
     return False
 
 
-def check_address(url: str, password: Optional[str]) -> None:
-  """ConfigError for a URL that is not redis:// / rediss:// / unix://, that carries a
-  password (URLs end up in logs and saved configs), or that points off this machine without a
-  password."""
-  parsed = urllib.parse.urlparse(url)
+# Query-string keys redis-py reads as credentials (redis.connection.parse_url passes every
+# query key on to the connection).
+SECRET_KEYS = ("password",)
+
+
+def redact(url: str) -> str:
+  """``url`` fit to print or save: no user part, no query values (``?k=***``)."""
+  try:
+    p = urllib.parse.urlsplit(url)
+    host = p.hostname or ""
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{p.port}" if p.port else "")
+  except ValueError:
+    return "<unparsable redis url>"
+  query = "&".join(f"{k}=***" for k, _ in urllib.parse.parse_qsl(p.query, keep_blank_values=True))
+  return urllib.parse.urlunsplit((p.scheme, netloc, p.path, query, ""))
+
+
+def check_url(url: str) -> None:
+  """ConfigError for a URL that is not redis:// / rediss:// / unix:// or that carries a
+  credential anywhere (user part or query string): URLs are printed and saved with the
+  config.  Every message shows the URL redacted."""
+  try:
+    parsed = urllib.parse.urlsplit(url)
+    parsed.port  # noqa: B018 - raises on a bad port
+  except ValueError as e:
+    raise ConfigError(f"redis url {redact(url)}: {e}; use redis://HOST:PORT/DB") from None
   if parsed.scheme not in ("redis", "rediss", "unix"):
-    raise ConfigError(f"redis url {url!r}: use redis://HOST:PORT/DB (or rediss://, unix://)")
-  if parsed.password:
-    raise ConfigError(f"redis url {parsed.scheme}://{parsed.hostname}:{parsed.port}: do not put "
-                      f"the password in the URL; set ${PASSWORD_ENV} instead")
-  if parsed.scheme != "unix" and not is_loopback(parsed.hostname or "") and not password:
+    raise ConfigError(f"redis url {redact(url)}: use redis://HOST:PORT/DB (or rediss://, "
+                      "unix://)")
+  keys = {k.lower() for k, _ in urllib.parse.parse_qsl(parsed.query, keep_blank_values=True)}
+  if parsed.password or keys & set(SECRET_KEYS):
+    raise ConfigError(f"redis url {redact(url)}: do not put credentials in the URL (user part "
+                      f"or ?password=); set ${PASSWORD_ENV} instead")
+
+
+def check_address(url: str, password: Optional[str]) -> None:
+  """:func:`check_url`, and for an address off this machine: a password and TLS."""
+  check_url(url)
+  parsed = urllib.parse.urlsplit(url)
+  if parsed.scheme == "unix" or is_loopback(parsed.hostname or ""):
+    return
+  if not password:
     raise ConfigError(
-        f"redis url {url!r} is not on this machine (loopback) and no password is set; rollouts "
-        f"and weights-derived data would cross the network unauthenticated. Set "
+        f"redis url {redact(url)} is not on this machine (loopback) and no password is set; "
+        f"rollouts and weights-derived data would cross the network unauthenticated. Set "
         f"${PASSWORD_ENV} (and requirepass on the server), or use redis://127.0.0.1:PORT")
+  if parsed.scheme != "rediss":
+    raise ConfigError(
+        f"redis url {redact(url)} is not on this machine: the password and the rollouts "
+        f"would cross the network in clear text. Use rediss://HOST:PORT/DB (TLS; the server's "
+        f"certificate is checked, ?ssl_ca_certs=FILE names the CA; ?ssl_cert_reqs=none turns "
+        f"the check off, explicitly)")
 
 
 def entry_key(entry_id) -> tuple[int, int]:
@@ -112,9 +173,10 @@ class Store:
                log: Callable[[str], None] = print, socket_timeout: float = 5.0,
                claim_idle_ms: int = 60_000):
     check_address(url, password)
-    parsed = urllib.parse.urlparse(url)
+    parsed = urllib.parse.urlsplit(url)
     self.where = (parsed.path if parsed.scheme == "unix"
                   else f"{parsed.hostname}:{parsed.port or 6379}")
+    self.url = redact(url)
     self.wait_s = wait_s
     self.log = log
     self.claim_idle_ms = claim_idle_ms
@@ -131,6 +193,17 @@ class Store:
     while True:
       try:
         out = fn(*args, **kwargs)
+      except redis.AuthenticationError as e:  # a ConnectionError to redis-py; not to us
+        raise StoreError(
+            f"redis at {self.where} refused authentication ({e}). Set ${PASSWORD_ENV} to the "
+            f"server's requirepass (it is read from the environment only)") from None
+      except redis.exceptions.OutOfMemoryError as e:
+        raise StoreError(
+            f"redis at {self.where} is out of memory ({what}: {e}). Raise its maxmemory (CONFIG "
+            f"SET maxmemory ...) or give the run its own server; keep maxmemory-policy "
+            f"noeviction (an evicting policy drops the streams' index and loses batches). The "
+            f"streams hold about (pools.max_queue + pools.max_staleness + 2) batches per "
+            f"direction") from None
       except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as e:
         attempts += 1
         waited = time.monotonic() - t0
@@ -151,6 +224,28 @@ class Store:
         self.log(f"pools: redis at {self.where} reachable again after "
                  f"{time.monotonic() - t0:.1f}s; {what} done")
       return out
+
+  def check_server(self) -> None:
+    """At start-up: the server's memory policy must never evict our keys.  An ``allkeys-*``
+    policy can drop the streams or their index under memory pressure, and a consumer would
+    then read genuine entries as forged; refused before anything is consumed."""
+    try:
+      policy = self.call("CONFIG GET", self.r.config_get, "maxmemory-policy")
+    except redis.ResponseError:
+      return  # CONFIG is disabled (managed Redis): nothing to check here
+    policy = policy.get("maxmemory-policy", "noeviction")
+    if policy.startswith("allkeys-"):
+      raise StoreError(
+          f"redis at {self.where} has maxmemory-policy {policy}: it may evict the pools' "
+          f"streams or their index and lose batches. Use maxmemory-policy noeviction (or a "
+          f"volatile-* policy: the pools' keys have no TTL)")
+
+  def evicted(self) -> int:
+    """Keys the server has evicted since it started (0 if it will not say)."""
+    try:
+      return int(self.call("INFO", self.r.info, "stats").get("evicted_keys", 0))
+    except redis.ResponseError:
+      return 0
 
   # ---------------------------------------------------------------------------- small ops
   def get_str(self, key: str) -> Optional[str]:
@@ -188,14 +283,16 @@ class Store:
   # ------------------------------------------------------------------------------ produce
   def publish(self, stream: str, index: str, batch: int, fields: dict, *, group: str,
               max_queue: int, should_stop: Callable[[], bool] = lambda: False,
-              wait_s: float = 1e9) -> bool:
-    """Adds ``fields`` as batch ``batch`` once (returns False if that batch id is already
-    there), after waiting until the group has fewer than ``max_queue`` unread entries."""
+              wait_s: float = 1e9) -> Published:
+    """Adds ``fields`` as batch ``batch`` once, after waiting until the group has fewer than
+    ``max_queue`` unread entries.  ``ADDED``; ``PRESENT`` if that batch id already names an
+    entry (the caller's batch is in the stream either way); ``STOPPED`` if ``should_stop()``
+    said stop first (nothing published: the caller must not count the batch as done)."""
     t0 = time.monotonic()
     said = False
     while self.lag(stream, group) >= max_queue:
       if should_stop():
-        return False
+        return Published.STOPPED
       if time.monotonic() - t0 > wait_s:
         raise PeerTimeout(f"{stream}: {max_queue} entries have stayed unread for {wait_s:.0f}s; "
                           f"is the consumer ({group}) running?")
@@ -208,7 +305,7 @@ class Store:
     for k, v in fields.items():
       args += [k, v]
     added, _ = self.call("publish", self._publish, keys=[stream, index], args=args)
-    return bool(added)
+    return Published.ADDED if added else Published.PRESENT
 
   def entry_of(self, index: str, batch: int) -> Optional[bytes]:
     return self.call("HGET", self.r.hget, index, str(batch))
@@ -256,12 +353,26 @@ class Store:
     out = []
     try:
       if pending:
-        for _, entries in self.call("XREADGROUP", self.r.xreadgroup, group, consumer,
-                                    {stream: "0"}, count=10_000) or []:
-          out += entries
-        claimed = self.call("XAUTOCLAIM", self.r.xautoclaim, stream, group, consumer,
-                            self.claim_idle_ms, start_id="0-0", count=1000)
-        out += claimed[1]
+        # Paged: a restart re-reads at most ``count`` entries per call, however many the
+        # consumer left pending.
+        start = "0"
+        while True:
+          page = []
+          for _, entries in self.call("XREADGROUP", self.r.xreadgroup, group, consumer,
+                                      {stream: start}, count=count) or []:
+            page += entries
+          out += page
+          if len(page) < count:
+            break
+          start = page[-1][0]
+        start = "0-0"
+        while True:
+          claimed = self.call("XAUTOCLAIM", self.r.xautoclaim, stream, group, consumer,
+                              self.claim_idle_ms, start_id=start, count=count)
+          out += claimed[1]
+          start = claimed[0]
+          if start in (b"0-0", "0-0") or not claimed[1]:
+            break
       for _, entries in self.call("XREADGROUP", self.r.xreadgroup, group, consumer,
                                   {stream: ">"}, count=count, block=block_ms) or []:
         out += entries
@@ -279,6 +390,17 @@ class Store:
       self.call("XACK", self.r.xack, stream, group, *entries)
 
 
+MAX_READ_BYTES = 256 << 20
+
+
+def max_entry_bytes(schema: dict) -> int:
+  """The largest stream entry a message of ``schema`` can be: its arrays, their field names,
+  and a header at its size limit."""
+  arrays = sum(math.prod(shape) * np.dtype(dtype).itemsize + len(name) + 2
+               for name, (shape, dtype) in schema.items())
+  return arrays + wire.MAX_HEADER_BYTES + 1
+
+
 class Inbox:
   """Exactly-once, in-order delivery of one stream's batches to a pool.
 
@@ -290,9 +412,14 @@ class Inbox:
 
   def __init__(self, store: Store, stream: str, index: str, group: str, consumer: str, *,
                kind: str, run: str, schema: dict, log: Callable[[str], None] = print,
-               event: Callable[..., None] = lambda **e: None):
+               event: Callable[..., None] = lambda **e: None,
+               read_bytes: int = MAX_READ_BYTES):
     self.store, self.stream, self.index, self.group = store, stream, index, group
     self.consumer, self.kind, self.run, self.schema = consumer, kind, run, schema
+    # A genuine entry is this big at most; a bigger one is rejected before decoding, and a
+    # read asks for no more entries than fit in ``read_bytes`` at that size.
+    self.max_entry = max_entry_bytes(schema)
+    self.count = max(1, min(16, read_bytes // self.max_entry))
     self.log, self.event = log, event
     self.buffer: dict = {}  # batch -> (entry id, Message)
     self.unacked: dict = {}  # entry id -> batch, taken (or covered) but not yet acked
@@ -307,6 +434,10 @@ class Inbox:
   def _accept(self, entry, fields, position: int) -> None:
     if entry in self.unacked or any(e == entry for e, _ in self.buffer.values()):
       return  # re-read of an entry we already hold
+    size = wire.entry_bytes(fields or {})
+    if size > self.max_entry:
+      return self._reject(entry, f"{size} bytes; a {self.kind} of this run is at most "
+                                 f"{self.max_entry}")
     try:
       msg = wire.decode(fields, kind=self.kind, run=self.run, schema=self.schema)
     except wire.WireError as e:
@@ -321,6 +452,12 @@ class Inbox:
     # Publishing adds the entry and its index line in one script, so a real entry is always
     # the one the index names for its batch.
     registered = self.store.entry_of(self.index, msg.batch)
+    if registered is None and self.store.evicted():
+      raise StoreError(
+          f"{self.stream}: batch {msg.batch}'s entry {entry.decode()} is not in the index "
+          f"{self.index}, and redis at {self.store.where} has evicted keys: the index was "
+          "evicted (maxmemory-policy), not forged. Use maxmemory-policy noeviction and more "
+          "maxmemory; this run's streams are incomplete, start it again")
     if registered != entry:
       where = registered.decode() if registered is not None else "not published"
       return self._reject(entry, f"batch {msg.batch} is {where}, not this entry (a duplicate "
@@ -341,7 +478,7 @@ class Inbox:
       self._reread = False
       self.store.interrupted = False
       for entry, fields in self.store.read(self.stream, self.group, self.consumer,
-                                           pending=reread):
+                                           pending=reread, count=self.count):
         self._accept(entry, fields, batch)
       idle()
     entry, msg = self.buffer.pop(batch)

@@ -28,6 +28,11 @@ KINDS = ("rollout", "scores")
 DTYPES = {"bool": "|b1", "int32": "<i4", "uint32": "<u4", "int64": "<i8", "float32": "<f4",
           "float16": "<f2"}
 MAX_HEADER_BYTES = 64 * 1024
+# A header is a flat record (its deepest part is arrays -> spec -> shape): anything deeper is
+# not ours, and a deeply nested one would otherwise blow the parser's recursion limit.
+MAX_HEADER_DEPTH = 4
+MAX_ARRAYS = 64
+MAX_NAME_CHARS = 128
 
 
 class WireError(ValueError):
@@ -74,13 +79,41 @@ def _int(header: dict, key: str) -> int:
   return v
 
 
+def _depth(x, limit: int, at: int = 1) -> None:
+  """Raises if ``x`` nests containers (dicts, lists) more than ``limit`` deep."""
+  if not isinstance(x, (dict, list)):
+    return
+  if at > limit:
+    raise WireError(f"header nested deeper than {limit} levels")
+  for v in (x.values() if isinstance(x, dict) else x):
+    _depth(v, limit, at + 1)
+
+
+def entry_bytes(fields: Mapping) -> int:
+  """Bytes of a stream entry's fields (names and values), what a consumer holds to decode it."""
+  return sum(len(k) + len(v) for k, v in fields.items())
+
+
 def decode(fields: Optional[Mapping[bytes, bytes]], *, kind: str, run: str,
            schema: Optional[Mapping[str, tuple]] = None) -> Message:
   """The message in ``fields``, checked; :class:`WireError` names what is wrong.
 
   ``schema``: name -> (shape, dtype name) every message must carry exactly (the consumer's
   compiled programs take these shapes).
+
+  Whatever the bytes, the only exception is :class:`WireError`: an entry from the network
+  that made the consumer raise anything else would crash it again on every restart (the
+  unacked entry is delivered again).
   """
+  try:
+    return _decode(fields, kind=kind, run=run, schema=schema)
+  except WireError:
+    raise
+  except Exception as e:  # noqa: BLE001 - any failure on foreign bytes is a rejection
+    raise WireError(f"undecodable entry ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _decode(fields, *, kind, run, schema) -> Message:
   if not fields:
     raise WireError("empty entry (deleted from the stream, or not a message)")
   fields = {(k.encode() if isinstance(k, str) else k): v for k, v in fields.items()}
@@ -93,6 +126,7 @@ def decode(fields: Optional[Mapping[bytes, bytes]], *, kind: str, run: str,
     header = json.loads(raw)
   except (ValueError, UnicodeDecodeError) as e:
     raise WireError(f"header is not JSON ({e})") from None
+  _depth(header, MAX_HEADER_DEPTH)
   if not isinstance(header, dict) or header.get("magic") != MAGIC:
     raise WireError(f"not a jaxrlhf pools message (magic "
                     f"{header.get('magic') if isinstance(header, dict) else None!r})")
@@ -111,10 +145,13 @@ def decode(fields: Optional[Mapping[bytes, bytes]], *, kind: str, run: str,
   specs = header.get("arrays")
   if not isinstance(specs, list):
     raise WireError("header 'arrays' is missing or not a list")
+  if len(specs) > MAX_ARRAYS:
+    raise WireError(f"{len(specs)} arrays declared (limit {MAX_ARRAYS})")
   arrays = {}
   for spec in specs:
-    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-      raise WireError(f"bad array spec {spec!r}")
+    if (not isinstance(spec, dict) or not isinstance(spec.get("name"), str)
+        or len(spec["name"]) > MAX_NAME_CHARS):
+      raise WireError(f"bad array spec {str(spec)[:200]}")
     name, dtype, shape = spec["name"], spec.get("dtype"), spec.get("shape")
     if dtype not in DTYPES:
       raise WireError(f"array {name!r}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
