@@ -246,6 +246,13 @@ def test_a_pairs_only_run_evaluates_exact_match_on_its_pairs(tmp_path, tok_dir):
   assert (src.eval_name("prompts", "exact match")
           == "training-set exact match (not held out)")
   assert DataSource(DataConfig()).eval_held_out("pairs")  # the built-in task's own split
+  # Pairs without "answer": DPO's exact match is skipped, saying why and how to get it.
+  from jaxrlhf.train.evaluate import no_answer_note
+  assert no_answer_note(src, 3, 3) == (
+      f"exact match is not evaluated (no eval/accuracy): none of the 3 training-set prompts "
+      f"(not held out) from data.pairs_path={pairs} has an \"answer\" to compare the greedy "
+      f"response with; add \"answer\" to its rows, or set data.prompts_eval_path=FILE "
+      f"(prompts with answers)")
 
 
 def test_the_summary_names_the_evaluation_set_as_the_console_did(tmp_path, capsys):
