@@ -1,5 +1,5 @@
-"""SFT, PPO, GRPO and DPO on a user's Hugging Face model (Llama, Qwen2 or Mistral family) and
-data (JSONL, Parquet or a datasets folder; plain text or chat messages).
+"""SFT, PPO, GRPO and DPO on a user's Hugging Face model (Llama, Qwen2, Mistral, Qwen3, Gemma 2
+or Gemma 3 family) and data (JSONL, Parquet or a datasets folder; plain text or chat messages).
 
 Templates: the architecture comes from the checkpoint at run time
 (``jaxrlhf.model.hf.resolve_hf_config``), so the model fields here are placeholders; point

@@ -1,5 +1,6 @@
-"""Test helpers for users' own data and rewards: a local tokenizer with a chat template, and
-small chat data sets written as JSONL, Parquet and datasets folders."""
+"""Test helpers for users' own data and rewards: a local tokenizer with a chat template, a
+copy of a tiny family checkpoint as a Hub folder, and small chat data sets written as JSONL,
+Parquet and datasets folders."""
 
 import json
 import os
@@ -7,6 +8,12 @@ import shutil
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LLAMA = os.path.join(HERE, "assets", "hf", "llama")
+FAMILIES = os.path.join(HERE, "assets", "hf_families")
+
+# The family assets' template over their char-level vocabulary (make_family_assets.py):
+# "<bos>ROLE\nCONTENT<eos>\n" turns, "<bos>assistant\n" as the generation prompt.
+FAMILY_TEMPLATE = ("{% for m in messages %}<bos>{{ m['role'] }}\n{{ m['content'] }}<eos>\n"
+                   "{% endfor %}{% if add_generation_prompt %}<bos>assistant\n{% endif %}")
 
 # A short template over the char-level test vocabulary: "U:..", "S:..", "A:..</s>" lines.
 CHAT_TEMPLATE = (
@@ -16,17 +23,28 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ 'A:' }}{% endif %}")
 
 
-def chat_tokenizer(folder, template=CHAT_TEMPLATE, with_model=False):
-  """The tiny Llama asset's tokenizer saved in ``folder`` with ``template`` (None: none);
-  ``with_model`` copies the checkpoint too, so ``folder`` is a whole HF model."""
+def chat_tokenizer(folder, template=CHAT_TEMPLATE):
+  """The tiny Llama asset's tokenizer saved in ``folder`` with ``template`` (None: none)."""
   from transformers import AutoTokenizer
   os.makedirs(folder, exist_ok=True)
   tok = AutoTokenizer.from_pretrained(LLAMA, local_files_only=True)
   tok.chat_template = template
   tok.save_pretrained(folder)
-  if with_model:
-    for f in ("config.json", "generation_config.json", "model.safetensors"):
-      shutil.copy(os.path.join(LLAMA, f), os.path.join(folder, f))
+  return str(folder)
+
+
+def family_model(folder, name, template=FAMILY_TEMPLATE):
+  """A copy of the tiny ``name`` family checkpoint (tests/assets/hf_families: qwen3, gemma3,
+  ...) in ``folder``, as a Hub download would be: weights, config and a tokenizer whose
+  ``chat_template`` is ``template`` (the asset's char-level tokenizer, given one)."""
+  from transformers import AutoTokenizer
+  src = os.path.join(FAMILIES, name)
+  shutil.copytree(src, folder)
+  tok_from = src if os.path.exists(os.path.join(src, "tokenizer.json")) else \
+      os.path.join(FAMILIES, "qwen3")  # the same 100-id char tokenizer for every asset
+  tok = AutoTokenizer.from_pretrained(tok_from, local_files_only=True)
+  tok.chat_template = template
+  tok.save_pretrained(folder)
   return str(folder)
 
 

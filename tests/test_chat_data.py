@@ -224,6 +224,54 @@ def test_each_kind_has_its_own_eval_file(tmp_path, capsys):
     validate(bad)
 
 
+def test_a_pairs_only_run_evaluates_exact_match_on_its_pairs(tmp_path, tok_dir):
+  """DPO on pairs alone (no data.prompts_path): exact match reads the evaluation pairs'
+  prompts, from whichever file the pairs come from, data.eval_path included (chat pairs have
+  no "prompt" field to read them as prompts by)."""
+  user = [{"role": "user", "content": "1+1="}]
+  pairs = write_jsonl(tmp_path / "pairs.jsonl", [
+      {"chosen": user + [{"role": "assistant", "content": "2"}],
+       "rejected": user + [{"role": "assistant", "content": "3"}], "answer": "2"}] * 3)
+  for extra, source in (({}, ("pairs_path", "train")),
+                        ({"eval_split": 0.34}, ("pairs_path", "split")),
+                        ({"pairs_eval_path": pairs}, ("pairs_eval_path", "file")),
+                        ({"eval_path": pairs}, ("eval_path", "file"))):
+    src = _src(tok_dir, pairs_path=pairs, **extra)
+    assert src.eval_source("prompts") == src.eval_source("pairs") == source
+    ex = src.eval_examples("prompts")
+    assert ex and all(e.prompt.messages == user and e.answer == "2" for e in ex)
+    assert src.eval_held_out("prompts") == (source[1] != "train")
+  assert src.eval_name("pairs", "pair accuracy") == "held-out pair accuracy"
+  src = _src(tok_dir, pairs_path=pairs)
+  assert (src.eval_name("prompts", "exact match")
+          == "training-set exact match (not held out)")
+  assert DataSource(DataConfig()).eval_held_out("pairs")  # the built-in task's own split
+  # Pairs without "answer": DPO's exact match is skipped, saying why and how to get it.
+  from jaxrlhf.train.evaluate import no_answer_note
+  assert no_answer_note(src, 3, 3) == (
+      f"exact match is not evaluated (no eval/accuracy): none of the 3 training-set prompts "
+      f"(not held out) from data.pairs_path={pairs} has an \"answer\" to compare the greedy "
+      f"response with; add \"answer\" to its rows, or set data.prompts_eval_path=FILE "
+      f"(prompts with answers)")
+
+
+def test_the_summary_names_the_evaluation_set_as_the_console_did(tmp_path, capsys):
+  from jaxrlhf.train.pipeline import print_summary
+  pairs = write_jsonl(tmp_path / "pairs.jsonl",
+                      [{"prompt": f"{i}+1=", "chosen": "x", "rejected": "y"} for i in range(4)])
+  cfg = ExperimentConfig(stages=("dpo",))
+  summary = {"dpo": {"eval/pair_accuracy": 0.75, "eval/accuracy": 0.5, "time_s": 1.0,
+                     "steps": cfg.dpo.steps}, "dpo/start": {"eval/pair_accuracy": 0.5}}
+  for extra, words in (({}, ("dpo: training-set pair accuracy (not held out)",
+                             "dpo: training-set exact match (not held out)")),
+                       ({"eval_split": 0.25}, ("dpo: held-out pair accuracy",
+                                               "dpo: held-out exact match"))):
+    print_summary(cfg, summary, DataSource(DataConfig(task="jsonl", pairs_path=pairs, **extra)))
+    out = capsys.readouterr().out
+    assert all(w in out for w in words), out
+    assert ("held-out" in out) == bool(extra)
+
+
 def test_chat_lengths_follow_the_overlong_policy(tmp_path, tok_dir, capsys):
   rows = [{"prompt": [{"role": "user", "content": "1+1="}], "response": "2"},
           {"prompt": [{"role": "user", "content": "1+1="}], "response": "a long reply"}]

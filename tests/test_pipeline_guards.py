@@ -113,9 +113,11 @@ def test_held_out_prompts_without_answers_are_left_out_of_the_accuracy(tmp_path,
   from jaxrlhf.train.sft import SFTStage
   cfg = _cfg(2)
   for lines, expect in ((([{"prompt": "1+2="}] * 3) + [{"prompt": "3+4=", "answer": "7"}],
-                         "3 of the 4 held-out prompts have no \"answer\"; eval/accuracy is "
-                         "measured on the other 1"),
-                        ([{"prompt": "1+2="}] * 2, "eval/accuracy is not reported")):
+                         "3 of the 4 training-set prompts (not held out) have no \"answer\"; "
+                         "eval/accuracy is measured on the other 1"),
+                        ([{"prompt": "1+2="}] * 2,
+                         "exact match is not evaluated (no eval/accuracy): none of the 2 "
+                         "training-set prompts (not held out) from data.prompts_path=")):
     path = _prompts(tmp_path, lines)
     c = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, task="jsonl",
                                                           prompts_path=path, sft_path=path))
@@ -124,7 +126,7 @@ def test_held_out_prompts_without_answers_are_left_out_of_the_accuracy(tmp_path,
     state, _ = stage.init(jax.random.key(0), {})
     out = ExactMatchEval(stage)(state.params["policy"])
     assert expect in capsys.readouterr().out
-    if "not reported" in expect:
+    if "not evaluated" in expect:
       assert out == {}
     else:
       assert set(out) == {"eval/accuracy", "eval/response_length"}

@@ -108,20 +108,38 @@ class DataSource:
     """Where the evaluation examples of ``kind`` come from: ``(field, how)``, ``how`` one of
     "file" (a held-out file), "split" (held out of the training file by data.eval_split) or
     "train" (the first training examples: not held out)."""
+    return self._eval_origin(kind)[:2]
+
+  def _eval_origin(self, kind: str) -> tuple[str, str, str]:
+    """:meth:`eval_source` and the kind its file is read as (a DPO run's prompts are its
+    pairs' prompts)."""
     own = f"{kind}_eval_path"
     if getattr(self.cfg, own, ""):
-      return own, "file"
+      return own, "file", kind
+    if kind == "prompts" and not self.cfg.prompts_path and not self.cfg.sft_path \
+        and self.cfg.pairs_path:
+      # Pairs only (a DPO run): exact match on the prompts of its evaluation pairs (scored
+      # against their "answer" where the rows have one), wherever those pairs come from.
+      return self._eval_origin("pairs")
     if self.cfg.eval_path:
-      return "eval_path", "file"
+      return "eval_path", "file", kind
     field = _PATH_FIELD[kind]
-    if kind == "prompts" and not self.cfg.prompts_path:
-      # No prompts file (an SFT or DPO run): the prompts (and any answers) of the file it has,
-      # a DPO run's held-out pairs included.
-      if self.cfg.sft_path:
-        field = "sft_path"
-      elif self.cfg.pairs_path:
-        return self.eval_source("pairs")
-    return field, ("split" if self.cfg.eval_split > 0 else "train")
+    if kind == "prompts" and not self.cfg.prompts_path and self.cfg.sft_path:
+      # No prompts file (an SFT run): the prompts (and any answers) of its SFT file.
+      return "sft_path", ("split" if self.cfg.eval_split > 0 else "train"), "sft"
+    return field, ("split" if self.cfg.eval_split > 0 else "train"), kind
+
+  def eval_held_out(self, kind: str = "prompts") -> bool:
+    """Whether nothing in the evaluation set of ``kind`` is trained on: a held-out file,
+    data.eval_split, or the built-in task's evaluation split; not the first training
+    examples (:meth:`eval_source` "train")."""
+    return self.task is not None or self.eval_source(kind)[1] != "train"
+
+  def eval_name(self, kind: str, noun: str) -> str:
+    """``noun`` (e.g. "exact match", "prompts") named for what the evaluation set of ``kind``
+    is, for the console and the summary: "held-out exact match", or "training-set exact match
+    (not held out)" when it is the first training examples."""
+    return f"held-out {noun}" if self.eval_held_out(kind) else f"training-set {noun} (not held out)"
 
   def eval_examples(self, kind: str = "prompts") -> list[Example]:
     """The fixed evaluation set of ``kind`` ("prompts": greedy answers checked against
@@ -132,9 +150,7 @@ class DataSource:
                               "eval")
     # An evaluation file gets the same checks and data.overlong policy as the training files: an
     # over-long held-out prompt is an error at its line, or is truncated or skipped and counted.
-    field, how = self.eval_source(kind)
-    read_as = {"sft_path": "sft", "pairs_path": "pairs", "pairs_eval_path": "pairs"}.get(field,
-                                                                                        kind)
+    field, how, read_as = self._eval_origin(kind)
     path = getattr(self.cfg, field)
     if how == "file":
       examples = self._file(field, read_as)[: self.cfg.eval_size]

@@ -1,4 +1,5 @@
-"""Held-out evaluation: exact-match accuracy of greedy answers, and preference-pair accuracy."""
+"""Evaluation on the set :meth:`DataSource.eval_source` names (held out, or said not to be):
+exact-match accuracy of greedy answers, and preference-pair accuracy."""
 
 from __future__ import annotations
 
@@ -46,10 +47,8 @@ class ExactMatchEval:
       # empty response as right): measure the others, and say so.
       scored = [ex for ex in examples if ex.answer]
       if len(scored) < len(examples):
-        print(f"{self.stage.name}: {len(examples) - len(scored)} of the {len(examples)} "
-              "held-out prompts have no \"answer\"; "
-              + (f"eval/accuracy is measured on the other {len(scored)}" if scored
-                 else "eval/accuracy is not reported"), flush=True)
+        note = no_answer_note(data, len(examples) - len(scored), len(examples))
+        print(f"{self.stage.name}: {note}", flush=True)
       self.batch = (put_batch(self.stage.mesh, data.encoder.prompts(scored)) if scored
                     else {})
     if not self.batch:
@@ -59,8 +58,23 @@ class ExactMatchEval:
     return {k: float(v) for k, v in jax.device_get(out).items()}
 
 
+def no_answer_note(data, missing: int, total: int) -> str:
+  """What exact match does when ``missing`` of the ``total`` evaluation prompts have no
+  reference answer: scores the others, or (none has one: e.g. DPO on pairs without "answer")
+  is left out, and how to get it."""
+  field, _ = data.eval_source("prompts")
+  where = f"data.{field}={getattr(data.cfg, field)}"
+  prompts = data.eval_name("prompts", "prompts")
+  if missing < total:
+    return (f"{missing} of the {total} {prompts} have no \"answer\"; eval/accuracy is measured "
+            f"on the other {total - missing}")
+  return (f"exact match is not evaluated (no eval/accuracy): none of the {total} {prompts} "
+          f"from {where} has an \"answer\" to compare the greedy response with; add "
+          f"\"answer\" to its rows, or set data.prompts_eval_path=FILE (prompts with answers)")
+
+
 def pair_batches(stage, n: int | None = None) -> dict:
-  """The held-out preference pairs, placed on the mesh."""
+  """The evaluation preference pairs (:meth:`DataSource.eval_source`), placed on the mesh."""
   examples = stage.data.eval_examples("pairs")
   if n is not None:
     examples = examples[:n]

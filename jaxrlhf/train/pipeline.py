@@ -147,7 +147,7 @@ def train_all(cfg: ExperimentConfig, workdir: str, policy, profiler, written: di
     writer.close()
   if isinstance(pending, int):
     print(f"--resume={pending}: every stage had already finished; nothing was resumed")
-  print_summary(cfg, summary)
+  print_summary(cfg, summary, data)
   if accelerator is not None:
     summary["accelerator"] = {"name": accelerator.name, "peak_flops": accelerator.peak_flops,
                               "hbm_bandwidth": accelerator.hbm_bandwidth,
@@ -335,19 +335,21 @@ def quiet_library_logs() -> None:
   absl_logging.set_verbosity(absl_logging.WARNING)
 
 
-def print_summary(cfg: ExperimentConfig, summary: dict) -> None:
+def print_summary(cfg: ExperimentConfig, summary: dict, data: DataSource) -> None:
   rows = []
   for name in cfg.stages:
     if name not in summary:
       continue
     s = summary[name]
     start = summary.get(f"{name}/start", {})
+    # Held out or not, as the console said when the set was read (DataSource.eval_source).
+    named = data.eval_name
     if "eval/accuracy" in s:
-      rows.append((f"{name}: held-out exact match", start.get("eval/accuracy"),
+      rows.append((f"{name}: {named('prompts', 'exact match')}", start.get("eval/accuracy"),
                    s["eval/accuracy"]))
     if "eval/pair_accuracy" in s:
-      rows.append((f"{name}: held-out pair accuracy", start.get("eval/pair_accuracy"),
-                   s["eval/pair_accuracy"]))
+      rows.append((f"{name}: {named('pairs', 'pair accuracy')}",
+                   start.get("eval/pair_accuracy"), s["eval/pair_accuracy"]))
     if "kl/mean" in s:
       rows.append((f"{name}: KL to reference (last step)", None, s["kl/mean"]))
     configured = getattr(cfg, name).steps

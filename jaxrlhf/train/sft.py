@@ -50,7 +50,8 @@ class SFTStage(Stage):
   def target_reached(self, eval_metrics: dict) -> str:
     stop, acc = self.scfg.stop_accuracy, eval_metrics.get("eval/accuracy")
     if stop > 0 and acc is not None and acc >= stop:
-      return f"held-out exact match {acc:.3f} reached {stop_rule(self.scfg)}"
+      return (f"{self.data.eval_name('prompts', 'exact match')} {acc:.3f} reached "
+              f"{stop_rule(self.scfg)}")
     return ""
 
 
@@ -61,7 +62,7 @@ def stop_rule(scfg) -> str:
 def validate(cfg, data) -> None:
   stop = cfg.sft.stop_accuracy
   if stop > 0 and data.task is None:
-    # Your own data: the target is held-out exact match, so the evaluation prompts need
+    # Your own data: the target is exact match on the evaluation set, so its prompts need
     # answers; without them the target could never be reached.
     examples = data.eval_examples("prompts")
     missing = sum(1 for ex in examples if not ex.answer)
@@ -69,8 +70,9 @@ def validate(cfg, data) -> None:
       field, _ = data.eval_source("prompts")
       source = getattr(data.cfg, field)
       raise ConfigError(
-          f"sft.stop_accuracy={stop} stops at a held-out exact match, but {missing} of the "
-          f"{len(examples)} evaluation prompts in {source} have no \"answer\"; add answers "
+          f"sft.stop_accuracy={stop} stops at a {data.eval_name('prompts', 'exact match')}, "
+          f"but {missing} of the {len(examples)} evaluation prompts in {source} have no "
+          "\"answer\"; add answers "
           "(or point data.eval_path at a file with them), or set sft.stop_accuracy=0")
 
 
