@@ -400,13 +400,10 @@ class DPOConfig(StageConfig):
   batch_size: int = 32  # pairs per step
   beta: float = 0.1
   # sigmoid / ipo / cdpo: DPO and its variants; simpo, orpo: reference-free (no reference
-  # model in memory); kto: each pair's chosen response a desirable example, its rejected one
-  # an undesirable example (jaxrlhf.algorithms.losses; beta is ORPO's lambda).
-  loss: Literal["sigmoid", "ipo", "cdpo", "simpo", "orpo", "kto"] = "sigmoid"
+  # model in memory) (jaxrlhf.algorithms.losses; beta is ORPO's lambda).
+  loss: Literal["sigmoid", "ipo", "cdpo", "simpo", "orpo"] = "sigmoid"
   label_smoothing: float = 0.0  # cDPO
   simpo_gamma: float = 1.0  # SimPO's target reward margin
-  kto_desirable_weight: float = 1.0
-  kto_undesirable_weight: float = 1.0
   # Reference log-probs: "step" computes them inside every step; "cache" precomputes once.
   reference: Literal["step", "cache"] = "step"
 
@@ -420,8 +417,29 @@ class DPOConfig(StageConfig):
     c.need(self.needs_reference or self.reference == "step", f"{name}.reference",
            self.reference, f"{name}.loss={self.loss!r} reads no reference model; leave "
            f"{name}.reference=step")
-    for n in ("simpo_gamma", "kto_desirable_weight", "kto_undesirable_weight"):
+    c.finite(self, name, "simpo_gamma")
+
+
+@dataclasses.dataclass(frozen=True)
+class KTOConfig(StageConfig):
+  """KTO on unpaired examples (data.unpaired_path, or each pair's two sides)."""
+
+  batch_size: int = 64  # examples per step
+  beta: float = 0.1
+  # lambda_D, lambda_U: the paper keeps lambda_D n_D / (lambda_U n_U) in [1, 4/3].
+  desirable_weight: float = 1.0
+  undesirable_weight: float = 1.0
+
+  def check(self, name, cfg, c):
+    super().check(name, cfg, c)
+    c.finite(self, name, "beta", 1e-30, "must be a number > 0 (e.g. 0.1)")
+    for n in ("desirable_weight", "undesirable_weight"):
       c.finite(self, name, n)
+    # The reference point is the whole batch's mean log-ratio: micro-batches would each
+    # estimate their own, and their summed gradient would not be the batch's.
+    c.need(self.optim.grad_accum == 1, f"{name}.optim.grad_accum", self.optim.grad_accum,
+           f"must be 1 for KTO (its reference point is the batch's); lower {name}.batch_size "
+           "to fit memory instead")
 
 
 # ------------------------------------------------------------------------------------ data
@@ -442,6 +460,9 @@ class DataConfig:
   prompts_path: str = ""  # JSONL {"prompt", optional "answer"}
   sft_path: str = ""  # JSONL {"prompt", "response"}
   pairs_path: str = ""  # JSONL {"prompt", "chosen", "rejected"}
+  # KTO's unpaired examples, JSONL {"prompt", "completion", "label": true|false}; empty: each
+  # pair's two sides (chosen desirable, rejected undesirable).
+  unpaired_path: str = ""
   eval_path: str = ""
   max_prompt_len: int = 16
   max_response_len: int = 16
@@ -556,7 +577,7 @@ class PoolsConfig:
 
 # The stages an experiment can run; each has a config field of the same name here and an
 # AlgorithmSpec registered under that name (jaxrlhf/train/spec.py).
-Stage = Literal["sft", "rm", "ppo", "grpo", "dpo"]
+Stage = Literal["sft", "rm", "ppo", "grpo", "dpo", "kto"]
 STAGE_NAMES: tuple[str, ...] = typing.get_args(Stage)
 
 
@@ -583,6 +604,7 @@ class ExperimentConfig:
   ppo: PPOConfig = PPOConfig()
   grpo: GRPOConfig = GRPOConfig()
   dpo: DPOConfig = DPOConfig()
+  kto: KTOConfig = KTOConfig()
   data: DataConfig = DataConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   logging: LoggingConfig = LoggingConfig()
@@ -663,7 +685,7 @@ def sink_problems(sinks) -> list[str]:
 # The kind of held-out data each stage evaluates on: greedy answers on prompts with an
 # "answer" (exact match), or preference pairs (pair accuracy).
 EVAL_KIND = {"sft": "prompts", "rm": "pairs", "ppo": "prompts", "grpo": "prompts",
-             "dpo": "pairs"}
+             "dpo": "pairs", "kto": "pairs"}
 
 
 def _validate_data(cfg: "ExperimentConfig", problems: list) -> None:

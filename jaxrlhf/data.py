@@ -158,6 +158,8 @@ class Example:
   response: "str | Chat" = ""  # SFT target (chat: the final assistant message)
   chosen: "str | Chat" = ""  # preference pair
   rejected: "str | Chat" = ""
+  completion: "str | Chat" = ""  # an unpaired example (KTO) ...
+  label: Optional[bool] = None  # ... and whether it is desirable
   line: int = dataclasses.field(default=0, compare=False)  # line/row in the user's file (0: built-in)
   # Every other field of the data row (tests, metadata...), for host rewards.
   extra: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -167,11 +169,19 @@ class Example:
     ``answer``, the response fields it has, and every other field of the row: a fresh copy, so
     a reward function that changes it cannot change the data."""
     out = copy.deepcopy(self.extra)
-    for name in ("prompt", "answer", "response", "chosen", "rejected"):
+    for name in ("prompt", "answer", "response", "chosen", "rejected", "completion"):
       value = getattr(self, name)
       if name in ("prompt", "answer") or value:
         out[name] = value.messages if isinstance(value, Chat) else value
+    if self.label is not None:
+      out["label"] = self.label
     return out
+
+  def unpaired(self) -> list["Example"]:
+    """A preference pair as two unpaired examples (KTO): the chosen response desirable, the
+    rejected one undesirable."""
+    return [dataclasses.replace(self, completion=self.chosen, label=True),
+            dataclasses.replace(self, completion=self.rejected, label=False)]
 
 
 class AdditionTask:
@@ -232,16 +242,21 @@ class AdditionTask:
 # What a row of each kind needs (besides the alternatives _to_example accepts: "messages"
 # for SFT, whole conversations as "chosen"/"rejected" for pairs).
 _REQUIRED = {"prompts": ("prompt",), "sft": ("prompt", "response"),
-             "pairs": ("prompt", "chosen", "rejected")}
-_PATH_FIELD = {"prompts": "prompts_path", "sft": "sft_path", "pairs": "pairs_path"}
+             "pairs": ("prompt", "chosen", "rejected"),
+             "unpaired": ("prompt", "completion")}  # and "label": true|false
+_PATH_FIELD = {"prompts": "prompts_path", "sft": "sft_path", "pairs": "pairs_path",
+               "unpaired": "unpaired_path"}
 # The fields of each kind that batches encode (besides the prompt).
 _TEXT_FIELDS = {"prompts": ("answer",), "sft": ("response", "answer"),
-                "pairs": ("chosen", "rejected")}
+                "pairs": ("chosen", "rejected"), "unpaired": ("completion",)}
 FORMATS = ("jsonl", "parquet", "hf_disk")
 
 
 def _example(kind):
-  return json.dumps({k: "..." for k in _REQUIRED[kind]})
+  row = {k: "..." for k in _REQUIRED[kind]}
+  if kind == "unpaired":
+    row["label"] = True
+  return json.dumps(row)
 
 
 def detect_format(path: str, fmt: str = "auto") -> str:
@@ -393,8 +408,15 @@ def _to_example(obj: dict, kind: str, where: str, line: int) -> Example:
                       f"it as a string: \"answer\": {json.dumps(_as_text(answer))} (a table "
                       f"column: cast it to string)")
   extra = {k: v for k, v in obj.items()
-           if k not in ("prompt", "answer", "response", "chosen", "rejected", "messages")}
+           if k not in ("prompt", "answer", "response", "chosen", "rejected", "messages",
+                        "completion", "label")}
   fields = {}
+  if kind == "unpaired":
+    label = obj.get("label")
+    if not isinstance(label, bool):
+      raise ConfigError(f"{where}: field \"label\" is {_describe(label)}, not true or false; "
+                        f"each line needs {_example(kind)} (true: a desirable completion)")
+    fields["label"] = label
   if kind == "sft" and "messages" in obj and "prompt" not in obj:
     msgs = _messages(obj["messages"], where, "messages")
     if msgs is None:
@@ -430,7 +452,7 @@ def _to_example(obj: dict, kind: str, where: str, line: int) -> Example:
              "pairs": " or {\"chosen\": [messages], \"rejected\": [messages]}"}.get(kind, "")
       raise ConfigError(f"{where}: missing string field(s) {', '.join(missing)}; each line "
                         f"needs {_example(kind)}{alt}")
-    fields = {k: _text(obj, k, where, kind) for k in _REQUIRED[kind]}
+    fields.update({k: _text(obj, k, where, kind) for k in _REQUIRED[kind]})
     for k in _REQUIRED[kind][1:]:
       if isinstance(fields[k], Chat):
         m = fields[k].messages
@@ -681,6 +703,14 @@ class Encoder:
       lmask.append(np.concatenate([pl, rm]))
     return {"tokens": np.stack(toks), "mask": np.stack(masks), "loss_mask": np.stack(lmask)}
 
+  def unpaired(self, examples: Sequence[Example]) -> dict:
+    """Unpaired examples (KTO): ``completion [B,P+R]``, ``completion_mask``,
+    ``completion_loss_mask`` and ``label [B]`` (True: desirable)."""
+    c = self.sequences(examples, "completion")
+    return {"completion": c["tokens"], "completion_mask": c["mask"],
+            "completion_loss_mask": c["loss_mask"],
+            "label": np.array([bool(ex.label) for ex in examples], np.bool_)}
+
   def pairs(self, examples: Sequence[Example]) -> dict:
     c = self.sequences(examples, "chosen")
     r = self.sequences(examples, "rejected")
@@ -776,6 +806,10 @@ class DataSource:
   def examples(self, kind: str, step: int, n: int, stream: int = 0) -> list[Example]:
     """The ``n`` training examples of batch ``step`` (deterministic in seed, stream, step);
     examples held out by ``data.eval_split`` never appear."""
+    if kind == "unpaired" and not self.cfg.unpaired_path:
+      # Derived from the pairs: each pair's two sides, the batch half desirable.
+      pairs = self.examples("pairs", step, (n + 1) // 2, stream)
+      return [u for ex in pairs for u in ex.unpaired()][:n]
     rng = np.random.default_rng([self.seed, stream, step])
     if self.task is not None:
       return self.task.sample(rng, n, "train")

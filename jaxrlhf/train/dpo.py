@@ -1,7 +1,7 @@
 """The preference losses on pairs: DPO and its variants (policy vs frozen reference; reference
 log-probs computed inside the step, ``dpo.reference=step``, or once per distinct pair and
-cached, ``=cache``), KTO (each side of a pair an unpaired example), and the reference-free
-SimPO and ORPO, whose spec has no reference role (one model in memory)."""
+cached, ``=cache``), and the reference-free SimPO and ORPO, whose spec has no reference role
+(one model in memory).  KTO, on unpaired examples, is its own spec (train/kto.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf import model as M
-from jaxrlhf.algorithms import (dpo_loss, kto_loss, orpo_loss, preference_metrics,
-                                simpo_loss)
+from jaxrlhf.algorithms import dpo_loss, orpo_loss, simpo_loss
 from jaxrlhf.config import DPOConfig
 from jaxrlhf.perf import decoder_flops
 from jaxrlhf.train import spec
@@ -117,16 +116,6 @@ def preference_loss(scfg, pc_B, pr_B, rc_B, rr_B, b):
     if scfg.loss == "simpo":
       return simpo_loss(pc_B, pr_B, lc_B, lr_B, beta=scfg.beta, gamma=scfg.simpo_gamma)
     return orpo_loss(pc_B, pr_B, lc_B, lr_B, beta=scfg.beta)
-  if scfg.loss == "kto":
-    n = pc_B.shape[0]
-    loss, m = kto_loss(jnp.concatenate([pc_B, pr_B]), jnp.concatenate([rc_B, rr_B]),
-                       jnp.arange(2 * n) < n, beta=scfg.beta,
-                       desirable_weight=scfg.kto_desirable_weight,
-                       undesirable_weight=scfg.kto_undesirable_weight)
-    pair = preference_metrics(loss, jax.lax.stop_gradient(scfg.beta * (pc_B - rc_B)),
-                              jax.lax.stop_gradient(scfg.beta * (pr_B - rr_B)),
-                              jnp.ones((n,), bool))
-    return loss, {**pair, **m}
   return dpo_loss(pc_B, pr_B, rc_B, rr_B, beta=scfg.beta, loss_type=scfg.loss,
                   label_smoothing=scfg.label_smoothing)
 
