@@ -307,7 +307,8 @@ class RLConfig(StageConfig):
       c.need(self.clip_low < 1.0, f"{name}.clip_low", self.clip_low,
              f"must be < 1 (the ratio's lower bound is 1 - clip_low); only "
              f"{name}.policy_loss=cispo allows no lower bound")
-    c.need(not (self.dual_clip and self.policy_loss != "ppo"), f"{name}.dual_clip",
+    clipped_surrogate = self.policy_loss == "ppo"  # not a stage name: the loss's
+    c.need(not (self.dual_clip and not clipped_surrogate), f"{name}.dual_clip",
            self.dual_clip, f"applies to {name}.policy_loss=ppo only; set it to 0 for "
            f"{self.policy_loss!r}")
     if self.off_policy != "none":
