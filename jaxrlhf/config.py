@@ -383,7 +383,7 @@ class GRPOConfig(RLConfig):
 
   def check(self, name, cfg, c):
     super().check(name, cfg, c)
-    if self.advantage in ("grpo", "drgrpo", "rloo"):
+    if self.advantage in ("grpo", "drgrpo", "rloo"):  # not a stage name
       c.need(self.num_samples >= 2, f"{name}.num_samples", self.num_samples,
              f"must be >= 2: {name}.advantage={self.advantage!r} compares the samples of one "
              "prompt, so one sample gives every advantage 0")

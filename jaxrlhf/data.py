@@ -417,7 +417,7 @@ def _to_example(obj: dict, kind: str, where: str, line: int) -> Example:
       raise ConfigError(f"{where}: field \"label\" is {_describe(label)}, not true or false; "
                         f"each line needs {_example(kind)} (true: a desirable completion)")
     fields["label"] = label
-  if kind == "sft" and "messages" in obj and "prompt" not in obj:
+  if kind == "sft" and "messages" in obj and "prompt" not in obj:  # not a stage name
     msgs = _messages(obj["messages"], where, "messages")
     if msgs is None:
       raise ConfigError(f"{where}: \"messages\" must be a list of chat messages "

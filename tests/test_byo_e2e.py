@@ -32,7 +32,7 @@ REWARD = textwrap.dedent("""
 
 SMALL = ["--steps=2", "--set=data.max_prompt_len=24", "--set=data.max_response_len=8",
          "--set=rollout.max_new_tokens=8", "--set=model.compute_dtype=float32",
-         "--set=model.remat=none", "--set=logging.tensorboard=false",
+         "--set=model.remat=none", "--set=logging.sinks=jsonl",
          "--set=checkpoint.enabled=false"]
 
 

@@ -92,7 +92,7 @@ def group_advantages(scores_B, *, group_size: int, method: str = "grpo", eps: fl
 
   mean_G1, std_G1, count_G1 = masked_moments(r_GN, valid_GN, axis=1)
   dev_GN = r_GN - mean_G1
-  if method == "grpo":
+  if method == "grpo":  # not a stage name
     adv_GN = dev_GN / (std_G1 + eps)
   elif method == "drgrpo":
     adv_GN = dev_GN
