@@ -97,6 +97,8 @@ RL_VARIANTS = {
 }
 
 
+# 40-77 s each on 2 shared CPU cores (load 9): slow.
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(RL_VARIANTS))
 def test_new_rl_settings_raise_mean_rule_reward(variant):
   stage_sft, state_sft, _ = _sft_policy(40)
@@ -124,6 +126,7 @@ def sft_policy():
 
 # Reference-free losses from a random start barely separate the held-out pairs in 25 steps
 # (SimPO 0.56, ORPO 0.59): from the short SFT's policy, as in the tiny experiments, they do.
+@pytest.mark.slow  # 43-71 s each on 2 shared CPU cores
 @pytest.mark.parametrize("loss,beta", [("simpo", 2.0), ("orpo", 1.0), ("kto", 0.1)])
 def test_new_preference_losses_raise_pair_accuracy_over_their_sft_start(loss, beta, sft_policy):
   if loss == "kto":
