@@ -314,8 +314,8 @@ def epochs(stage, state, ub: UpdateBatch, kl_coef, *, roles, terms):
 
 def policy_term(stage, params, mb: UpdateBatch, *, denom, n_seq, kl_coef):
   """The policy's loss: the surrogate ``policy_loss`` names (PPO's clipped one, GSPO, CISPO),
-  entropy bonus and (``kl.placement=loss``) the KL to
-  the reference, each aggregated as ``loss_agg`` says; reads ``params["policy"]`` only."""
+  entropy bonus and (``kl.placement=loss``) the KL to the reference, each aggregated as
+  ``loss_agg`` says; reads ``params["policy"]`` only."""
   scfg = stage.scfg
   logp, ent = M.token_logprobs(params["policy"], mb.tokens_BT, mb.mask_BT,
                                cfg=stage.model_cfg("policy"), start=stage.P,
