@@ -114,3 +114,23 @@ def test_kto_checks():
       cfg.kto, optim=dataclasses.replace(cfg.kto.optim, grad_accum=2)))
   with pytest.raises(ConfigError, match=r"kto.optim.grad_accum=2: must be 1 for KTO"):
     validate(bad)
+
+
+@pytest.mark.slow  # 71 s on 2 shared cores: one program per timing group
+def test_dynamic_sampling_and_off_policy_run_as_timed_phases():
+  """The new phases compose like the others: a timed step (each group its own program) runs
+  the over-sampled generation, the selection and the correction, with their counts."""
+  from helpers import mesh
+  from test_train import config, run_steps
+  cfg = config()
+  cfg = dataclasses.replace(
+      cfg, logging=dataclasses.replace(cfg.logging, phase_timing=True),
+      grpo=dataclasses.replace(cfg.grpo, batch_size=4, num_samples=4, dynamic_sampling=True,
+                               max_oversample=1.5, off_policy="seq_tis",
+                               reward=RewardConfig(sources=("rule:token_accuracy",),
+                                                   overlong_buffer=2)))
+  stage, state, frozen, (m,) = run_steps(cfg, "grpo", mesh(), steps=1)
+  assert stage.batch_shapes()["prompt"][0][0] == 6  # ceil(4 x 1.5) prompts generated
+  assert m["dynamic/generated_groups"] == 6 and m["dynamic/kept_groups"] <= 4
+  assert m["dynamic/kept_groups"] + m["dynamic/shortfall_groups"] == 4
+  assert {"time/phase/select_s", "off_policy/is_weight_mean"} <= set(m), sorted(m)
