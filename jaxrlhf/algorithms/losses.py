@@ -17,6 +17,8 @@ micro-batches averages them).  Conventions (docs/conventions.md):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -218,7 +220,7 @@ def cispo_policy_loss(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low: float,
 POLICY_LOSSES = {
     "ppo": ppo_policy_loss,
     "gspo": gspo_policy_loss,
-    "gspo_token": lambda *a, **kw: gspo_policy_loss(*a, token_level=True, **kw),
+    "gspo_token": functools.partial(gspo_policy_loss, token_level=True),
     "cispo": cispo_policy_loss,
 }
 
