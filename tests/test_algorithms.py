@@ -12,11 +12,13 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import mesh
-from jaxrlhf.algorithms import (agg_count, aggregate, bradley_terry_loss, dpo_loss,
-                                entropy_bonus, gae, group_advantages, init_kl_controller,
-                                kl_estimate, kl_penalty_loss, kl_shaped_rewards,
-                                ppo_policy_loss, sft_loss, update_kl_controller, value_loss,
-                                whiten)
+from jaxrlhf.algorithms import (POLICY_LOSSES, agg_count, aggregate, bradley_terry_loss,
+                                cispo_policy_loss, dpo_loss, entropy_bonus, gae,
+                                group_advantages, gspo_policy_loss, init_kl_controller,
+                                kl_estimate, kl_penalty_loss, kl_shaped_rewards, kto_loss,
+                                off_policy_weights, orpo_loss, overlong_penalty,
+                                ppo_policy_loss, select_groups, sft_loss, simpo_loss,
+                                update_kl_controller, value_loss, whiten)
 
 RNG = np.random.default_rng(0)
 
@@ -450,3 +452,286 @@ def test_loss_and_grad_same_on_4_dp_devices_and_over_micro_batches(agg):
     loss_acc, grad_acc = loss_acc + l, grad_acc + g
   _close(loss_acc, ref_loss, rtol=1e-5)
   _close(grad_acc, ref_grad, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------- GSPO, CISPO, shaping, SimPO, ORPO, KTO (issue 26)
+
+
+def _fd_grad(f, x, m, h=1e-4):
+  """Central differences of a numpy loss ``f`` (float64) at the valid entries of ``x``."""
+  x = x.astype(np.float64)
+  g = np.zeros_like(x)
+  for idx in zip(*np.nonzero(m)):
+    e = np.zeros_like(x)
+    e[idx] = h
+    g[idx] = (f(x + e) - f(x - e)) / (2 * h)
+  return g
+
+
+def _np_gspo(logp, old, adv, m, cl, ch, token, agg, logp0=None):
+  """GSPO per the paper: s = exp(mean_t log-ratio) per row, clipped per row; the token variant
+  s_t = sg(s) * exp(logp_t - sg(logp_t)) (``logp0``: the stopped values)."""
+  n = np.maximum(m.sum(-1), 1)
+  s = np.exp(np.clip(np.where(m, logp - old, 0).sum(-1) / n, -10, 10))
+  if token:
+    base = logp if logp0 is None else logp0
+    s0 = np.exp(np.clip(np.where(m, base - old, 0).sum(-1) / n, -10, 10))
+    s_t = s0[:, None] * np.exp(logp - base)
+  else:
+    s_t = np.broadcast_to(s[:, None], m.shape)
+  pg = np.maximum(-adv * s_t, -adv * np.clip(s_t, 1 - cl, 1 + ch))
+  return _np_agg(np.where(m, pg, 0), m, agg)
+
+
+def _policy_case():
+  m = _masks()
+  logp = RNG.normal(size=m.shape) * 0.3 - 1.0
+  old = logp + RNG.normal(size=m.shape) * 0.2
+  adv = np.repeat(RNG.normal(size=(m.shape[0], 1)), m.shape[1], 1)  # one advantage per row
+  return m, logp, old, adv
+
+
+@pytest.mark.parametrize("token", [False, True], ids=["gspo", "gspo_token"])
+@pytest.mark.parametrize("agg", ["seq_mean_token_mean", "token_mean"])
+def test_gspo_matches_reference_values_and_gradients(token, agg):
+  m, logp, old, adv = _policy_case()
+  cl, ch = 0.05, 0.08
+  bad = lambda a, v: np.where(m, a, v).astype(np.float32)
+  f = lambda lp: gspo_policy_loss(lp, bad(old, np.inf), bad(adv, np.nan), m, clip_low=cl,
+                                  clip_high=ch, token_level=token, agg=agg)
+  loss, met = f(bad(logp, np.nan))
+  _close(loss, _np_gspo(logp, old, adv, m, cl, ch, token, agg), atol=1e-5)
+  grad = jax.grad(lambda lp: f(lp)[0])(bad(logp, np.nan))
+  ref = _fd_grad(lambda lp: _np_gspo(lp, old, adv, m, cl, ch, token, agg, logp0=logp), logp, m)
+  _close(grad, ref, atol=2e-4, rtol=1e-3)
+  assert np.all(np.asarray(grad)[~m] == 0)
+  assert 0 <= float(met["clip_frac"]) <= 1 and np.isfinite(float(met["approx_kl"]))
+
+
+def test_gspo_token_has_gspo_gradient_with_sequence_advantages():
+  m, logp, old, adv = _policy_case()
+  g = [jax.grad(lambda lp: gspo_policy_loss(lp, old, adv, m, clip_low=0.05, clip_high=0.08,
+                                            token_level=t)[0])(logp.astype(np.float32))
+       for t in (False, True)]
+  _close(g[0], g[1], atol=1e-6)
+  # Sequence-level clipping: a row whose ratio leaves the range gets no gradient at all
+  one = np.ones((1, 3), bool)
+  lp = np.array([[0.3, 0.3, 0.3]], np.float32)  # s = e^0.3 > 1 + 0.08 with A > 0: clipped
+  gr = jax.grad(lambda x: gspo_policy_loss(x, np.zeros_like(lp), np.ones_like(lp), one,
+                                           clip_low=0.05, clip_high=0.08)[0])(lp)
+  assert np.all(np.asarray(gr) == 0)
+
+
+def _np_cispo(logp, old, adv, m, cl, ch, agg, coef=None):
+  r = np.exp(np.clip(logp - old, -20, 20))
+  c = np.clip(r, max(1 - cl, 0), 1 + ch) * adv if coef is None else coef
+  return _np_agg(np.where(m, -c * logp, 0), m, agg)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_cispo_matches_reference_values_and_stopped_weight_gradient(agg):
+  m, logp, old, _ = _policy_case()
+  old = logp + RNG.normal(size=m.shape) * 0.5  # ratios on both sides of the clip
+  adv = RNG.normal(size=m.shape)
+  cl, ch = 1.0, 0.2  # MiniMax-M1: no lower bound
+  f = lambda lp: cispo_policy_loss(lp, old.astype(np.float32), adv.astype(np.float32), m,
+                                   clip_low=cl, clip_high=ch, agg=agg)
+  loss, met = f(logp.astype(np.float32))
+  _close(loss, _np_cispo(logp, old, adv, m, cl, ch, agg), atol=1e-5)
+  r = np.exp(logp - old)
+  coef = np.clip(r, 0, 1 + ch) * adv
+  ref = _fd_grad(lambda lp: _np_cispo(lp, old, adv, m, cl, ch, agg, coef=coef), logp, m)
+  _close(jax.grad(lambda lp: f(lp)[0])(logp.astype(np.float32)), ref, atol=2e-5, rtol=1e-4)
+  _close(met["clip_frac"], (r > 1 + ch)[m].mean())
+  # A clipped token keeps its gradient (only its weight is bounded), unlike PPO's clip.
+  one = np.ones((1, 1), bool)
+  g = jax.grad(lambda x: cispo_policy_loss(x, np.zeros((1, 1)), np.ones((1, 1)), one,
+                                           clip_low=1.0, clip_high=0.2)[0])(np.full((1, 1), 2.0))
+  assert float(g[0, 0]) == pytest.approx(-1.2)
+  with pytest.raises(ValueError, match="dual_clip"):
+    cispo_policy_loss(logp, old, adv, m, clip_low=1.0, clip_high=0.2, dual_clip=3.0)
+
+
+def test_policy_loss_registry_ppo_is_the_clipped_surrogate():
+  m, logp, old, adv = _policy_case()
+  kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=0.0, agg="token_mean", denom=None,
+            max_len=None)
+  for name, fn in POLICY_LOSSES.items():
+    loss, met = fn(logp, old, adv, m, **kw)
+    assert np.isfinite(float(loss)) and {"clip_frac", "approx_kl"} <= set(met), name
+  assert float(POLICY_LOSSES["ppo"](logp, old, adv, m, **kw)[0]) == float(
+      ppo_policy_loss(logp, old, adv, m, clip_low=0.2, clip_high=0.28)[0])
+
+
+def test_overlong_penalty_hand_cases():
+  got = overlong_penalty(np.array([1, 12, 13, 14, 16, 20]), max_len=16, buffer=4, penalty=1.0)
+  _close(got, [0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+  with pytest.raises(ValueError, match="buffer"):
+    overlong_penalty(np.array([1]), max_len=4, buffer=5)
+
+
+def _np_informative(s, v, n):
+  out = []
+  for g in range(len(s) // n):
+    vals = s[g * n:(g + 1) * n][v[g * n:(g + 1) * n]]
+    out.append(len(vals) >= 2 and vals.max() > vals.min())
+  return np.array(out)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dynamic_sampling_keeps_size_never_zero_variance_and_counts_shortfall(seed):
+  rng = np.random.default_rng(seed)
+  n, gen, keep = 4, 12, 5
+  s = rng.integers(0, 2, size=gen * n).astype(np.float32)  # many all-equal groups
+  s[:3 * n] = 1.0  # the first three groups say nothing
+  v = rng.random(gen * n) > 0.1
+  rows, valid, met = select_groups(s, v, group_size=n, num_groups=keep)
+  rows, valid = np.asarray(rows), np.asarray(valid)
+  assert rows.shape == valid.shape == (keep * n,)  # the batch keeps its size
+  inf = _np_informative(s, v, n)
+  for k in range(keep):  # each selected slot is one whole generated group
+    g = rows[k * n] // n
+    assert np.array_equal(rows[k * n:(k + 1) * n], g * n + np.arange(n))
+    sel = valid[k * n:(k + 1) * n]
+    if sel.any():  # a trained group has reward variance
+      assert inf[g] and np.std(s[g * n:(g + 1) * n][sel], ddof=1) > 0
+  assert float(met["dynamic/informative_groups"]) == inf.sum()
+  assert float(met["dynamic/kept_groups"]) == min(inf.sum(), keep)
+  assert float(met["dynamic/shortfall_groups"]) == keep - min(inf.sum(), keep)
+  # The informative groups kept are the first ones generated, in order.
+  kept = [rows[k * n] // n for k in range(keep) if valid[k * n:(k + 1) * n].any()]
+  assert kept == list(np.nonzero(inf)[0][:keep])
+
+
+def test_dynamic_sampling_stops_at_its_limit_with_a_count():
+  s = np.zeros(16, np.float32)  # every group uninformative: over-sampling cannot help
+  s[4:8] = [0, 1, 0, 1]  # one informative group of four
+  rows, valid, met = select_groups(s, np.ones(16, bool), group_size=4, num_groups=3)
+  assert np.asarray(valid).sum() == 4 and list(np.asarray(rows)[:4]) == [4, 5, 6, 7]
+  assert float(met["dynamic/shortfall_groups"]) == 2
+  # the advantages of what trains: no row of a masked group gets any
+  adv = group_advantages(np.asarray(s)[np.asarray(rows)], group_size=4, valid_B=valid)
+  assert np.all(np.asarray(adv)[~np.asarray(valid)] == 0) and np.any(np.asarray(adv) != 0)
+
+
+def _np_off_policy(t, b, m, mode, cap):
+  lw = np.where(m, t - b, 0.0)
+  if mode.startswith("seq_"):
+    lw = np.broadcast_to(lw.sum(-1, keepdims=True), m.shape)
+  w = np.exp(np.clip(lw, -20, 20))
+  if mode.endswith("tis"):
+    return np.where(m, np.minimum(w, cap), 0), m
+  keep = m & (w <= cap) & (w >= 1 / cap)
+  return np.where(keep, w, 0), keep
+
+
+@pytest.mark.parametrize("mode", ["tis", "mis", "seq_tis", "seq_mis"])
+def test_off_policy_weights_match_reference(mode):
+  m = _masks()
+  t = RNG.normal(size=m.shape) * 0.2 - 1
+  b = t + RNG.normal(size=m.shape) * 0.6
+  w, keep, met = off_policy_weights(t, np.where(m, b, np.nan), m, mode=mode, cap=1.5)
+  rw, rkeep = _np_off_policy(t, b, m, mode, 1.5)
+  _close(w, rw, rtol=1e-5)
+  assert np.array_equal(np.asarray(keep), rkeep)
+  lw = np.where(m, t - b, 0.0)
+  raw = np.exp(np.broadcast_to(lw.sum(-1, keepdims=True), m.shape) if "seq" in mode else lw)
+  out = (raw > 1.5) if mode.endswith("tis") else ~rkeep
+  _close(met["is_clipped_frac"], out[m].mean())
+  _close(met["is_weight_mean"], rw[rkeep].mean(), rtol=1e-5)
+  assert 0 < float(met["is_clipped_frac"]) < 1  # the case exercises the cap
+  with pytest.raises(ValueError, match="cap"):
+    off_policy_weights(t, b, m, mode=mode, cap=1.0)
+
+
+def _pref_case(b=6):
+  pc, pr = -np.abs(RNG.normal(size=b)) * 4 - 1, -np.abs(RNG.normal(size=b)) * 4 - 1
+  lc, lr = RNG.integers(1, 6, size=b).astype(np.float64), RNG.integers(1, 6, size=b) * 1.0
+  valid = np.ones(b, bool)
+  valid[2] = False
+  return pc, pr, lc, lr, valid
+
+
+def _np_simpo(pc, pr, lc, lr, v, beta, gamma):
+  per = -_np_logsig(beta * (pc / lc - pr / lr) - gamma)
+  return per[v].mean()
+
+
+def _np_orpo(pc, pr, lc, lr, v, beta):
+  ac, ar = np.minimum(pc / lc, -1e-6), np.minimum(pr / lr, -1e-6)
+  odds = lambda a: a - np.log1p(-np.exp(a))
+  per = -ac - beta * _np_logsig(odds(ac) - odds(ar))
+  return per[v].mean()
+
+
+def _np_kto(p, r, good, v, beta, wd, wu, z0=None):
+  lr = p - r
+  z = max(lr[v].mean(), 0.0) if z0 is None else z0
+  sig = lambda x: 1 / (1 + np.exp(-x))
+  per = np.where(good, wd * (1 - sig(beta * (lr - z))), wu * (1 - sig(beta * (z - lr))))
+  return per[v].mean()
+
+
+def test_simpo_orpo_kto_match_reference_values_and_gradients():
+  pc, pr, lc, lr, v = _pref_case()
+  f32 = lambda x: np.asarray(x, np.float32)
+  garbage = lambda x: np.where(v, x, np.nan).astype(np.float32)
+  # SimPO
+  simpo = lambda a, b: simpo_loss(a, b, lc, lr, beta=2.0, gamma=0.5, valid_B=v)[0]
+  _close(simpo(garbage(pc), garbage(pr)), _np_simpo(pc, pr, lc, lr, v, 2.0, 0.5), rtol=1e-5)
+  g = jax.grad(simpo)(f32(pc), f32(pr))
+  _close(g, _fd_grad(lambda a: _np_simpo(a, pr, lc, lr, v, 2.0, 0.5), pc, v), atol=1e-5)
+  # ORPO
+  orpo = lambda a, b: orpo_loss(a, b, lc, lr, beta=0.5, valid_B=v)[0]
+  _close(orpo(garbage(pc), garbage(pr)), _np_orpo(pc, pr, lc, lr, v, 0.5), rtol=1e-5)
+  g = jax.grad(orpo, argnums=1)(f32(pc), f32(pr))
+  _close(g, _fd_grad(lambda b: _np_orpo(pc, b, lc, lr, v, 0.5), pr, v), atol=1e-5)
+  # log(1 - e^a) stays finite at a = 0 (a response of probability 1)
+  assert np.isfinite(float(orpo_loss(np.zeros(2), np.zeros(2), np.ones(2), np.ones(2),
+                                     beta=0.5)[0]))
+  # KTO: z0 = max(0, mean log-ratio), a constant
+  p, r = np.concatenate([pc, pr]), np.concatenate([pc, pr]) + RNG.normal(size=12) * 0.5
+  good, vv = np.arange(12) < 6, np.concatenate([v, v])
+  kto = lambda a: kto_loss(a, f32(r), good, beta=0.3, desirable_weight=1.0,
+                           undesirable_weight=1.5, valid_B=vv)
+  loss, met = kto(f32(p))
+  _close(loss, _np_kto(p, r, good, vv, 0.3, 1.0, 1.5), rtol=1e-5)
+  z0 = max((p - r)[vv].mean(), 0.0)
+  _close(met["kl"], z0, atol=1e-6)
+  _close(jax.grad(lambda a: kto(a)[0])(f32(p)),
+         _fd_grad(lambda a: _np_kto(a, r, good, vv, 0.3, 1.0, 1.5, z0=z0), p, vv), atol=1e-5)
+  # Its reference point is never negative: a policy below the reference compares with 0
+  _, met = kto_loss(np.zeros(4), np.ones(4), np.arange(4) < 2, beta=0.3)
+  assert float(met["kl"]) == 0.0
+
+
+def test_new_losses_same_on_4_dp_devices():
+  m4 = mesh(dp=4)
+  shard = lambda a: jax.device_put(np.asarray(a, np.float32), NamedSharding(
+      m4, P("dp", *([None] * (np.ndim(a) - 1)))))
+  m = np.ones((8, 5), bool)
+  m[1, 3:] = m[4, :] = False
+  m[6, 1:] = False
+  logp = (RNG.normal(size=m.shape) * 0.3 - 1).astype(np.float32)
+  old = (logp + RNG.normal(size=m.shape) * 0.3).astype(np.float32)
+  adv = RNG.normal(size=m.shape).astype(np.float32)
+  pc, pr, lc, lr = (RNG.normal(size=8).astype(np.float32) - 3, RNG.normal(size=8) - 3,
+                    RNG.integers(1, 5, 8), RNG.integers(1, 5, 8))
+  cases = {
+      "gspo": lambda lp, o, a: gspo_policy_loss(lp, o, a, m, clip_low=0.1, clip_high=0.1)[0],
+      "gspo_token": lambda lp, o, a: gspo_policy_loss(lp, o, a, m, clip_low=0.1, clip_high=0.1,
+                                                      token_level=True)[0],
+      "cispo": lambda lp, o, a: cispo_policy_loss(lp, o, a, m, clip_low=1.0, clip_high=0.2)[0],
+      "tis": lambda lp, o, a: jnp.sum(off_policy_weights(lp, o, m, mode="seq_tis",
+                                                         cap=2.0)[0] * a),
+      "simpo": lambda lp, o, a: simpo_loss(lp[:, 0], o[:, 0], lc, lr, beta=2.0, gamma=1.0)[0],
+      "orpo": lambda lp, o, a: orpo_loss(lp[:, 0], o[:, 0], lc, lr, beta=0.5)[0],
+      "kto": lambda lp, o, a: kto_loss(lp[:, 0], o[:, 0], a[:, 0] > 0, beta=0.3)[0],
+  }
+  for name, f in cases.items():
+    fn = jax.jit(jax.value_and_grad(f))
+    one = fn(logp, old, adv)
+    four = fn(shard(logp), shard(old), shard(adv))
+    assert len(four[1].sharding.device_set) == 4 or name in ("simpo", "orpo", "kto")
+    _close(four[0], one[0], rtol=1e-5)
+    _close(four[1], one[1], rtol=1e-5, atol=1e-7)

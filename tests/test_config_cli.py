@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from jaxrlhf import registry
-from jaxrlhf.config import (ConfigError, ExperimentConfig, apply_overrides, diff, from_dict,
+from jaxrlhf.config import (STAGE_NAMES, ConfigError, ExperimentConfig, apply_overrides, diff, from_dict,
                             to_dict, validate)
 
 
@@ -181,7 +181,7 @@ def test_config_file_reads_print_config_back_with_set_on_top(tmp_path):
   again = _main(f"--config={path}", "--set=grpo.steps=7", "--steps=5", "--print_config")
   assert again.returncode == 0, again.stderr
   want = json.loads(res.stdout)
-  for stage in ("sft", "rm", "ppo", "grpo", "dpo"):  # --steps caps every stage
+  for stage in STAGE_NAMES:  # --steps caps every stage
     want[stage]["steps"] = min(want[stage]["steps"], 5)
   assert json.loads(again.stdout) == want
   both = _main(f"--config={path}", "--experiment=tiny_ppo", "--print_config")

@@ -1,6 +1,7 @@
 """Loss functions of every algorithm, as pure array functions, and the one aggregation rule they
-share: PPO/GRPO clipped policy loss, entropy bonus, clipped value loss, DPO (sigmoid, IPO,
-conservative), Bradley-Terry reward-model loss and SFT cross-entropy.
+share: the policy losses (PPO/GRPO clipped surrogate, GSPO and its token variant, CISPO), the
+entropy bonus, the clipped value loss, the preference losses (DPO: sigmoid, IPO, conservative;
+SimPO; ORPO; KTO), the Bradley-Terry reward-model loss and SFT cross-entropy.
 
 Each returns ``(loss, metrics)``: a float32 scalar and a dict of float32 scalars (metrics carry
 no gradient and are means over *this call's* valid entries; a caller that splits a batch into
@@ -16,11 +17,16 @@ micro-batches averages them).  Conventions (docs/conventions.md):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 DPO_LOSSES = ("sigmoid", "ipo", "cdpo")
+# The preference losses that read no reference model (their specs drop the reference role).
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")
+PREFERENCE_LOSSES = DPO_LOSSES + REFERENCE_FREE_LOSSES + ("kto",)
 
 
 # ------------------------------------------------------------------------------ aggregation
@@ -129,6 +135,96 @@ def ppo_policy_loss(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low: float, c
   return loss, metrics
 
 
+def _policy_inputs(logp_BT, old_logp_BT, adv_BT, mask_BT):
+  mask_BT = jnp.asarray(mask_BT).astype(bool)
+  z = lambda x: jnp.where(mask_BT, _f32(x), 0.0)
+  return mask_BT, z(logp_BT), z(old_logp_BT), z(adv_BT)
+
+
+def _no_dual_clip(name, dual_clip):
+  if dual_clip:
+    raise ValueError(f"dual_clip={dual_clip}: the {name} policy loss has no dual clip; use 0")
+
+
+def _ratio_metrics(ratio_BT, log_ratio_BT, clipped_BT, mask_BT, loss):
+  ratio_sg = jax.lax.stop_gradient(ratio_BT)
+  return {
+      "pg_loss": jax.lax.stop_gradient(loss),
+      "clip_frac": masked_token_mean(clipped_BT, mask_BT),
+      "approx_kl": masked_token_mean(ratio_sg - 1.0 - jax.lax.stop_gradient(log_ratio_BT),
+                                     mask_BT),
+      "ratio_mean": masked_token_mean(ratio_sg, mask_BT),
+      "ratio_max": jnp.max(jnp.where(mask_BT, ratio_sg, 0.0)),
+  }
+
+
+def gspo_policy_loss(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low: float,
+                     clip_high: float, token_level: bool = False, agg: str = "seq_mean_token_mean",
+                     denom=None, max_len=None, log_ratio_clamp: float = 10.0,
+                     dual_clip: float = 0.0):
+  """GSPO (Zheng et al. 2025): a *sequence-level* importance ratio, the geometric mean of the
+  token ratios ``s = exp(mean_t (logp - old_logp))`` over each row's valid tokens, clipped as a
+  whole: per row ``max(-A s, -A clip(s, 1 - clip_low, 1 + clip_high))``, written at every valid
+  token (so ``seq_mean_token_mean`` gives the paper's mean over sequences).
+
+  ``token_level`` (GSPO-token): the token's ratio ``s_t = sg(s) * pi_t / sg(pi_t)`` (equal to
+  ``s`` in value, its gradient the token's own) with the token's advantage ``A_t``; with one
+  advantage per sequence it has GSPO's gradient.  The mean log-ratio is clamped to
+  ``+-log_ratio_clamp`` before ``exp`` (peers use 10).  Metrics as :func:`ppo_policy_loss`
+  (``clip_frac`` counts the tokens of clipped sequences).
+  """
+  _no_dual_clip("gspo", dual_clip)
+  mask_BT, logp_BT, old_BT, adv_BT = _policy_inputs(logp_BT, old_logp_BT, adv_BT, mask_BT)
+  n_B = jnp.maximum(jnp.sum(mask_BT, axis=-1), 1).astype(jnp.float32)
+  seq_log_ratio_B = jnp.sum(logp_BT - old_BT, axis=-1) / n_B
+  if log_ratio_clamp and log_ratio_clamp > 0:
+    seq_log_ratio_B = jnp.clip(seq_log_ratio_B, -log_ratio_clamp, log_ratio_clamp)
+  if token_level:
+    log_ratio_BT = (jax.lax.stop_gradient(seq_log_ratio_B)[:, None] + logp_BT
+                    - jax.lax.stop_gradient(logp_BT))
+  else:
+    log_ratio_BT = jnp.broadcast_to(seq_log_ratio_B[:, None], mask_BT.shape)
+  ratio_BT = jnp.exp(log_ratio_BT)
+  loss1_BT = -adv_BT * ratio_BT
+  loss2_BT = -adv_BT * jnp.clip(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
+  pg_BT = jnp.maximum(loss1_BT, loss2_BT)
+  loss = aggregate(pg_BT, mask_BT, mode=agg, denom=denom, max_len=max_len)
+  return loss, _ratio_metrics(ratio_BT, log_ratio_BT, loss2_BT > loss1_BT, mask_BT, loss)
+
+
+def cispo_policy_loss(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low: float,
+                      clip_high: float, agg: str = "token_mean", denom=None, max_len=None,
+                      log_ratio_clamp: float = 20.0, dual_clip: float = 0.0):
+  """CISPO (MiniMax-M1, 2025): REINFORCE on every token, weighted by its importance ratio
+  clipped and stopped: ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp`` per token, with
+  ``r = exp(clamp(logp - old_logp))``.  Unlike PPO's clip no token's gradient is dropped, only
+  its weight bounded (MiniMax-M1 sets no lower bound: pass ``clip_low >= 1``).  Metrics as
+  :func:`ppo_policy_loss` (``clip_frac``: tokens whose weight was clipped)."""
+  _no_dual_clip("cispo", dual_clip)
+  mask_BT, logp_BT, old_BT, adv_BT = _policy_inputs(logp_BT, old_logp_BT, adv_BT, mask_BT)
+  log_ratio_BT = logp_BT - old_BT
+  if log_ratio_clamp and log_ratio_clamp > 0:
+    log_ratio_BT = jnp.clip(log_ratio_BT, -log_ratio_clamp, log_ratio_clamp)
+  ratio_BT = jnp.exp(log_ratio_BT)
+  lo, hi = max(1.0 - clip_low, 0.0), 1.0 + clip_high
+  clipped_BT = (ratio_BT < lo) | (ratio_BT > hi)
+  coef_BT = jax.lax.stop_gradient(jnp.clip(ratio_BT, lo, hi) * adv_BT)
+  pg_BT = -coef_BT * logp_BT
+  loss = aggregate(pg_BT, mask_BT, mode=agg, denom=denom, max_len=max_len)
+  return loss, _ratio_metrics(ratio_BT, log_ratio_BT, clipped_BT, mask_BT, loss)
+
+
+# The policy losses ``{rl}.policy_loss`` selects; one signature: (logp, old_logp, adv, mask,
+# *, clip_low, clip_high, dual_clip, agg, denom, max_len) -> (loss, metrics).  An off-policy
+# weight w >= 0 enters through the advantages: each loss is positively homogeneous in A.
+POLICY_LOSSES = {
+    "ppo": ppo_policy_loss,
+    "gspo": gspo_policy_loss,
+    "gspo_token": functools.partial(gspo_policy_loss, token_level=True),
+    "cispo": cispo_policy_loss,
+}
+
+
 def entropy_bonus(entropy_BT, mask_BT, *, coef: float, agg: str = "token_mean", denom=None,
                   max_len=None):
   """``-coef * aggregate(entropy)``: added to the loss, it rewards keeping entropy up.
@@ -234,6 +330,84 @@ def dpo_loss(pol_chosen_B, pol_rejected_B, ref_chosen_B, ref_rejected_B, *, beta
       "pref_accuracy": _pair_mean((r_c > r_r).astype(jnp.float32), valid_B),
   }
   return loss, metrics
+
+
+def simpo_loss(pol_chosen_B, pol_rejected_B, len_chosen_B, len_rejected_B, *, beta: float,
+               gamma: float, valid_B=None, denom=None):
+  """SimPO (Meng et al. 2024): reference-free, length-normalised:
+  ``-log sigmoid(beta (pol_c / len_c - pol_r / len_r) - gamma)`` on summed response log-probs
+  and response lengths (tokens, floored at 1), ``gamma`` the target margin (TRL writes it as
+  ``gamma_beta_ratio * beta``).  Mean over valid pairs.  Implicit rewards are
+  ``beta * pol / len``.  Metrics as :func:`dpo_loss`."""
+  if beta <= 0:
+    raise ValueError(f"simpo beta={beta} must be > 0")
+  valid_B, pc_B, pr_B, lc_B, lr_B = _pair_inputs(valid_B, pol_chosen_B, pol_rejected_B,
+                                                  len_chosen_B, len_rejected_B)
+  r_c_B = beta * pc_B / jnp.maximum(lc_B, 1.0)
+  r_r_B = beta * pr_B / jnp.maximum(lr_B, 1.0)
+  per_B = -jax.nn.log_sigmoid(r_c_B - r_r_B - gamma)
+  loss = _pair_mean(per_B, valid_B, denom)
+  return loss, preference_metrics(loss, r_c_B, r_r_B, valid_B)
+
+
+def orpo_loss(pol_chosen_B, pol_rejected_B, len_chosen_B, len_rejected_B, *, beta: float,
+              valid_B=None, denom=None, max_logp: float = -1e-6):
+  """ORPO (Hong et al. 2024): SFT on the chosen response plus ``beta`` (the paper's lambda)
+  times an odds-ratio term, no reference model.  With ``a = pol / len`` (the mean token
+  log-prob, capped at ``max_logp`` < 0 so that ``log(1 - e^a)`` stays finite):
+  ``log odds = a - log(1 - e^a)``, per pair
+  ``-a_c - beta log sigmoid(log odds_c - log odds_r)``.  Mean over valid pairs.  Implicit
+  rewards (metrics) are ``beta * a``; ``nll`` the SFT part, ``log_odds_ratio`` the mean."""
+  if beta < 0:
+    raise ValueError(f"orpo beta={beta} must be >= 0")
+  valid_B, pc_B, pr_B, lc_B, lr_B = _pair_inputs(valid_B, pol_chosen_B, pol_rejected_B,
+                                                  len_chosen_B, len_rejected_B)
+  a_c_B = jnp.minimum(pc_B / jnp.maximum(lc_B, 1.0), max_logp)
+  a_r_B = jnp.minimum(pr_B / jnp.maximum(lr_B, 1.0), max_logp)
+  log_odds = lambda a: a - jnp.log(-jnp.expm1(a))
+  lor_B = log_odds(a_c_B) - log_odds(a_r_B)
+  per_B = -a_c_B - beta * jax.nn.log_sigmoid(lor_B)
+  loss = _pair_mean(per_B, valid_B, denom)
+  metrics = preference_metrics(loss, beta * a_c_B, beta * a_r_B, valid_B)
+  metrics.update(nll=_pair_mean(jax.lax.stop_gradient(-a_c_B), valid_B),
+                 log_odds_ratio=_pair_mean(jax.lax.stop_gradient(lor_B), valid_B))
+  return loss, metrics
+
+
+def kto_loss(pol_B, ref_B, desirable_B, *, beta: float, desirable_weight: float = 1.0,
+             undesirable_weight: float = 1.0, valid_B=None, denom=None):
+  """KTO (Ethayarajh et al. 2024) on unpaired examples.  With ``r = pol - ref`` (summed
+  response log-probs) and the reference point ``z0 = sg(max(0, mean r))`` over the valid
+  examples of the batch (an estimate of KL(policy || reference); the paper's estimate uses
+  mismatched completions, see docs/conventions.md), per example
+  desirable ``w_D (1 - sigmoid(beta (r - z0)))``, undesirable ``w_U (1 - sigmoid(beta (z0 - r)))``;
+  mean over valid examples.  Metrics: ``kl`` (z0), ``chosen_reward`` / ``rejected_reward``
+  (mean ``beta r`` of the desirable / undesirable examples), ``kto_loss``."""
+  if beta <= 0:
+    raise ValueError(f"kto beta={beta} must be > 0")
+  valid_B, p_B, r_B = _pair_inputs(valid_B, pol_B, ref_B)
+  good_B = jnp.asarray(desirable_B).astype(bool)
+  logr_B = p_B - r_B
+  z0 = jax.lax.stop_gradient(jnp.maximum(_pair_mean(logr_B, valid_B), 0.0))
+  per_B = jnp.where(good_B, desirable_weight * (1.0 - jax.nn.sigmoid(beta * (logr_B - z0))),
+                    undesirable_weight * (1.0 - jax.nn.sigmoid(beta * (z0 - logr_B))))
+  loss = _pair_mean(per_B, valid_B, denom)
+  rew = jax.lax.stop_gradient(beta * logr_B)
+  return loss, {"kto_loss": jax.lax.stop_gradient(loss), "kl": z0,
+                "chosen_reward": _pair_mean(rew, valid_B & good_B),
+                "rejected_reward": _pair_mean(rew, valid_B & ~good_B)}
+
+
+def preference_metrics(loss, r_c_B, r_r_B, valid_B):
+  """A preference loss's metrics from its implicit rewards of chosen and rejected (as
+  :func:`dpo_loss`'s): ``dpo_loss`` (the loss), ``chosen_reward``, ``rejected_reward``,
+  ``reward_margin``, ``pref_accuracy``."""
+  r_c, r_r = jax.lax.stop_gradient(r_c_B), jax.lax.stop_gradient(r_r_B)
+  return {"dpo_loss": jax.lax.stop_gradient(loss),
+          "chosen_reward": _pair_mean(r_c, valid_B),
+          "rejected_reward": _pair_mean(r_r, valid_B),
+          "reward_margin": _pair_mean(r_c - r_r, valid_B),
+          "pref_accuracy": _pair_mean((r_c > r_r).astype(jnp.float32), valid_B)}
 
 
 def bradley_terry_loss(r_chosen_B, r_rejected_B, *, valid_B=None, denom=None):

@@ -10,7 +10,7 @@ from jaxrlhf.config.sections import (  # noqa: F401
     LoggingConfig, MeshConfig, ModelConfig, OptimizerConfig, PlanConfig, PoolsConfig,
     RewardConfig, RolloutConfig, SINK_PACKAGES, Sink)
 from jaxrlhf.config.stages import (  # noqa: F401
-    DPOConfig, GRPOConfig, PPOConfig, RLConfig, RMConfig, SFTConfig, StageConfig)
+    DPOConfig, GRPOConfig, KTOConfig, PPOConfig, RLConfig, RMConfig, SFTConfig, StageConfig)
 from jaxrlhf.config.experiment import (  # noqa: F401
     EVAL_KIND, ExperimentConfig, STAGE_NAMES, Stage, sink_problems, validate)
 from jaxrlhf.config.overrides import (  # noqa: F401

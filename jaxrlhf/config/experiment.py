@@ -12,12 +12,13 @@ from typing import Literal, Optional
 from jaxrlhf.config.sections import (CheckpointConfig, ConfigError, DataConfig, DistributedConfig,
                                      KernelsConfig, LoggingConfig, MeshConfig, ModelConfig,
                                      PlanConfig, PoolsConfig, RolloutConfig, SINK_PACKAGES, Sink)
-from jaxrlhf.config.stages import DPOConfig, GRPOConfig, PPOConfig, RMConfig, SFTConfig, _Checks
+from jaxrlhf.config.stages import (DPOConfig, GRPOConfig, KTOConfig, PPOConfig, RMConfig, SFTConfig,
+                                   _Checks)
 
 
 # The stages an experiment can run; each has a config field of the same name here and an
 # AlgorithmSpec registered under that name (jaxrlhf/train/spec.py).
-Stage = Literal["sft", "rm", "ppo", "grpo", "dpo"]
+Stage = Literal["sft", "rm", "ppo", "grpo", "dpo", "kto"]
 
 
 STAGE_NAMES: tuple[str, ...] = typing.get_args(Stage)
@@ -46,6 +47,7 @@ class ExperimentConfig:
   ppo: PPOConfig = PPOConfig()
   grpo: GRPOConfig = GRPOConfig()
   dpo: DPOConfig = DPOConfig()
+  kto: KTOConfig = KTOConfig()
   data: DataConfig = DataConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   logging: LoggingConfig = LoggingConfig()
@@ -124,7 +126,7 @@ def sink_problems(sinks) -> list[str]:
 # The kind of held-out data each stage evaluates on: greedy answers on prompts with an
 # "answer" (exact match), or preference pairs (pair accuracy).
 EVAL_KIND = {"sft": "prompts", "rm": "pairs", "ppo": "prompts", "grpo": "prompts",
-             "dpo": "pairs"}
+             "dpo": "pairs", "kto": "pairs"}
 
 
 def _validate_data(cfg: "ExperimentConfig", problems: list) -> None:

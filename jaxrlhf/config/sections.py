@@ -221,6 +221,10 @@ class RewardConfig:
   # unscorable (masked out of the update, counted in reward/host_errors and
   # reward/host_invalid); "raise" stops the run with the function's error.
   host_errors: Literal["mask", "raise"] = "mask"
+  # DAPO's overlong shaping: > 0 adds a penalty over the last this many tokens before
+  # rollout.max_new_tokens, falling linearly from 0 to -overlong_penalty at the limit; 0: off.
+  overlong_buffer: int = 0
+  overlong_penalty: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +242,9 @@ class DataConfig:
   prompts_path: str = ""  # JSONL {"prompt", optional "answer"}
   sft_path: str = ""  # JSONL {"prompt", "response"}
   pairs_path: str = ""  # JSONL {"prompt", "chosen", "rejected"}
+  # KTO's unpaired examples, JSONL {"prompt", "completion", "label": true|false}; empty: each
+  # pair's two sides (chosen desirable, rejected undesirable).
+  unpaired_path: str = ""
   eval_path: str = ""
   max_prompt_len: int = 16
   max_response_len: int = 16

@@ -102,12 +102,44 @@ class RLConfig(StageConfig):
   dual_clip: float = 0.0  # 0: off; else c > 1 bounds the loss for negative advantages
   entropy_coef: float = 0.0
   loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+  # The policy loss (jaxrlhf.algorithms.POLICY_LOSSES): "ppo" the clipped token surrogate;
+  # "gspo" / "gspo_token" the sequence-level ratio (GSPO; clips of a few 1e-4, and
+  # loss_agg=seq_mean_token_mean, as the paper); "cispo" REINFORCE with a clipped, stopped
+  # importance weight (MiniMax-M1).
+  policy_loss: Literal["ppo", "gspo", "gspo_token", "cispo"] = "ppo"
+  # Rollout/trainer mismatch: the trainer's log-probs of the rollout (one more forward pass)
+  # become the ratio's denominator and the loss is weighted by pi_trainer / pi_behaviour:
+  # "tis" truncated at off_policy_cap, "mis" tokens outside [1/cap, cap] masked, "seq_tis" /
+  # "seq_mis" the same on each sequence's ratio; "none": the behaviour log-probs as they are.
+  off_policy: Literal["none", "tis", "mis", "seq_tis", "seq_mis"] = "none"
+  off_policy_cap: float = 2.0
   kl: KLConfig = KLConfig()
   reward: RewardConfig = RewardConfig()
 
   def check(self, name, cfg, c):
     super().check(name, cfg, c)
     c.at_least(self, name, ("num_samples", "ppo_epochs", "num_minibatches"), 1)
+    # Decoupled clips (DAPO's clip-higher: clip_high > clip_low, e.g. 0.2 / 0.28).
+    c.finite(self, name, "clip_low", rule="must be a number >= 0 (e.g. 0.2)")
+    c.finite(self, name, "clip_high", rule="must be a number >= 0 (e.g. 0.28 for clip-higher)")
+    if self.policy_loss != "cispo":
+      c.need(self.clip_low < 1.0, f"{name}.clip_low", self.clip_low,
+             f"must be < 1 (the ratio's lower bound is 1 - clip_low); only "
+             f"{name}.policy_loss=cispo allows no lower bound")
+    clipped_surrogate = self.policy_loss == "ppo"  # not a stage name: the loss's
+    c.need(not (self.dual_clip and not clipped_surrogate), f"{name}.dual_clip",
+           self.dual_clip, f"applies to {name}.policy_loss=ppo only; set it to 0 for "
+           f"{self.policy_loss!r}")
+    if self.off_policy != "none":
+      c.need(math.isfinite(self.off_policy_cap) and self.off_policy_cap > 1.0,
+             f"{name}.off_policy_cap", self.off_policy_cap, "must be a number > 1 (e.g. 2)")
+      c.need(cfg.pools.is_correction == 0, f"{name}.off_policy", self.off_policy,
+             f"and pools.is_correction={cfg.pools.is_correction} both correct the same lag; "
+             f"keep one (set pools.is_correction=0)")
+    buf = self.reward.overlong_buffer
+    c.need(0 <= buf <= cfg.rollout.max_new_tokens, f"{name}.reward.overlong_buffer", buf,
+           f"must be in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}] (0 is off)")
+    c.finite(self.reward, f"{name}.reward", "overlong_penalty")
     c.finite(self.kl, f"{name}.kl", "coef")
     r = self.reward
     if len(r.weights) != len(r.sources):
@@ -155,6 +187,18 @@ class GRPOConfig(RLConfig):
   std_eps: float = 1e-6
   kl: KLConfig = KLConfig(coef=0.04, estimator="k3", placement="loss")
   reward: RewardConfig = RewardConfig(sources=("rule:exact_match",))
+  # DAPO's dynamic sampling: generate ceil(batch_size * max_oversample) prompts' groups and
+  # train on the first batch_size whose rewards are not all equal; short of them, the rest
+  # are masked (dynamic/shortfall_groups).  Shapes stay fixed (docs/training.md).
+  dynamic_sampling: bool = False
+  max_oversample: float = 2.0
+
+  @property
+  def prompts_per_step(self) -> int:
+    """Prompts generated per step (over-sampled for dynamic sampling)."""
+    if not self.dynamic_sampling:
+      return self.batch_size
+    return max(self.batch_size, math.ceil(self.batch_size * self.max_oversample))
 
   def check(self, name, cfg, c):
     super().check(name, cfg, c)
@@ -167,17 +211,57 @@ class GRPOConfig(RLConfig):
     c.need(math.isfinite(self.std_eps) and self.std_eps > 0, f"{name}.std_eps", self.std_eps,
            "must be a finite number > 0 (e.g. 1e-6): a group of equal rewards has std 0, and "
            "0 would make its advantages 0/0 = NaN")
+    if self.dynamic_sampling:
+      c.need(math.isfinite(self.max_oversample) and self.max_oversample >= 1.0,
+             f"{name}.max_oversample", self.max_oversample,
+             "must be a number >= 1 (prompts generated per trained prompt, e.g. 2)")
+      c.need(self.num_samples >= 2, f"{name}.num_samples", self.num_samples,
+             f"must be >= 2 for {name}.dynamic_sampling: it keeps groups whose samples' "
+             "rewards differ")
 
 
 @dataclasses.dataclass(frozen=True)
 class DPOConfig(StageConfig):
   batch_size: int = 32  # pairs per step
   beta: float = 0.1
-  loss: Literal["sigmoid", "ipo", "cdpo"] = "sigmoid"
+  # sigmoid / ipo / cdpo: DPO and its variants; simpo, orpo: reference-free (no reference
+  # model in memory) (jaxrlhf.algorithms.losses; beta is ORPO's lambda).
+  loss: Literal["sigmoid", "ipo", "cdpo", "simpo", "orpo"] = "sigmoid"
   label_smoothing: float = 0.0  # cDPO
+  simpo_gamma: float = 1.0  # SimPO's target reward margin
   # Reference log-probs: "step" computes them inside every step; "cache" precomputes once.
   reference: Literal["step", "cache"] = "step"
+
+  @property
+  def needs_reference(self) -> bool:
+    return self.loss not in ("simpo", "orpo")
 
   def check(self, name, cfg, c):
     super().check(name, cfg, c)
     c.finite(self, name, "beta", 1e-30, "must be a number > 0 (e.g. 0.1)")
+    c.need(self.needs_reference or self.reference == "step", f"{name}.reference",
+           self.reference, f"{name}.loss={self.loss!r} reads no reference model; leave "
+           f"{name}.reference=step")
+    c.finite(self, name, "simpo_gamma")
+
+
+@dataclasses.dataclass(frozen=True)
+class KTOConfig(StageConfig):
+  """KTO on unpaired examples (data.unpaired_path, or each pair's two sides)."""
+
+  batch_size: int = 64  # examples per step
+  beta: float = 0.1
+  # lambda_D, lambda_U: the paper keeps lambda_D n_D / (lambda_U n_U) in [1, 4/3].
+  desirable_weight: float = 1.0
+  undesirable_weight: float = 1.0
+
+  def check(self, name, cfg, c):
+    super().check(name, cfg, c)
+    c.finite(self, name, "beta", 1e-30, "must be a number > 0 (e.g. 0.1)")
+    for n in ("desirable_weight", "undesirable_weight"):
+      c.finite(self, name, n)
+    # The reference point is the whole batch's mean log-ratio: micro-batches would each
+    # estimate their own, and their summed gradient would not be the batch's.
+    c.need(self.optim.grad_accum == 1, f"{name}.optim.grad_accum", self.optim.grad_accum,
+           f"must be 1 for KTO (its reference point is the batch's); lower {name}.batch_size "
+           "to fit memory instead")

@@ -203,6 +203,14 @@ class Encoder:
       lmask.append(np.concatenate([pl, rm]))
     return {"tokens": np.stack(toks), "mask": np.stack(masks), "loss_mask": np.stack(lmask)}
 
+  def unpaired(self, examples: Sequence[Example]) -> dict:
+    """Unpaired examples (KTO): ``completion [B,P+R]``, ``completion_mask``,
+    ``completion_loss_mask`` and ``label [B]`` (True: desirable)."""
+    c = self.sequences(examples, "completion")
+    return {"completion": c["tokens"], "completion_mask": c["mask"],
+            "completion_loss_mask": c["loss_mask"],
+            "label": np.array([bool(ex.label) for ex in examples], np.bool_)}
+
   def pairs(self, examples: Sequence[Example]) -> dict:
     c = self.sequences(examples, "chosen")
     r = self.sequences(examples, "rejected")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from typing import Optional
 
 import numpy as np
 
@@ -35,6 +36,8 @@ class Example:
   response: "str | Chat" = ""  # SFT target (chat: the final assistant message)
   chosen: "str | Chat" = ""  # preference pair
   rejected: "str | Chat" = ""
+  completion: "str | Chat" = ""  # an unpaired example (KTO) ...
+  label: Optional[bool] = None  # ... and whether it is desirable
   line: int = dataclasses.field(default=0, compare=False)  # line/row in the user's file (0: built-in)
   # Every other field of the data row (tests, metadata...), for host rewards.
   extra: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -44,11 +47,19 @@ class Example:
     ``answer``, the response fields it has, and every other field of the row: a fresh copy, so
     a reward function that changes it cannot change the data."""
     out = copy.deepcopy(self.extra)
-    for name in ("prompt", "answer", "response", "chosen", "rejected"):
+    for name in ("prompt", "answer", "response", "chosen", "rejected", "completion"):
       value = getattr(self, name)
       if name in ("prompt", "answer") or value:
         out[name] = value.messages if isinstance(value, Chat) else value
+    if self.label is not None:
+      out["label"] = self.label
     return out
+
+  def unpaired(self) -> list["Example"]:
+    """A preference pair as two unpaired examples (KTO): the chosen response desirable, the
+    rejected one undesirable."""
+    return [dataclasses.replace(self, completion=self.chosen, label=True),
+            dataclasses.replace(self, completion=self.rejected, label=False)]
 
 
 class AdditionTask:

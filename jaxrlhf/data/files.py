@@ -14,22 +14,27 @@ from jaxrlhf.data.examples import Chat, Example
 # What a row of each kind needs (besides the alternatives _to_example accepts: "messages"
 # for SFT, whole conversations as "chosen"/"rejected" for pairs).
 _REQUIRED = {"prompts": ("prompt",), "sft": ("prompt", "response"),
-             "pairs": ("prompt", "chosen", "rejected")}
+             "pairs": ("prompt", "chosen", "rejected"),
+             "unpaired": ("prompt", "completion")}  # and "label": true|false
 
 
-_PATH_FIELD = {"prompts": "prompts_path", "sft": "sft_path", "pairs": "pairs_path"}
+_PATH_FIELD = {"prompts": "prompts_path", "sft": "sft_path", "pairs": "pairs_path",
+               "unpaired": "unpaired_path"}
 
 
 # The fields of each kind that batches encode (besides the prompt).
 _TEXT_FIELDS = {"prompts": ("answer",), "sft": ("response", "answer"),
-                "pairs": ("chosen", "rejected")}
+                "pairs": ("chosen", "rejected"), "unpaired": ("completion",)}
 
 
 FORMATS = ("jsonl", "parquet", "hf_disk")
 
 
 def _example(kind):
-  return json.dumps({k: "..." for k in _REQUIRED[kind]})
+  row = {k: "..." for k in _REQUIRED[kind]}
+  if kind == "unpaired":
+    row["label"] = True
+  return json.dumps(row)
 
 
 def detect_format(path: str, fmt: str = "auto") -> str:
@@ -181,8 +186,15 @@ def _to_example(obj: dict, kind: str, where: str, line: int) -> Example:
                       f"it as a string: \"answer\": {json.dumps(_as_text(answer))} (a table "
                       f"column: cast it to string)")
   extra = {k: v for k, v in obj.items()
-           if k not in ("prompt", "answer", "response", "chosen", "rejected", "messages")}
+           if k not in ("prompt", "answer", "response", "chosen", "rejected", "messages",
+                        "completion", "label")}
   fields = {}
+  if kind == "unpaired":
+    label = obj.get("label")
+    if not isinstance(label, bool):
+      raise ConfigError(f"{where}: field \"label\" is {_describe(label)}, not true or false; "
+                        f"each line needs {_example(kind)} (true: a desirable completion)")
+    fields["label"] = label
   if kind == "sft" and "messages" in obj and "prompt" not in obj:  # not a stage name
     msgs = _messages(obj["messages"], where, "messages")
     if msgs is None:
@@ -218,7 +230,7 @@ def _to_example(obj: dict, kind: str, where: str, line: int) -> Example:
              "pairs": " or {\"chosen\": [messages], \"rejected\": [messages]}"}.get(kind, "")
       raise ConfigError(f"{where}: missing string field(s) {', '.join(missing)}; each line "
                         f"needs {_example(kind)}{alt}")
-    fields = {k: _text(obj, k, where, kind) for k in _REQUIRED[kind]}
+    fields.update({k: _text(obj, k, where, kind) for k in _REQUIRED[kind]})
     for k in _REQUIRED[kind][1:]:
       if isinstance(fields[k], Chat):
         m = fields[k].messages

@@ -98,6 +98,10 @@ class DataSource:
   def examples(self, kind: str, step: int, n: int, stream: int = 0) -> list[Example]:
     """The ``n`` training examples of batch ``step`` (deterministic in seed, stream, step);
     examples held out by ``data.eval_split`` never appear."""
+    if kind == "unpaired" and (self.task is not None or not self.cfg.unpaired_path):
+      # Derived from the pairs: each pair's two sides, the batch half desirable.
+      pairs = self.examples("pairs", step, (n + 1) // 2, stream)
+      return [u for ex in pairs for u in ex.unpaired()][:n]
     rng = np.random.default_rng([self.seed, stream, step])
     if self.task is not None:
       return self.task.sample(rng, n, "train")

@@ -10,3 +10,4 @@ from jaxrlhf.train import rm  # noqa: F401  isort: skip
 from jaxrlhf.train import ppo  # noqa: F401  isort: skip
 from jaxrlhf.train import grpo  # noqa: F401  isort: skip
 from jaxrlhf.train import dpo  # noqa: F401  isort: skip
+from jaxrlhf.train import kto  # noqa: F401  isort: skip

@@ -1,14 +1,18 @@
-"""DPO on preference pairs: policy vs frozen reference; reference log-probs computed inside
-the step (``dpo.reference=step``) or once per distinct pair and cached (``=cache``)."""
+"""The preference losses on pairs: DPO and its variants (policy vs frozen reference; reference
+log-probs computed inside the step, ``dpo.reference=step``, or once per distinct pair and
+cached, ``=cache``), and the reference-free SimPO and ORPO, whose spec has no reference role
+(one model in memory).  KTO, on unpaired examples, is its own spec (train/kto.py)."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf import model as M
-from jaxrlhf.algorithms import dpo_loss
+from jaxrlhf.algorithms import dpo_loss, orpo_loss, simpo_loss
 from jaxrlhf.config import DPOConfig
 from jaxrlhf.perf import decoder_flops
 from jaxrlhf.train import spec
@@ -34,22 +38,22 @@ class DPOStage(Stage):
       return s[:n], s[n:]
 
     self.seq_logps = seq_logps
+    self.pref_loss = functools.partial(preference_loss, self.scfg)
     self._ref = jax.jit(seq_logps)
     self._cache: dict = {}
     self._eval_pairs = None
     self.evaluator = ExactMatchEval(self)
 
     def eval_fn(policy, reference, b):
-      rc, rr = seq_logps(reference, b)
       pc, pr = seq_logps(policy, b)
-      return dpo_loss(pc, pr, rc, rr, beta=self.scfg.beta, loss_type=self.scfg.loss,
-                      label_smoothing=self.scfg.label_smoothing)[1]
+      rc, rr = seq_logps(reference, b) if reference is not None else (pc * 0, pr * 0)
+      return self.pref_loss(pc, pr, rc, rr, b)[1]
 
     self._eval = jax.jit(eval_fn)
 
   def init(self, key, roles):
     state, frozen = super().init(key, roles)
-    self.frozen_ref = frozen["reference"]  # for dpo.reference=cache
+    self.frozen_ref = frozen.get("reference")  # for dpo.reference=cache
     return state, frozen
 
   def batch_shapes(self):
@@ -78,18 +82,14 @@ class DPOStage(Stage):
             "ref_rejected": np.array([self._cache[k][1] for k in keys], np.float32)}
 
   def step(self, state, frozen, batch):
-    if "ref_chosen" in batch:
-      ref_c, ref_r = batch["ref_chosen"], batch["ref_rejected"]
-    else:
-      ref_c, ref_r = self.seq_logps(frozen["reference"], batch)
     n_micro = self.scfg.optim.grad_accum
-    mb = {**batch, "ref_chosen": ref_c, "ref_rejected": ref_r}
+    mb = dict(batch)
+    if "ref_chosen" not in batch and self.scfg.needs_reference:
+      mb["ref_chosen"], mb["ref_rejected"] = self.seq_logps(frozen["reference"], batch)
 
     def loss_fn(params, b):
       pc, pr = self.seq_logps(params, b)
-      loss, metrics = dpo_loss(pc, pr, b["ref_chosen"], b["ref_rejected"], beta=self.scfg.beta,
-                               loss_type=self.scfg.loss,
-                               label_smoothing=self.scfg.label_smoothing)
+      loss, metrics = self.pref_loss(pc, pr, b.get("ref_chosen"), b.get("ref_rejected"), b)
       return loss / n_micro, metrics
 
     return update_role(state, "policy", loss_fn, mb, n_micro, self.opt["policy"])
@@ -98,7 +98,7 @@ class DPOStage(Stage):
     if self._eval_pairs is None:
       self._eval_pairs = pair_batches(self)
     with jax.set_mesh(self.mesh):
-      m = jax.device_get(self._eval(state.params["policy"], frozen["reference"],
+      m = jax.device_get(self._eval(state.params["policy"], frozen.get("reference"),
                                     self._eval_pairs))
     out = {"eval/pair_accuracy": float(m["pref_accuracy"]),
            "eval/reward_margin": float(m["reward_margin"])}
@@ -106,17 +106,33 @@ class DPOStage(Stage):
     return out
 
 
+def preference_loss(scfg, pc_B, pr_B, rc_B, rr_B, b):
+  """``dpo.loss`` on a batch of pairs from the summed response log-probs of the policy (and
+  of the reference, None for the reference-free losses): ``(loss, metrics)``, the metrics
+  always holding ``pref_accuracy`` and ``reward_margin`` (of the loss's implicit rewards)."""
+  if scfg.loss in ("simpo", "orpo"):
+    lc_B = jnp.sum(b["chosen_loss_mask"][:, 1:], axis=-1).astype(jnp.float32)
+    lr_B = jnp.sum(b["rejected_loss_mask"][:, 1:], axis=-1).astype(jnp.float32)
+    if scfg.loss == "simpo":
+      return simpo_loss(pc_B, pr_B, lc_B, lr_B, beta=scfg.beta, gamma=scfg.simpo_gamma)
+    return orpo_loss(pc_B, pr_B, lc_B, lr_B, beta=scfg.beta)
+  return dpo_loss(pc_B, pr_B, rc_B, rr_B, beta=scfg.beta, loss_type=scfg.loss,
+                  label_smoothing=scfg.label_smoothing)
+
+
 def flops(stage) -> dict:
   T = stage.P + stage.R
   cfg, b = stage.model_cfg("policy"), stage.scfg.batch_size
   out = {"update": decoder_flops(cfg, 2 * b, T, head_positions=T - 1, train=True)}
-  if stage.scfg.reference == "step":
+  if stage.scfg.reference == "step" and stage.scfg.needs_reference:
     out["reference"] = decoder_flops(cfg, 2 * b, T, head_positions=T - 1)
   return out
 
 
 SPEC = spec.register(spec.AlgorithmSpec(
     name="dpo", config_type=DPOConfig, stage=DPOStage,
-    roles=lambda cfg: {"policy": spec.Role("lm", True), "reference": spec.Role("lm", False)},
+    roles=lambda cfg: {"policy": spec.Role("lm", True),
+                       **({"reference": spec.Role("lm", False)} if cfg.dpo.needs_reference
+                          else {})},
     batch="pairs", rows_per_example=2, flops=flops, evaluation="pairs+exact_match",
     eval_at_start=True))

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 
 from jaxrlhf import model as M
 from jaxrlhf import rewards as RW
-from jaxrlhf.algorithms import (aggregate, entropy_bonus, kl_estimate, kl_penalty_loss,
-                                ppo_policy_loss, update_kl_controller)
+from jaxrlhf.algorithms import (POLICY_LOSSES, aggregate, entropy_bonus, kl_estimate,
+                                kl_penalty_loss, off_policy_weights, overlong_penalty,
+                                select_groups, update_kl_controller)
 from jaxrlhf.config import KLConfig
 from jaxrlhf.rollout import generate as sample
 from jaxrlhf.train.common import accumulate_grads, apply_update, count_skip
@@ -102,6 +103,9 @@ def reward(stage, frozen, batch, c: StepCarry) -> StepCarry:
   score, keep_eos = RW.apply_missing_eos(score, ro.finished_B, mode=rcfg.missing_eos,
                                          penalty=rcfg.missing_eos_penalty)
   keep &= keep_eos
+  if rcfg.overlong_buffer:
+    score = score + overlong_penalty(ro.lengths_B, max_len=stage.N, buffer=rcfg.overlong_buffer,
+                                     penalty=rcfg.overlong_penalty)
   if rcfg.guard:
     g = M.sequence_scores(frozen["guard"], ro.tokens_BT, ro.mask_BT,
                           cfg=stage.model_cfg("guard"), kernels=stage.cfg.kernels,
@@ -190,17 +194,56 @@ def finish(stage, frozen, batch, c: StepCarry) -> StepCarry:
   return c.replace(state=state, metrics={**c.metrics, **metrics})
 
 
-def rl_phases(roles, terms) -> tuple[Phase, ...]:
+def select(stage, frozen, batch, c: StepCarry) -> StepCarry:
+  """Dynamic sampling (``grpo.dynamic_sampling``): of the over-sampled groups, the first
+  ``batch_size`` whose rewards differ, the rollout and the scores gathered down to them (the
+  rest of the step runs at the trained batch's fixed shape); short of them, uninformative
+  groups fill the batch, masked."""
+  del frozen, batch
+  sc = c.scored
+  rows, valid, metrics = select_groups(
+      sc.score_B, sc.keep_B & jnp.isfinite(sc.score_B), group_size=stage.n,
+      num_groups=stage.scfg.batch_size)
+  take = lambda x: None if x is None else x[rows]
+  return c.replace(rollout=jax.tree.map(take, c.rollout),
+                   scored=jax.tree.map(take, sc).replace(keep_B=valid),
+                   metrics={**c.metrics, **metrics})
+
+
+def off_policy(stage, frozen, batch, c: StepCarry) -> StepCarry:
+  """The rollout/trainer mismatch (``{rl}.off_policy``): the trainer's own log-probs of the
+  rollout become the ratio's denominator, and the advantages are weighted by the truncated
+  (or masked) importance weight pi_trainer / pi_behaviour."""
+  del frozen, batch
+  ro, sh = c.rollout, c.shaped
+  trainer, _ = M.token_logprobs(c.state.params["policy"], ro.tokens_BT, ro.mask_BT,
+                                cfg=stage.model_cfg("policy"), start=stage.P,
+                                kernels=stage.cfg.kernels)
+  trainer = jax.lax.stop_gradient(trainer)
+  w, keep, m = off_policy_weights(trainer, ro.behaviour_logp_BN, sh.update_mask_BN,
+                                  mode=stage.scfg.off_policy, cap=stage.scfg.off_policy_cap)
+  shaped = sh.replace(adv_BN=jnp.where(keep, sh.adv_BN * w, 0.0), update_mask_BN=keep,
+                      old_logp_BN=trainer)
+  return c.replace(shaped=shaped,
+                   metrics={**c.metrics, **{f"off_policy/{k}": v for k, v in m.items()}})
+
+
+def rl_phases(roles, terms, scfg=None) -> tuple[Phase, ...]:
   """The RL step training ``roles`` on loss ``terms`` (the values phase only when a value term
-  reads its estimates).  Timing groups: generation, reference, reward, values, then the
-  update (shaping, training, bookkeeping)."""
+  reads its estimates; dynamic sampling's selection and the off-policy correction only when
+  ``scfg`` asks for them).  Timing groups: generation, reference, reward, selection, values,
+  then the update (shaping, correction, training, bookkeeping)."""
+  dynamic = getattr(scfg, "dynamic_sampling", False)
+  correct = getattr(scfg, "off_policy", "none") != "none"
   return (
       Phase("generate", generate, pool="actor"),
       Phase(HOST, None, pool="critic"),
       Phase("reference", reference, pool="actor"),
       Phase("reward", reward, pool="critic"),
+      *((Phase("select", select, pool="critic"),) if dynamic else ()),
       *((Phase("values", values, pool="critic"),) if "value" in terms else ()),
       Phase("shape", shape, pool="critic", group="update"),
+      *((Phase("off_policy", off_policy, pool="actor", group="update"),) if correct else ()),
       Phase("train", functools.partial(train, roles=tuple(roles), terms=tuple(terms)),
             pool="both", group="update"),
       Phase("finish", finish, pool="actor", group="update"),
@@ -276,8 +319,9 @@ def epochs(stage, state, ub: UpdateBatch, kl_coef, *, roles, terms):
 
 
 def policy_term(stage, params, mb: UpdateBatch, *, denom, n_seq, kl_coef):
-  """The policy's loss: clipped surrogate, entropy bonus and (``kl.placement=loss``) the KL to
-  the reference, each aggregated as ``loss_agg`` says; reads ``params["policy"]`` only."""
+  """The policy's loss: the surrogate ``policy_loss`` names (PPO's clipped one, GSPO, CISPO),
+  entropy bonus and (``kl.placement=loss``) the KL to the reference, each aggregated as
+  ``loss_agg`` says; reads ``params["policy"]`` only."""
   scfg = stage.scfg
   logp, ent = M.token_logprobs(params["policy"], mb.tokens_BT, mb.mask_BT,
                                cfg=stage.model_cfg("policy"), start=stage.P,
@@ -285,8 +329,9 @@ def policy_term(stage, params, mb: UpdateBatch, *, denom, n_seq, kl_coef):
   mask = mb.update_mask_BN
   agg = dict(agg=scfg.loss_agg, denom=denom if scfg.loss_agg == "token_mean" else n_seq,
              max_len=stage.N)
-  pg, pm = ppo_policy_loss(logp, mb.old_logp_BN, mb.adv_BN, mask, clip_low=scfg.clip_low,
-                           clip_high=scfg.clip_high, dual_clip=scfg.dual_clip, **agg)
+  pg, pm = POLICY_LOSSES[scfg.policy_loss](logp, mb.old_logp_BN, mb.adv_BN, mask,
+                                           clip_low=scfg.clip_low, clip_high=scfg.clip_high,
+                                           dual_clip=scfg.dual_clip, **agg)
   # The metric is the entropy as the loss aggregates it.
   entropy = aggregate(ent, mask, mode=scfg.loss_agg, denom=agg["denom"], max_len=stage.N)
   bonus, _ = entropy_bonus(ent, mask, coef=scfg.entropy_coef, **agg)

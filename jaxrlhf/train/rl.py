@@ -86,13 +86,18 @@ class RLStage(Stage):
             f"it starts from random weights (add an 'rm' stage or set reward_model.hf_path)")
     return super().init(key, roles)
 
+  @property
+  def prompts_per_step(self) -> int:
+    """Prompts generated per step: the batch, or more for dynamic sampling to select from."""
+    return getattr(self.scfg, "prompts_per_step", self.scfg.batch_size)
+
   def batch_shapes(self):
-    b = self.scfg.batch_size
+    b = self.prompts_per_step
     return {"prompt": ((b, self.P), np.int32), "prompt_mask": ((b, self.P), np.bool_),
             "answer": ((b, self.R), np.int32), "answer_mask": ((b, self.R), np.bool_)}
 
   def batch(self, step):
-    examples = self.data.examples("prompts", step, self.scfg.batch_size)
+    examples = self.data.examples("prompts", step, self.prompts_per_step)
     batch = self.data.encoder.prompts(examples)
     if self.host_sources:
       batch["host"] = HostInputs(tuple(examples))
@@ -116,7 +121,7 @@ class RLStage(Stage):
   def phases(self, roles=None, terms=None):
     """The step's phase list, training ``roles`` (default: every trained role) on loss
     ``terms`` (default: every term of the algorithm)."""
-    return rl_phases(roles or tuple(self.trainable), terms or tuple(self.spec.terms))
+    return rl_phases(roles or tuple(self.trainable), terms or tuple(self.spec.terms), self.scfg)
 
   def step(self, state, frozen, batch):
     return program.step_fn(self, self.phases())(state, frozen, batch)

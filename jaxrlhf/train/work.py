@@ -32,8 +32,11 @@ def step_flops(stage) -> dict[str, float]:
 def rl_flops(stage) -> dict[str, float]:
   """The phases of an RL step (train/phases.py)."""
   P, N, n = stage.P, stage.N, stage.n
-  b = stage.scfg.batch_size
+  # Generation, the reference and the reward see every generated prompt (over-sampled for
+  # dynamic sampling); the update the trained batch only.
+  b = stage.prompts_per_step
   rows, T = b * n, stage.P + stage.N
+  trained = stage.scfg.batch_size * n
   policy = stage.model_cfg("policy")
   frozen = stage.frozen()
   # Prefill once per prompt (logits at the last prompt token only), then N - 1 decode steps
@@ -49,12 +52,14 @@ def rl_flops(stage) -> dict[str, float]:
       reward += decoder_flops(stage.model_cfg(role), rows, T, head="scalar")
   if reward:
     out["reward"] = reward
-  update = decoder_flops(policy, rows, T, head_positions=N, train=True)
+  update = decoder_flops(policy, trained, T, head_positions=N, train=True)
   if "value" in stage.spec.terms:
     value = stage.model_cfg("value")
-    out["values"] = decoder_flops(value, rows, T, head="scalar")
-    update += decoder_flops(value, rows, T, head="scalar", train=True)
+    out["values"] = decoder_flops(value, trained, T, head="scalar")
+    update += decoder_flops(value, trained, T, head="scalar", train=True)
   out["update"] = stage.scfg.ppo_epochs * update
+  if stage.scfg.off_policy != "none":  # the trainer's log-probs of the rollout
+    out["update"] += decoder_flops(policy, trained, T, head_positions=N)
   return out
 
 
@@ -74,7 +79,7 @@ def generation_bytes(stage, tp: int, n_devices: int) -> float:
   if not stage.spec.generates:
     return math.nan
   cfg = stage.model_cfg("policy")
-  rows = stage.scfg.batch_size * stage.n
+  rows = stage.prompts_per_step * stage.n
   params = cfg.num_params("lm") * _itemsize(cfg.param_dtype)
   cache = (2 * cfg.n_layers * rows * (stage.P + stage.N - 1) * cfg.n_kv_heads * cfg.head_dim
            * _itemsize(cfg.compute_dtype))
