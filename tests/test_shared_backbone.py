@@ -47,6 +47,7 @@ def test_one_model_two_heads_sharded_and_the_value_loss_trains_the_backbone():
 
 def test_a_different_value_model_is_refused():
   cfg = shared(config())
-  cfg = dataclasses.replace(cfg, value_model=dataclasses.replace(cfg.model, d_model=64))
+  cfg = dataclasses.replace(cfg, stages=("ppo",),
+                            value_model=dataclasses.replace(cfg.model, d_model=64))
   with pytest.raises(ConfigError, match="value_model must be unset"):
     validate(cfg)
