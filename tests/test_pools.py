@@ -391,6 +391,7 @@ def test_configs_the_pools_cannot_run_are_refused():
 # ------------------------------------------------------------------------- faults, in-process
 
 
+@pytest.mark.slow  # 3-6 min on 2 cores; test_pools_safety checks the same rule in seconds
 def test_a_critic_stopped_during_back_pressure_never_checkpoints_past_its_scores(redis_url,
                                                                                  tmp_path):
   """Finding 1 of issue 28: a stop while the scores stream is full makes publish return
