@@ -25,13 +25,15 @@ from test_train import config as tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3
-# Credentials a run may be given: a Redis URL with a password in the config, the password in
-# the environment. Neither may reach a tracker.
-URL_PASSWORD, ENV_PASSWORD = "hunter2url", "hunter2env"
+# Credentials a run may be given: the Redis password in the environment (a URL carrying one is
+# refused before anything runs: tests/test_pools_safety.py), and a Redis address. Neither the
+# password nor the address may reach a tracker.
+ENV_PASSWORD = "hunter2env"
+REDIS_HOST = "redis-for-tracking-test.invalid"
 FLAGS = ["--experiment=tiny_grpo", f"--steps={STEPS}",
          "--set=logging.sinks=jsonl,tensorboard,wandb,mlflow", "--set=logging.console=false",
          "--set=checkpoint.every_steps=1", "--set=checkpoint.async_save=false",
-         f"--set=pools.redis_url=redis://:{URL_PASSWORD}@127.0.0.1:6379/0"]
+         f"--set=pools.redis_url=rediss://{REDIS_HOST}:6379/0"]
 
 
 def _main(wd):
@@ -162,7 +164,7 @@ def test_no_credential_reaches_any_tracker(runs):
   for path in files:
     with open(path, "rb") as f:
       data = f.read()
-    assert URL_PASSWORD.encode() not in data and ENV_PASSWORD.encode() not in data, path
+    assert ENV_PASSWORD.encode() not in data and REDIS_HOST.encode() not in data, path
   params = _mlflow(wd).search_runs(
       [_mlflow(wd).get_experiment_by_name("tiny_grpo").experiment_id])[0].data.params
   assert "pools.redis_url" not in params and "pools.mode" in params
