@@ -26,7 +26,7 @@ import math
 import os
 import sys
 import time
-from typing import IO, Callable, Mapping, Optional
+from typing import IO, Callable, Mapping, Optional, Sequence
 
 from jaxrlhf import tracking
 from jaxrlhf.config import ConfigError, LoggingConfig, sink_problems
@@ -367,10 +367,12 @@ class MetricsWriter:
     if self._console is not None:
       self._console.write(stage, step, values)
 
-  def finish(self, summary: Mapping):
-    """The run completed: the trackers record its summary (MLflow also the report)."""
+  def finish(self, summary: Mapping, artifacts: Callable[[], Sequence[str]] = lambda: ()):
+    """The run completed: the trackers record its summary, and MLflow the files
+    ``artifacts()`` makes (the report's PNGs and summary.txt; the caller, above this module,
+    knows how to draw them)."""
     if self.primary:
-      self._each("recording the summary", lambda sink: sink.finish(summary))
+      self._each("recording the summary", lambda sink: sink.finish(summary, artifacts))
 
   def end_stage(self, stage: str):
     """Ends ``stage``'s progress bar at its latest step (a stage that finished early)."""

@@ -275,3 +275,10 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
   sys.exit(main())
+
+
+def report_files(workdir: str) -> list[str]:
+  """Draws the report of ``workdir`` and returns its files (PNGs and summary.txt): the
+  artifacts a tracker keeps with the run."""
+  pngs, _ = make_report(workdir)
+  return [*pngs, os.path.join(workdir, "report", "summary.txt")]

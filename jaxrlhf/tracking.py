@@ -148,7 +148,7 @@ class TensorBoardSink:
     for key, value in metrics.items():
       writer.add_scalar(key, value, step, walltime=wall_time)
 
-  def finish(self, summary: Mapping):
+  def finish(self, summary: Mapping, artifacts=lambda: ()):
     pass
 
   def close(self):
@@ -203,7 +203,7 @@ class WandbSink:
     self.run.log({f"{stage}/step": step, **{f"{stage}/{k}": v for k, v in unsent.items()}})
     self.state.sent(stage, step, unsent)
 
-  def finish(self, summary: Mapping):
+  def finish(self, summary: Mapping, artifacts=lambda: ()):
     self.run.summary.update({f"summary/{k}": v for k, v in flatten(summary, sep="/").items()
                              if isinstance(v, (int, float, str))})
     self._finished = True
@@ -286,12 +286,10 @@ class MlflowSink:
     if unsent:
       self.state.sent(stage, step, unsent)
 
-  def finish(self, summary: Mapping):
-    # The report reads metrics.jsonl through jaxrlhf.metrics, which imports this module.
-    from jaxrlhf import report
+  def finish(self, summary: Mapping, artifacts=lambda: ()):
+    """``artifacts()``: the report's files (made only when a sink asks for them)."""
     self.client.log_dict(self.run_id, dict(summary), "summary.json")
-    pngs, _ = report.make_report(self.workdir)
-    for path in [*pngs, os.path.join(self.workdir, "report", "summary.txt")]:
+    for path in artifacts():
       self.client.log_artifact(self.run_id, path, "report")
     self._finished = True
 

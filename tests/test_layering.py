@@ -1,6 +1,7 @@
-"""The package's structure: no import circles among jaxrlhf's modules (module-level imports,
-including a package's ``__init__``), and no per-algorithm name branches outside the algorithm
-registry (train/spec.py and each algorithm's own module)."""
+"""The package's structure: no import circles among jaxrlhf's modules (every import: module
+level, inside functions, under ``TYPE_CHECKING``, and a package's ``__init__``), and no
+per-algorithm name branches outside the algorithm registry (train/spec.py and each
+algorithm's own module)."""
 
 import ast
 import os
@@ -21,32 +22,24 @@ def _modules():
 
 
 def _imports(path: str, name: str, modules: dict) -> set:
-  """Modules of the package that ``path`` imports at module level (not inside functions)."""
+  """Modules of the package that ``path`` imports anywhere: a lazy import inside a function
+  is still a dependency (it only moves the circle to run time)."""
   tree = ast.parse(open(path, encoding="utf-8").read())
   found = set()
-  for node in tree.body:
-    if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
-      continue
-    for sub in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
-      if isinstance(sub, ast.Import):
-        found.update(a.name for a in sub.names)
-      elif isinstance(sub, ast.ImportFrom) and sub.module:
-        base = sub.module
-        found.add(base)
-        found.update(f"{base}.{a.name}" for a in sub.names)
+  for sub in ast.walk(tree):
+    if isinstance(sub, ast.Import):
+      found.update(a.name for a in sub.names)
+    elif isinstance(sub, ast.ImportFrom) and sub.module:
+      # "from pkg import submodule" needs the submodule; "from pkg import name" the package.
+      for a in sub.names:
+        full = f"{sub.module}.{a.name}"
+        found.add(full if full in modules else sub.module)
   return {m for m in found if m in modules and m != name}
 
 
 def test_no_import_circles():
   modules = _modules()
   graph = {m: _imports(p, m, modules) for m, p in modules.items()}
-  # Importing a.b.c runs a and a.b first: a submodule depends on its packages' __init__.
-  for m in list(graph):
-    parts = m.split(".")
-    for i in range(1, len(parts)):
-      parent = ".".join(parts[:i])
-      if parent in graph and parent != m:
-        graph[m] = graph[m] | {parent}
   state, stack, cycles = {}, [], []
 
   def visit(m):
@@ -54,11 +47,7 @@ def test_no_import_circles():
     stack.append(m)
     for d in sorted(graph[m]):
       if state.get(d) == 1:
-        cyc = stack[stack.index(d):] + [d]
-        # A package importing its own submodules (an __init__ that re-exports) is not a
-        # circle unless the submodule needs something outside its own package that leads back.
-        if not all(x.startswith(cyc[0] + ".") or x == cyc[0] for x in cyc):
-          cycles.append(" -> ".join(cyc))
+        cycles.append(" -> ".join(stack[stack.index(d):] + [d]))
       elif d not in state:
         visit(d)
     stack.pop()

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal, TYPE_CHECKING
+from typing import Literal
 
 from jaxrlhf.config.sections import KLConfig, OptimizerConfig, RewardConfig
-if TYPE_CHECKING:
-  from jaxrlhf.config.experiment import ExperimentConfig
 
 
 class _Checks:
@@ -54,7 +52,9 @@ class StageConfig:
   optim: OptimizerConfig = OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant")
   eval_every: int = 20
 
-  def check(self, name: str, cfg: "ExperimentConfig", c: _Checks) -> None:
+  def check(self, name: str, cfg, c: _Checks) -> None:
+    """Adds the problems of this stage's settings to ``c``; ``cfg`` is the whole
+    ExperimentConfig (for the sections a stage's settings depend on, e.g. the rollout)."""
     c.at_least(self, name, ("steps", "batch_size"), 1)
     c.at_least(self, name, ("eval_every",), 0)
     c.optimizer(self.optim, f"{name}.optim")

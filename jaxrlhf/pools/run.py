@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+from jaxrlhf import report
 from jaxrlhf.config import ConfigError, ExperimentConfig, to_dict
 
 ROLES = ("actor", "critic", "all")
@@ -89,7 +90,8 @@ def run_role(cfg: ExperimentConfig, workdir: str, role: str, redis_url: str = ""
       out = fn(cfg, workdir, store, mesh, roles, events=events, log=log,
                should_stop=stop.should_stop, writer=writer, inputs=inputs, resume=resume)
     if out.get("done") == cfg.ppo.steps:  # the pool's trackers mark its run as finished
-      writer.finish({role: {k: v for k, v in out.items() if isinstance(v, (int, float))}})
+      writer.finish({role: {k: v for k, v in out.items() if isinstance(v, (int, float))}},
+                    lambda: report.report_files(C.pool_dir(workdir, role)))
   except (S.Unreachable, S.PeerTimeout, S.StoreError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     return 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,23 +14,8 @@ from jaxrlhf.config import OptimizerConfig
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrlhf.mesh import batch_sharding
-from jaxrlhf.train.types import HostInputs
-
-
-@flax.struct.dataclass
-class TrainState:
-  """Everything that determines the future of a stage (and is checkpointed).
-
-  ``params``/``opt_state`` map each *trainable* role to its parameters / optax state; frozen
-  roles (reference, reward model during RL) live outside the state and are never donated.
-  ``extras`` holds algorithm state: KL controller, running reward statistics, skip counters.
-  """
-
-  step: jax.Array
-  rng: jax.Array
-  params: dict
-  opt_state: dict
-  extras: dict
+# TrainState lives with the other typed pytrees; importing it from here still works.
+from jaxrlhf.train.types import HostInputs, TrainState  # noqa: F401
 
 
 # ------------------------------------------------------------------------------ optimizer

@@ -22,7 +22,7 @@ from absl import flags
 from absl import logging as absl_logging
 
 from jaxrlhf import checkpoint as ckpt
-from jaxrlhf import hardware, perf
+from jaxrlhf import hardware, perf, report
 from jaxrlhf.config import ConfigError, ExperimentConfig, to_dict, to_json, validate
 from jaxrlhf.data import DataSource
 from jaxrlhf.mesh import make_mesh
@@ -138,7 +138,7 @@ def train_all(cfg: ExperimentConfig, workdir: str, policy, profiler, written: di
           print(f"stopped by {stop.signal_name or 'a stop signal'} after stage {name} finished; "
                 "rerun the same command to continue with the next stage")
           return 0
-    writer.finish(summary)
+    writer.finish(summary, lambda: report.report_files(workdir))
   except TrainingError as e:
     print(f"error: {e}")
     return 1

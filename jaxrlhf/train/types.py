@@ -14,13 +14,26 @@ carry and returns it, so any cut of the phase list is a valid program.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import flax.struct
 import jax
 
-if TYPE_CHECKING:
-  from jaxrlhf.train.common import TrainState
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything that determines the future of a stage (and is checkpointed).
+
+  ``params``/``opt_state`` map each *trainable* role to its parameters / optax state; frozen
+  roles (reference, reward model during RL) live outside the state and are never donated.
+  ``extras`` holds algorithm state: KL controller, running reward statistics, skip counters.
+  """
+
+  step: jax.Array
+  rng: jax.Array
+  params: dict
+  opt_state: dict
+  extras: dict
 
 
 @flax.struct.dataclass
@@ -78,7 +91,7 @@ class UpdateBatch:
 class StepCarry:
   """The state of one RL step between its phases."""
 
-  state: "TrainState"
+  state: TrainState
   rollout: Optional[Rollout] = None
   scored: Optional[Scored] = None
   shaped: Optional[Shaped] = None
