@@ -180,6 +180,12 @@ def test_has_eos():
                 eos_id=2), [True, False, False])
 
 
+def _score(name, responses, answers):
+  """A registered host reward through the trainer's own path (stopping at a failure)."""
+  return R.score_host(R.resolve_host_reward(f"host:{name}"), responses,
+                      [{"answer": a} for a in answers], on_error="raise").scores
+
+
 def test_host_rewards_registry_and_checks():
   rows = [{"answer": "42"}, {"answer": "42"}, {"answer": "y"}]
   assert R.HOST_RULES["exact_match"]([" 42\n", "41", "x"], rows) == [1.0, 0.0, 0.0]
@@ -189,7 +195,7 @@ def test_host_rewards_registry_and_checks():
     return [None if r == "?" else len(r) for r in responses]
 
   try:
-    np.testing.assert_array_equal(R.run_host_reward("test_length", ["ab", "?"], ["", ""]),
+    np.testing.assert_array_equal(_score("test_length", ["ab", "?"], ["", ""]),
                                   [2.0, np.nan])
     with pytest.raises(ValueError, match="already registered"):
       R.register_host_reward("test_length")(_length)
@@ -210,7 +216,7 @@ def test_host_rewards_registry_and_checks():
   try:
     # One score for two responses is a bug, never broadcast.
     with pytest.raises(ConfigError, match="returned 1 score.s. for 2 responses; return one float"):
-      R.run_host_reward("test_short", ["a", "b"], ["a", "b"])
+      _score("test_short", ["a", "b"], ["a", "b"])
   finally:
     del R.HOST_RULES["test_short"]
 

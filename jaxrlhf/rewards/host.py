@@ -212,13 +212,6 @@ def score_host(reward: HostReward, responses: Sequence[str], examples: Sequence[
   return HostScores(scores, errors, invalid, unscored)
 
 
-def run_host_reward(name: str, responses: Sequence[str], answers: Sequence[str]) -> np.ndarray:
-  """A registered host reward on responses and their answers only: float32 ``[B]``, with None
-  (unscorable) as NaN; a function that fails stops here (``on_error="raise"``)."""
-  return score_host(resolve_host_reward(f"host:{name}"), responses,
-                    [{"answer": a} for a in answers], on_error="raise").scores
-
-
 @register_host_reward("exact_match")
 def host_exact_match(responses: list, examples: list) -> list:
   """1.0 when the decoded response equals the answer after stripping surrounding whitespace."""

@@ -5,7 +5,8 @@ An RL algorithm's step is a list of :class:`Phase` s, each a pure function
 :func:`compose` chains a slice of the list into one function, and every program the trainer,
 the pools and the planner run is such a slice:
 
-- the default step: every phase in one jitted program (:func:`one_program`);
+- the default step: every phase in one jitted program (:func:`step_fn`, jitted by the stage
+  with explicit shardings and the state donated);
 - ``logging.phase_timing``: each timing group (generate, reference, reward, values, update)
   its own jitted, timed program (:class:`PhasedProgram`);
 - a host (Python) reward: the programs before and after :data:`HOST`, the decoded rollout
@@ -89,12 +90,6 @@ def step_fn(stage, phases: Sequence[Phase]) -> Callable:
   return step
 
 
-def one_program(stage, phases, mesh, state, frozen, batch):
-  """The whole step as one jitted program, state donated."""
-  from jaxrlhf.train.common import jit_step  # noqa: PLC0415 (kept beside its one use)
-  return jit_step(step_fn(stage, phases), mesh, state, frozen, batch)
-
-
 class PhasedProgram:
   """The step as several jitted programs: around a host reward, or each timing group timed.
 
@@ -131,7 +126,8 @@ class PhasedProgram:
     for label, _ in self.parts:
       if label == HOST:
         with timer.phase(HOST):
-          scores, host_metrics = self.host_fn(jax.device_get(carry.rollout), host)
+          # Only the tokens come to the host: the functions score decoded text.
+          scores, host_metrics = self.host_fn(jax.device_get(carry.rollout.tokens_BT), host)
           carry = carry.replace(host_score_B=jnp.asarray(scores))
         continue
       name = label if self.timed else self.LABELS.get(label, label)

@@ -133,12 +133,12 @@ class RLStage(Stage):
     return program.PhasedProgram(self, self.phases(), state, timed=self.cfg.logging.phase_timing,
                                  host_fn=self.host_scores if self.host_sources else None)
 
-  def host_scores(self, rollout, host: HostInputs) -> tuple[np.ndarray, dict]:
+  def host_scores(self, tokens_BT, host: HostInputs) -> tuple[np.ndarray, dict]:
     """The host reward functions on the decoded responses (the split point of the step): the
     weighted scores, float32 ``[B]`` (NaN where a function failed: masked), and the failure
     counts.  Each function gets every field of the examples behind the batch's prompts."""
     examples = [ex.record() for ex in host.examples]
-    tokens = np.asarray(rollout.tokens_BT)[:, self.P:]
+    tokens = np.asarray(tokens_BT)[:, self.P:]
     responses = [self.tok.decode(t) for t in tokens]
     total = np.zeros(len(responses), np.float32)
     metrics: dict = {}
