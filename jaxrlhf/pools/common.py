@@ -24,7 +24,7 @@ import numpy as np
 from jaxrlhf import checkpoint as ckpt
 from jaxrlhf.config import ConfigError, ExperimentConfig, to_dict
 from jaxrlhf.train import phases, program
-from jaxrlhf.train.common import init_state, put_batch, shardings_of
+from jaxrlhf.train.common import init_state, put_batch
 from jaxrlhf.train.loop import TrainingError
 from jaxrlhf.train.ppo import PPOStage
 from jaxrlhf.train.types import Rollout, StepCarry
@@ -243,10 +243,8 @@ def rollout_of(mesh, arrays: dict) -> Rollout:
   return Rollout(**to_device(mesh, {k: v for k, v in arrays.items() if k != "perm_key"}))
 
 
-def pool_program(stage, phases, state):
-  """``(frozen, batch, carry) -> carry`` of ``phases`` jitted, the carry's state donated."""
-  return jax.jit(program.compose(stage, phases), donate_argnums=(2,),
-                 out_shardings=StepCarry(state=shardings_of(state), metrics=None))
+# A pool's program: its phases jitted like a phased step's (the carry's state donated).
+pool_program = program.jit_phases
 
 
 def to_host(tree: dict) -> dict:

@@ -79,6 +79,14 @@ def split(phases: Sequence[Phase], *, at_host: bool, timed: bool) -> list[tuple[
   return out
 
 
+def jit_phases(stage, phases: Sequence[Phase], state) -> Callable:
+  """``(frozen, batch, carry) -> carry`` of ``phases`` as one jitted program: the carry's state
+  donated (updated in place) and kept in ``state``'s shardings; the rest of the carry flows on.
+  What a phased step and each pool compile."""
+  return jax.jit(compose(stage, phases), donate_argnums=(2,),
+                 out_shardings=StepCarry(state=shardings_of(state), metrics=None))
+
+
 def step_fn(stage, phases: Sequence[Phase]) -> Callable:
   """``(state, frozen, batch) -> (state, metrics)`` of the whole phase list."""
   run = compose(stage, phases)
@@ -104,16 +112,8 @@ class PhasedProgram:
     self.timed = timed
     self.host_fn = host_fn
     self.parts = split(phases, at_host=host_fn is not None, timed=timed)
-    self.jitted = {}
-    state_sh = shardings_of(state)
-    for label, ps in self.parts:
-      if label == HOST:
-        continue
-      run = compose(stage, ps)
-      # The carry's state is donated (updated in place); the rest of the carry flows on.
-      self.jitted[label] = jax.jit(
-          run, donate_argnums=(2,),
-          out_shardings=StepCarry(state=state_sh, metrics=None))
+    self.jitted = {label: jit_phases(stage, ps, state)
+                   for label, ps in self.parts if label != HOST}
     self.timer = PhaseTimer()
 
   def __call__(self, state, frozen, batch):
