@@ -383,7 +383,8 @@ def test_configs_the_pools_cannot_run_are_refused():
       ({"ppo": dataclasses.replace(base.ppo, reward=RewardConfig(sources=("host:exact_match",)))},
        "host"),
       ({"pools": PoolsConfig(mode="async", max_staleness=0)}, "max_staleness"),
-      ({"pools": PoolsConfig(max_queue=0)}, "max_queue")]:
+      ({"pools": PoolsConfig(max_queue=0)}, "max_queue"),
+      ({"pools": PoolsConfig(is_correction=0.5)}, r"is_correction=0.5: 0 \(off\) or a cap > 1")]:
     with pytest.raises(ConfigError, match=match):
       check_config(dataclasses.replace(base, **changes))
 

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf import model as M
+from jaxrlhf.algorithms.shaping import off_policy_weights
 from jaxrlhf.config import ExperimentConfig
 from jaxrlhf.data import DataSource
 from jaxrlhf.metrics import MetricsWriter
@@ -46,18 +47,17 @@ def is_correction(stage, frozen, batch, c: StepCarry) -> StepCarry:
   around the current policy's log-probs, the lag weighted by ``min(pi_current / pi_behaviour,
   cap)`` on the advantages."""
   del frozen, batch
-  cap = stage.cfg.pools.is_correction
+  # The same truncated importance weights as the colocated off-policy correction
+  # (off_policy=tis), here against the policy's lag behind its stale rollouts.
   ro, sh = c.rollout, c.shaped
-  old = ro.behaviour_logp_BN
   prox, _ = M.token_logprobs(c.state.params["policy"], ro.tokens_BT, ro.mask_BT,
                              cfg=stage.model_cfg("policy"), start=stage.P,
                              kernels=stage.cfg.kernels)
   prox = jax.lax.stop_gradient(prox)
-  mask = sh.update_mask_BN
-  w = jnp.where(mask, jnp.minimum(jnp.exp(prox - old), cap), 0.0)
-  n = jnp.maximum(jnp.sum(mask), 1)
-  metrics = {"pools/is_weight_mean": jnp.sum(w) / n,
-             "pools/is_truncated_frac": jnp.sum(mask & (jnp.exp(prox - old) > cap)) / n}
+  w, _, m = off_policy_weights(prox, ro.behaviour_logp_BN, sh.update_mask_BN, mode="tis",
+                               cap=stage.cfg.pools.is_correction)
+  metrics = {"pools/is_weight_mean": m["is_weight_mean"],
+             "pools/is_truncated_frac": m["is_clipped_frac"]}
   return c.replace(shaped=sh.replace(adv_BN=sh.adv_BN * w, old_logp_BN=prox),
                    metrics={**c.metrics, **metrics})
 

@@ -58,8 +58,10 @@ def check_config(cfg: ExperimentConfig) -> None:
                       f"{p.max_queue} can deadlock (both streams full, both pools waiting); "
                       f"set pools.max_queue >= {p.max_staleness // 2 + 1} or lower "
                       "pools.max_staleness")
-  if p.is_correction < 0:
-    raise ConfigError(f"pools.is_correction={p.is_correction}: 0 (off) or a cap > 0")
+  if p.is_correction < 0 or 0 < p.is_correction <= 1:
+    raise ConfigError(f"pools.is_correction={p.is_correction}: 0 (off) or a cap > 1 (e.g. 2), "
+                      "like {rl}.off_policy_cap: a cap at or below 1 would shrink the advantages "
+                      "of rollouts that are not stale at all")
 
 
 def check_skips(stage, state, role: str, done: int, save) -> None:
