@@ -142,7 +142,7 @@ def test_each_device_block_is_read_once_and_only_its_slice(monkeypatch):
   """On (dp=2, tp=4) with d_model over dp, every read is a quarter of the heads / vocabulary
   and half of d_model, one layer at a time; the dp replicas of a block are not read again."""
   reads = []
-  slice_of = hf._Checkpoint.slice
+  slice_of = hf.reading._Checkpoint.slice
 
   def recording(self, name):
     s = slice_of(self, name)
@@ -154,7 +154,7 @@ def test_each_device_block_is_read_once_and_only_its_slice(monkeypatch):
         return out
     return Recorder()
 
-  monkeypatch.setattr(hf._Checkpoint, "slice", recording)
+  monkeypatch.setattr(hf.reading._Checkpoint, "slice", recording)
   cfg = hf.config_from_hf(_asset("llama"), tp=4)
   hf.load_hf(_asset("llama"), cfg, mesh(dp=2, tp=4), rules=FROZEN_PARAM_RULES)
   shapes = {}
