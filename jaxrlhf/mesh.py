@@ -31,6 +31,7 @@ LOGICAL_AXES = (
     "head_dim",  # per-head features
     "vocab",  # vocabulary
     "layers",  # stacked (scanned) layers
+    "lora",  # a LoRA adapter's rank
 )
 
 Rules = Mapping[str, Optional[tuple[str, ...]]]
@@ -46,6 +47,7 @@ PARAM_RULES: Rules = {
     "head_dim": None,
     "vocab": ("tp",),
     "layers": None,
+    "lora": None,  # a LoRA adapter's rank: small, never sharded
 }
 
 # Frozen roles (reference, reward during RL) also shard over dp: they have no optimizer state,
@@ -68,6 +70,7 @@ ACT_RULES: Rules = {
     "head_dim": None,
     "vocab": ("tp",),
     "layers": None,
+    "lora": None,
 }
 
 for _table in (PARAM_RULES, FROZEN_PARAM_RULES, DECODE_PARAM_RULES, ACT_RULES):

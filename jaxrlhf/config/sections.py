@@ -181,6 +181,40 @@ class OptimizerConfig:
   max_consecutive_skips: int = 5
 
 
+# Projections a LoRA adapter may target (``lora.targets``), by their usual short names.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Low-rank adapters (docs/training.md, "LoRA"): the stage's trained roles keep their weights
+  frozen and train ``W + scale * A @ B`` on the ``targets`` projections, ``scale = alpha /
+  rank`` (``alpha / sqrt(rank)`` with ``rslora``).  B starts at zero, so the first step's model
+  is the base exactly; the reference is the same base with the adapters off (no second copy).
+  ``rank=0``: full fine-tuning."""
+
+  rank: int = 0
+  alpha: float = 16.0
+  targets: tuple = LORA_TARGETS
+  # Which of the stage's trained roles get adapters (the others train fully); the default,
+  # every one: the policy (SFT, DPO, PPO, GRPO), the value model (PPO), the reward model (RM).
+  roles: tuple = ("policy", "value", "reward")
+  # A's initialisation ("kaiming": PEFT's default, uniform with a = sqrt(5); "gaussian":
+  # N(0, 1 / rank)); B is always zero.
+  init: Literal["kaiming", "gaussian"] = "kaiming"
+  rslora: bool = False
+  dropout: float = 0.0
+  # The frozen base's dtype ("" keeps model.param_dtype; "bfloat16" halves it); the adapters
+  # and their optimizer state stay in model.param_dtype.
+  base_dtype: Literal["", "float32", "bfloat16"] = ""
+  # A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to continue
+  # from instead of a fresh init; its rank and targets must match the settings above.
+  init_from: str = ""
+
+  def scale(self) -> float:
+    return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
+
+
 @dataclasses.dataclass(frozen=True)
 class KLConfig:
   """KL to the frozen reference.  ``logr = logp_ref - logp`` per token."""

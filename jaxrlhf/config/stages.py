@@ -7,7 +7,8 @@ import dataclasses
 import math
 from typing import Literal
 
-from jaxrlhf.config.sections import KLConfig, OptimizerConfig, RewardConfig
+from jaxrlhf.config.sections import (LORA_TARGETS, KLConfig, LoraConfig, OptimizerConfig,
+                                     RewardConfig)
 
 
 class _Checks:
@@ -41,6 +42,24 @@ class _Checks:
     self.at_least(o, prefix, ("warmup_steps", "max_consecutive_skips"), 0)
     self.at_least(o, prefix, ("grad_accum",), 1)
 
+  def lora(self, lo: LoraConfig, prefix: str):
+    self.at_least(lo, prefix, ("rank",), 0)
+    if not lo.rank:
+      return
+    self.finite(lo, prefix, "alpha", 1e-30, "must be a number > 0 (e.g. 16, or 2 x rank)")
+    bad = [t for t in lo.targets if t not in LORA_TARGETS]
+    self.need(bool(lo.targets) and not bad, f"{prefix}.targets", lo.targets,
+              f"must be one or more of {','.join(LORA_TARGETS)}"
+              + (f" ({', '.join(bad)} is not a projection)" if bad else ""))
+    roles = ("policy", "value", "reward")
+    self.need(bool(lo.roles) and all(r in roles for r in lo.roles), f"{prefix}.roles",
+              lo.roles, f"must be one or more of {','.join(roles)}")
+    # Dropout on the adapters' input would make the log-probs of one batch differ between the
+    # rollout, the reference and the update (and between two evaluations); not supported.
+    self.need(lo.dropout == 0.0, f"{prefix}.dropout", lo.dropout,
+              "adapter dropout is not supported (0 only); regularise with "
+              "optim.weight_decay or a smaller rank instead")
+
 
 @dataclasses.dataclass(frozen=True)
 class StageConfig:
@@ -51,6 +70,8 @@ class StageConfig:
   batch_size: int = 32
   optim: OptimizerConfig = OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant")
   eval_every: int = 20
+  # Low-rank adapters for the roles this stage trains (rank 0: full fine-tuning).
+  lora: LoraConfig = LoraConfig()
 
   def check(self, name: str, cfg, c: _Checks) -> None:
     """Adds the problems of this stage's settings to ``c``; ``cfg`` is the whole
@@ -58,6 +79,7 @@ class StageConfig:
     c.at_least(self, name, ("steps", "batch_size"), 1)
     c.at_least(self, name, ("eval_every",), 0)
     c.optimizer(self.optim, f"{name}.optim")
+    c.lora(self.lora, f"{name}.lora")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +199,11 @@ class PPOConfig(RLConfig):
       c.problems.append(f"{name}.shared_backbone=true: the value head sits on the policy, so "
                         "value_model must be unset (or equal to model); drop the value_model "
                         f"settings or set {name}.shared_backbone=false")
+    if self.shared_backbone and self.lora.rank:
+      c.problems.append(f"{name}.shared_backbone=true with {name}.lora.rank={self.lora.rank}: "
+                        "adapters on a policy that carries the value head are not supported; "
+                        f"set {name}.shared_backbone=false (the value model can take its own "
+                        "adapters on the reward model's frozen backbone)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -224,6 +224,16 @@ def _matmul(x_BTI, w):
   return y.reshape((b, t) + out_shape)
 
 
+def _proj(x_BTI, lp, name: str):
+  """The layer's projection ``name`` (e.g. ``"wq"``), plus its LoRA adapter's ``(x @ a) @ b``
+  when ``lp["lora"]`` has one (:mod:`jaxrlhf.model.lora`; ``b`` already scaled)."""
+  y = _matmul(x_BTI, lp[name])
+  ad = lp.get("lora", {}).get(name)
+  if ad is not None:
+    y = y + _matmul(_matmul(x_BTI, ad["a"]), ad["b"])
+  return y
+
+
 def _sliding(cfg: ModelConfig, li):
   """Whether layer ``li`` (an int, or traced inside the layer scan) uses the sliding window:
   a Python bool when every layer is alike or ``li`` is static, else a traced bool."""
@@ -271,9 +281,9 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
   else:
     attn_kw["window"] = jnp.where(sliding, cfg.sliding_window, _NO_WINDOW)
   x = rms_norm(h_BTD, lp["attn_norm"], cfg.norm_eps, off)
-  q = _matmul(x, lp["wq"])
-  k = _matmul(x, lp["wk"])
-  v = _matmul(x, lp["wv"])
+  q = _proj(x, lp, "wq")
+  k = _proj(x, lp, "wk")
+  v = _proj(x, lp, "wv")
   if cfg.qkv_bias:
     q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
   if cfg.qk_norm:
@@ -296,21 +306,21 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
   else:
     o, new_kv = attention(q, k, v, kv_mask, q_offset, impl=attn_impl, **attn_kw), None
   if cfg.post_norms:
-    a = rms_norm(_matmul(o, lp["wo"]), lp["post_attn_norm"], cfg.norm_eps, off)
+    a = rms_norm(_proj(o, lp, "wo"), lp["post_attn_norm"], cfg.norm_eps, off)
     h_BTD = h_BTD + constrain(a, ("batch", "seq", "embed"))
   else:
-    h_BTD = h_BTD + constrain(_matmul(o, lp["wo"]), ("batch", "seq", "embed"))
+    h_BTD = h_BTD + constrain(_proj(o, lp, "wo"), ("batch", "seq", "embed"))
   x = rms_norm(h_BTD, lp["mlp_norm"], cfg.norm_eps, off)
-  gate = _matmul(x, lp["w_gate"])
-  up = _matmul(x, lp["w_up"])
+  gate = _proj(x, lp, "w_gate")
+  up = _proj(x, lp, "w_up")
   if cfg.mlp_activation == "gelu_tanh":
     act = constrain(jax.nn.gelu(gate, approximate=True) * up, ("batch", "seq", "mlp"))
   else:
     act = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
   if cfg.post_norms:
-    h_BTD = h_BTD + rms_norm(_matmul(act, lp["w_down"]), lp["post_mlp_norm"], cfg.norm_eps, off)
+    h_BTD = h_BTD + rms_norm(_proj(act, lp, "w_down"), lp["post_mlp_norm"], cfg.norm_eps, off)
   else:
-    h_BTD = h_BTD + _matmul(act, lp["w_down"])
+    h_BTD = h_BTD + _proj(act, lp, "w_down")
   return constrain(h_BTD, ("batch", "seq", "embed")), new_kv
 
 

@@ -40,6 +40,10 @@ def check_config(cfg: ExperimentConfig) -> None:
     raise ConfigError("ppo.shared_backbone=true puts the value head on the policy, so there is "
                       "no separate value model for a critic pool; set ppo.shared_backbone=false "
                       "for --role=actor|critic")
+  if cfg.ppo.lora.rank:
+    raise ConfigError(f"ppo.lora.rank={cfg.ppo.lora.rank}: the pools train full weights only "
+                      "(their weight sync ships whole parameters); set ppo.lora.rank=0 for "
+                      "--role=actor|critic, or run the colocated step (no --role) with LoRA")
   host = [s for s in cfg.ppo.reward.sources if s.startswith("host:")]
   if host:
     raise ConfigError(f"ppo.reward.sources {host}: host (Python) rewards are not supported by "

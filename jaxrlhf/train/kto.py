@@ -63,17 +63,18 @@ class KTOStage(Stage):
                       desirable_weight=scfg.desirable_weight,
                       undesirable_weight=scfg.undesirable_weight)
 
-    return update_role(state, "policy", loss_fn, mb, 1, self.opt["policy"])
+    return update_role(state, "policy", self.on_view(loss_fn, frozen, "policy"), mb, 1,
+                       self.opt["policy"])
 
   def evaluate(self, state, frozen):
     if self._eval_pairs is None:
       self._eval_pairs = pair_batches(self)
     with jax.set_mesh(self.mesh):
-      m = jax.device_get(self._eval(state.params["policy"], frozen["reference"],
+      m = jax.device_get(self._eval(self.view(state.params, frozen, "policy"), frozen["reference"],
                                     self._eval_pairs))
     out = {"eval/pair_accuracy": float(m["pref_accuracy"]),
            "eval/reward_margin": float(m["reward_margin"])}
-    out.update(self.evaluator(state.params["policy"]))
+    out.update(self.evaluator(self.view(state.params, frozen, "policy")))
     return out
 
 

@@ -49,10 +49,9 @@ def generate(stage, frozen, batch, c: StepCarry) -> StepCarry:
   """Samples the rollout.  With a decode layout (``rollout.decode_layout=tp`` on a mesh with
   fsdp) the policy is resharded into it first, inside this program: one all-gather per step
   instead of one per decoded token; the copy lives only while this phase runs."""
-  del frozen
   rng, k = jax.random.split(c.state.rng)
   tok = stage.tok
-  policy = c.state.params["policy"]
+  policy = stage.view(c.state.params, frozen, "policy")
   if stage.decode_shardings is not None:
     policy = jax.lax.with_sharding_constraint(policy, stage.decode_shardings)
   ro = sample(policy, batch["prompt"], batch["prompt_mask"], k,
@@ -120,9 +119,10 @@ def reward(stage, frozen, batch, c: StepCarry) -> StepCarry:
 
 def values(stage, frozen, batch, c: StepCarry) -> StepCarry:
   """The value of the state *before* each response token (algorithms with a value role)."""
-  del frozen, batch
+  del batch
   ro = c.rollout
-  v = M.token_scores(stage.value_params(c.state.params), ro.tokens_BT, ro.mask_BT,
+  v = M.token_scores(stage.value_params(stage.views(c.state.params, frozen)), ro.tokens_BT,
+                     ro.mask_BT,
                      cfg=stage.model_cfg("value"), kernels=stage.cfg.kernels)
   return c.replace(scored=c.scored.replace(values_BN=v[:, stage.P - 1:stage.P - 1 + stage.N]))
 
@@ -157,7 +157,7 @@ def shape(stage, frozen, batch, c: StepCarry) -> StepCarry:
 def train(stage, frozen, batch, c: StepCarry, *, roles, terms) -> StepCarry:
   """The update of ``roles`` on the sum of the algorithm's loss ``terms`` (the colocated step
   trains every role on every term; each pool its own)."""
-  del frozen, batch
+  del batch
   ro, sh = c.rollout, c.shaped
   policy = "policy" in terms
   old = sh.old_logp_BN if sh.old_logp_BN is not None else ro.behaviour_logp_BN
@@ -169,7 +169,7 @@ def train(stage, frozen, batch, c: StepCarry, *, roles, terms) -> StepCarry:
                    adv_BN=sh.adv_BN if policy else None,
                    values_BN=c.scored.values_BN if "value" in terms else None,
                    returns_BN=sh.returns_BN if "value" in terms else None)
-  state, metrics = epochs(stage, c.state, ub, kl_coef_of(c), roles=roles, terms=terms)
+  state, metrics = epochs(stage, frozen, c.state, ub, kl_coef_of(c), roles=roles, terms=terms)
   return c.replace(state=state, metrics={**c.metrics, **metrics})
 
 
@@ -214,9 +214,10 @@ def off_policy(stage, frozen, batch, c: StepCarry) -> StepCarry:
   """The rollout/trainer mismatch (``{rl}.off_policy``): the trainer's own log-probs of the
   rollout become the ratio's denominator, and the advantages are weighted by the truncated
   (or masked) importance weight pi_trainer / pi_behaviour."""
-  del frozen, batch
+  del batch
   ro, sh = c.rollout, c.shaped
-  trainer, _ = M.token_logprobs(c.state.params["policy"], ro.tokens_BT, ro.mask_BT,
+  trainer, _ = M.token_logprobs(stage.view(c.state.params, frozen, "policy"), ro.tokens_BT,
+                                ro.mask_BT,
                                 cfg=stage.model_cfg("policy"), start=stage.P,
                                 kernels=stage.cfg.kernels)
   trainer = jax.lax.stop_gradient(trainer)
@@ -253,7 +254,7 @@ def rl_phases(roles, terms, scfg=None) -> tuple[Phase, ...]:
 # ----------------------------------------------------------------------------- updating
 
 
-def epochs(stage, state, ub: UpdateBatch, kl_coef, *, roles, terms):
+def epochs(stage, frozen, state, ub: UpdateBatch, kl_coef, *, roles, terms):
   """``ppo_epochs`` passes over the batch in ``num_minibatches`` shuffled minibatches (one
   ``lax.scan`` over (epoch, minibatch)), training ``roles`` on the sum of the loss ``terms``.  All roles skip a non-finite step together: a half-applied update
   would desynchronise them."""
@@ -284,6 +285,7 @@ def epochs(stage, state, ub: UpdateBatch, kl_coef, *, roles, terms):
 
     def loss_fn(p, micro):
       total, metrics = 0.0, {}
+      p = stage.views(p, frozen)  # LoRA roles: adapters over their frozen bases
       for term in terms:
         loss, m = stage.spec.terms[term](stage, p, micro, denom=denom, n_seq=n_seq,
                                          kl_coef=kl_coef)

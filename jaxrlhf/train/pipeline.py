@@ -260,8 +260,8 @@ def load_finished(stage, workdir: str) -> StageOutcome:
     # How a run is laid out, logged or checkpointed does not change a finished result: only
     # settings that would have trained it differently are worth a "not applied".
     changes = [c for c in changes if c[0].split(".")[0] not in RUN_ONLY_SECTIONS]
-  abstract = stage.abstract_init()[0]
-  outputs = ckpt.load_stage_result(workdir, name, {r: abstract.params[r] for r in info["roles"]})
+  abstract = stage.abstract_outputs()
+  outputs = ckpt.load_stage_result(workdir, name, {r: abstract[r] for r in info["roles"]})
   note = ""
   if changes:
     note = (" (not applied to it: " + "; ".join(f"{f}: {a!r} -> {b!r}" for f, a, b in changes)
@@ -293,6 +293,20 @@ def frozen_manifest(stage, workdir: str, sources: dict) -> dict:
       out[role] = {"hf_path": cfg.role_model(role).hf_path, "head": head}
     else:
       out[role] = {"init": "random", "seed": cfg.seed, "head": head}
+  # A LoRA role's frozen base (unless it is a frozen role above): the adapters in the stage's
+  # checkpoints are only meaningful on top of it.
+  for role, key in stage.base_keys.items():
+    if key in out:
+      continue
+    donors = [role] + (["reward"] if role == "value" else []) + (
+        ["policy"] if stage.trainable[role] == "scalar" else [])
+    origin = next((d for d in donors if d in sources), None)
+    if origin is not None:
+      out[key] = {**ckpt.frozen_source(workdir, sources[origin], origin), "lora_base": role}
+    elif cfg.role_model(role).hf_path:
+      out[key] = {"hf_path": cfg.role_model(role).hf_path, "lora_base": role}
+    else:
+      out[key] = {"init": "random", "seed": cfg.seed, "lora_base": role}
   return out
 
 

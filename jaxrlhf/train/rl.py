@@ -104,7 +104,7 @@ class RLStage(Stage):
     return batch
 
   def evaluate(self, state, frozen):
-    return self.evaluator(state.params["policy"])
+    return self.evaluator(self.view(state.params, frozen, "policy"))
 
   def value_params(self, params):
     """The parameters the value head reads: the value model's, or the policy's when it
@@ -112,10 +112,10 @@ class RLStage(Stage):
     return params["value"] if "value" in params else params["policy"]
 
   def outputs(self, state, frozen):
-    out = {"policy": state.params["policy"]}
-    if "value" in state.params:
-      out["value"] = state.params["value"]
-    return out
+    return {r: self.merged(state.params, frozen, r) for r in self.outputs_roles()}
+
+  def outputs_roles(self):
+    return ("policy",) + (("value",) if "value" in self.trainable else ())
 
   # ---------------------------------------------------------------------------- the step
   def phases(self, roles=None, terms=None):

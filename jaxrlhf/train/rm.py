@@ -45,13 +45,15 @@ class RMStage(Stage):
       loss, metrics = bradley_terry_loss(*self.pair_scores(params, mb))
       return loss / n_micro, metrics
 
-    return update_role(state, "reward", loss_fn, batch, n_micro, self.opt["reward"])
+    return update_role(state, "reward", self.on_view(loss_fn, frozen, "reward"), batch, n_micro,
+                       self.opt["reward"])
 
   def evaluate(self, state, frozen):
     if self._eval_pairs is None:
       self._eval_pairs = pair_batches(self)
     with jax.set_mesh(self.mesh):
-      m = jax.device_get(self._eval(state.params["reward"], self._eval_pairs))
+      m = jax.device_get(self._eval(self.view(state.params, frozen, "reward"),
+                                    self._eval_pairs))
     return {"eval/pair_accuracy": float(m["accuracy"])}
 
 

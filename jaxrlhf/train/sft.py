@@ -41,11 +41,11 @@ class SFTStage(Stage):
       return sft_loss(logp, mb["target"], denom=denom)
 
     mb = {"tokens": batch["tokens"], "mask": batch["mask"], "target": target}
-    return update_role(state, "policy", loss_fn, mb, self.scfg.optim.grad_accum,
-                       self.opt["policy"])
+    return update_role(state, "policy", self.on_view(loss_fn, frozen, "policy"), mb,
+                       self.scfg.optim.grad_accum, self.opt["policy"])
 
   def evaluate(self, state, frozen):
-    return self.evaluator(state.params["policy"])
+    return self.evaluator(self.view(state.params, frozen, "policy"))
 
   def target_reached(self, eval_metrics: dict) -> str:
     stop, acc = self.scfg.stop_accuracy, eval_metrics.get("eval/accuracy")

@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf import model as M
-from jaxrlhf.model import hf
+from jaxrlhf.model import hf, lora as LORA
 from jaxrlhf.config import ConfigError, ExperimentConfig, ModelConfig
 from jaxrlhf.data import DataSource
 from jaxrlhf.mesh import (DECODE_PARAM_RULES, FROZEN_PARAM_RULES, PARAM_RULES, batch_sharding,
-                          replicated)
+                          replicated, tree_shardings)
 from jaxrlhf.train import spec
 from jaxrlhf.train.common import (TrainState, init_state, jit_step, make_optimizer,
                                   make_state_fn, shardings_of, skip_counters, state_shardings)
@@ -54,6 +54,13 @@ class Stage:
                         f"{model_vocab}; set --set=model.vocab_size={self.tok.vocab_size} or more")
     self.opt = {role: make_optimizer(getattr(self.scfg, self.optim_fields[role]), self.steps)
                 for role in self.trainable}
+    # Roles trained with adapters (``STAGE.lora``) -> their LoRA settings, and where each one's
+    # frozen base lives in ``frozen``: the reference for the policy (the base *is* the
+    # reference: one copy), the reward model for a value model on the same backbone, else
+    # ``ROLE.base``.
+    lo = self.scfg.lora
+    self.lora = {r: lo for r in self.trainable if lo.rank and r in lo.roles}
+    self.base_keys = {r: self._base_key(r) for r in self.lora}
 
   # -- to implement -------------------------------------------------------------------------
   def stop_rule(self) -> str:
@@ -92,11 +99,24 @@ class Stage:
     the mesh, and the train state around the trainable ones."""
     keys = dict(zip(("state",) + tuple(self.trainable) + tuple(self.frozen()),
                     jax.random.split(key, 1 + len(self.trainable) + len(self.frozen()))))
-    params = {r: self.role_params(roles, r, keys[r], head=h) for r, h in self.trainable.items()}
     # The reference starts from the same weights as the policy when both are fresh.
     frozen = {r: self.role_params(roles, r, keys.get("policy", keys[r]) if r == "reference"
                                   else keys[r], head=h, frozen=True)
               for r, h in self.frozen().items()}
+    params = {}
+    for r, h in self.trainable.items():
+      if r not in self.lora:
+        params[r] = self.role_params(roles, r, keys[r], head=h)
+        continue
+      bk = self.base_keys[r]
+      if bk in frozen:  # the base is a frozen role already loaded: no second copy
+        head = {"score": zero_score(self.model_cfg(r))} if h == "scalar" else {}
+      else:
+        base, head = LORA.split_full(self.role_params(roles, r, keys[r], head=h))
+        frozen[bk] = jax.device_put(base, self.base_shardings(r))
+      params[r] = self.lora_params(r, keys[r], head)
+    for r, bk in self.base_keys.items():
+      frozen[bk] = LORA.cast_base(frozen[bk], self.lora[r].base_dtype)
     state = init_state(self.mesh, params, self.opt, keys["state"], self.initial_extras())
     return state, frozen
 
@@ -108,8 +128,23 @@ class Stage:
       sh = M.param_shardings(cfg, self.mesh, head, rules)
       return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           M.abstract_params(cfg, head), sh)
-    params = {r: role(r, h, PARAM_RULES) for r, h in self.trainable.items()}
     frozen = {r: role(r, h, FROZEN_PARAM_RULES) for r, h in self.frozen().items()}
+    params = {}
+    for r, h in self.trainable.items():
+      if r not in self.lora:
+        params[r] = role(r, h, PARAM_RULES)
+        continue
+      bk = self.base_keys[r]
+      if bk not in frozen:
+        frozen[bk] = LORA.split_full(role(r, h, FROZEN_PARAM_RULES))[0]
+      params[r] = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                               self.abstract_trainable(r), self.trainable_shardings(r))
+    for r, bk in self.base_keys.items():
+      dt = self.lora[r].base_dtype
+      if dt:
+        frozen[bk] = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(dt) if jnp.issubdtype(
+                a.dtype, jnp.floating) else a.dtype, sharding=a.sharding), frozen[bk])
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated(self.mesh))
     make = make_state_fn(self.opt, self.initial_extras())
     shapes = jax.eval_shape(make, params, key)
@@ -129,8 +164,84 @@ class Stage:
     return jit_step(self.step, self.mesh, state, frozen, batch)
 
   def outputs(self, state: TrainState, frozen: dict) -> dict:
-    """Role parameters this stage hands to later stages."""
-    return dict(state.params)
+    """Role parameters this stage hands to later stages (a LoRA role's adapters merged into
+    its base: the next stage's starting point, and its reference)."""
+    return {r: self.merged(state.params, frozen, r) for r in state.params}
+
+  def abstract_outputs(self) -> dict:
+    """ShapeDtypeStructs (with shardings) of what :meth:`outputs` hands on, role by role."""
+    out = {}
+    for r in self.outputs_roles():
+      cfg, head = self.model_cfg(r), self.trainable[r]
+      sh = M.param_shardings(cfg, self.mesh, head, PARAM_RULES)
+      out[r] = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            M.abstract_params(cfg, head), sh)
+    return out
+
+  def outputs_roles(self) -> tuple:
+    return tuple(self.trainable)
+
+  # -- LoRA ---------------------------------------------------------------------------------
+  def _base_key(self, role: str) -> str:
+    """Where a LoRA role's frozen base lives in ``frozen`` (see ``__init__``)."""
+    frozen = self.frozen()
+    if role == "policy" and "reference" in frozen:
+      return "reference"
+    if role == "value" and "reward" in frozen and not self.model_cfg("value").hf_path and (
+        same_backbone(self.model_cfg("reward"), self.model_cfg("value"))):
+      return "reward"
+    return f"{role}.base"
+
+  def lora_params(self, role: str, key: jax.Array, head: dict) -> dict:
+    """A LoRA role's trainable tree on the mesh: adapters (fresh, B = 0, or from
+    ``lora.init_from``) and the trained scalar head, if any."""
+    cfg, lo = self.model_cfg(role), self.lora[role]
+    if lo.init_from:
+      adapters = LORA.load_peft(lo.init_from, cfg, lo, f"{self.name}.lora.init_from")
+    else:
+      adapters = LORA.init_adapters(cfg, lo, key)
+    return jax.device_put({**adapters, **head}, self.trainable_shardings(role))
+
+  def abstract_trainable(self, role: str):
+    """ShapeDtypeStructs of a LoRA role's trainable tree (no shardings)."""
+    cfg, lo = self.model_cfg(role), self.lora[role]
+    return jax.eval_shape(lambda: {
+        **LORA.init_adapters(cfg, lo, jax.random.key(0)),
+        **({"score": zero_score(cfg)} if self.trainable[role] == "scalar" else {})})
+
+  def trainable_shardings(self, role: str):
+    cfg, lo = self.model_cfg(role), self.lora[role]
+    axes = LORA.trainable_axes(cfg, lo, self.trainable[role])
+    return tree_shardings(self.mesh, axes, self.abstract_trainable(role), PARAM_RULES)
+
+  def base_shardings(self, role: str):
+    cfg, head = self.model_cfg(role), self.trainable[role]
+    return LORA.split_full(M.param_shardings(cfg, self.mesh, head, FROZEN_PARAM_RULES))[0]
+
+  def view(self, params: dict, frozen: dict, role: str) -> dict:
+    """The parameters the model reads for ``role``: its trained ones as they are, a LoRA
+    role's adapters over its frozen base, or a frozen role's."""
+    if role in self.lora:
+      return LORA.view(params[role], frozen[self.base_keys[role]], self.lora[role])
+    return params[role] if role in params else frozen[role]
+
+  def on_view(self, loss_fn, frozen: dict, role: str):
+    """``loss_fn(params, batch)`` of ``role``'s model as a function of its *trained* tree (a
+    LoRA role's adapters and head; the base stays frozen, closed over)."""
+    if role not in self.lora:
+      return loss_fn
+    return lambda p, mb: loss_fn(LORA.view(p, frozen[self.base_keys[role]], self.lora[role]), mb)
+
+  def views(self, params: dict, frozen: dict) -> dict:
+    """:meth:`view` of every role in ``params`` (a dict like ``state.params``)."""
+    return {r: self.view(params, frozen, r) for r in params}
+
+  def merged(self, params: dict, frozen: dict, role: str) -> dict:
+    """``role``'s whole model as plain weights (adapters merged, in ``param_dtype``)."""
+    if role not in self.lora:
+      return params[role]
+    return LORA.merge(params[role], frozen[self.base_keys[role]], self.lora[role],
+                      self.model_cfg(role).param_dtype)
 
   def sequence_shapes(self, side: str = "") -> dict:
     """Shapes of prompt|response sequences: ``tokens, mask, loss_mask``, or for one side of a
@@ -181,11 +292,24 @@ class Stage:
     cfg, head = self.model_cfg(role), self.trainable.get(role, "lm")
     decode = M.param_shardings(cfg, self.mesh, head, DECODE_PARAM_RULES, check=False)
     train = M.param_shardings(cfg, self.mesh, head, PARAM_RULES, check=False)
+    if role in self.lora:  # the view: the base as frozen, the adapters as trained
+      base = self.base_shardings(role)
+      train = {**base, "layers": {**base["layers"], "lora": self.trainable_shardings(role)[
+          "layers"]["lora"]}}
+      ad = tree_shardings(self.mesh, LORA.trainable_axes(cfg, self.lora[role], "lm"),
+                          self.abstract_trainable(role), DECODE_PARAM_RULES)
+      decode = {**decode, "layers": {**decode["layers"], "lora": ad["layers"]["lora"]}}
     same = all(a.spec == b.spec for a, b in zip(jax.tree.leaves(decode), jax.tree.leaves(train)))
     return None if same else decode
 
   def model_cfg(self, role: str) -> ModelConfig:
     return self.cfg.role_model(role)
+
+
+def zero_score(cfg: ModelConfig) -> dict:
+  """A scalar head that starts at zero (a value model's)."""
+  dtype = jnp.dtype(cfg.param_dtype)
+  return {"w": jnp.zeros((cfg.d_model,), dtype), "b": jnp.zeros((), dtype)}
 
 
 def stack_pairs(b: dict):
