@@ -72,7 +72,7 @@ def compiled_cost(fn, *args, **kwargs) -> dict:
 
 def decoder_flops(cfg: ModelConfig, batch: int, q_len: int, kv_len: Optional[int] = None, *,
                   head: str = "lm", head_positions: Optional[int] = None,
-                  train: bool = False) -> float:
+                  train: bool = False, lora=None) -> float:
   """Matmul FLOPs of the decoder on ``batch`` rows of ``q_len`` new tokens attending over
   ``kv_len`` slots (default ``q_len``; a decode step with a cache has ``q_len=1``).
 
@@ -81,7 +81,10 @@ def decoder_flops(cfg: ModelConfig, batch: int, q_len: int, kv_len: Optional[int
   per row (default all ``q_len``; the LM head is ``2*d*V`` per position, the scalar head
   ``2*d``).  Elementwise work (norms, rotary, softmax) is left out: it is small next to the
   matmuls at real sizes.  ``train=True`` adds the backward pass (twice the forward) and, with
-  ``cfg.remat="full"``, one more forward of the layers.
+  ``cfg.remat="full"``, one more forward of the layers.  With ``lora`` (a
+  :class:`~jaxrlhf.config.LoraConfig` of rank > 0) the weights are frozen: the backward
+  computes the activations' gradients only (once the forward), and the adapters' own
+  ``(x @ a) @ b`` is counted with its full backward.
   """
   kv_len = q_len if kv_len is None else kv_len
   d, hd = cfg.d_model, cfg.head_dim
@@ -94,6 +97,13 @@ def decoder_flops(cfg: ModelConfig, batch: int, q_len: int, kv_len: Optional[int
   if not train:
     return float(forward)
   recompute = layers if cfg.remat == "full" else 0
+  if lora is not None and lora.rank:
+    dims = {"q": (d, cfg.n_heads * hd), "k": (d, cfg.n_kv_heads * hd),
+            "v": (d, cfg.n_kv_heads * hd), "o": (cfg.n_heads * hd, d),
+            "gate": (d, cfg.mlp_dim), "up": (d, cfg.mlp_dim), "down": (cfg.mlp_dim, d)}
+    adapters = batch * q_len * cfg.n_layers * sum(2 * lora.rank * sum(dims[t])
+                                                  for t in lora.targets)
+    return float(2 * forward + 3 * adapters + recompute)
   return float(3 * forward + recompute)
 
 

@@ -229,3 +229,35 @@ def test_lora_with_a_shared_backbone_is_refused():
                             ppo=dataclasses.replace(cfg.ppo, shared_backbone=True))
   with pytest.raises(ConfigError, match="ppo.shared_backbone=false"):
     validate(cfg)
+
+
+def test_pipeline_with_lora_writes_peft_adapters_and_a_merged_result(tmp_path):
+  """SFT -> DPO, both with adapters, through the real pipeline: each stage writes its adapter
+  in PEFT's layout and hands on merged weights; a rerun skips both finished stages; the merged
+  policy exports to a Hugging Face checkpoint that reads back to the same weights."""
+  from jaxrlhf import checkpoint as C
+  from jaxrlhf.config import LoggingConfig, MeshConfig
+  from jaxrlhf.model import hf
+  from jaxrlhf.train import pipeline
+  cfg = with_lora(with_lora(config(), "sft"), "dpo")
+  cfg = dataclasses.replace(cfg, stages=("sft", "dpo"), mesh=MeshConfig(dp=-1),
+                            logging=LoggingConfig(console_every_s=0.0, sinks=()))
+  wd = str(tmp_path / "run")
+  assert pipeline.run(cfg, wd) == 0
+  for stage in ("sft", "dpo"):
+    adapter = os.path.join(wd, stage, "adapters", "policy")
+    assert sorted(os.listdir(adapter)) == ["adapter_config.json", "adapter_model.safetensors"]
+  ad = LORA.load_peft(os.path.join(wd, "dpo", "adapters", "policy"), MODEL, LO)
+  assert any(np.any(x["b"]) for x in ad["layers"]["lora"].values())  # trained, not B = 0
+  m = mesh()
+  dpo = build_stage("dpo", cfg, m, DataSource(cfg.data, cfg.seed))
+  result = C.load_stage_result(wd, "dpo", dpo.abstract_outputs())["policy"]
+  sft = C.load_stage_result(wd, "sft", dpo.abstract_outputs())["policy"]
+  # DPO's result = SFT's merged model + DPO's adapter merged on top.
+  want = LORA.merge(ad, sft, LO, "float32")
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               jax.device_get(result), jax.device_get(want))
+  out = hf.export_hf(result, MODEL, str(tmp_path / "hf"))
+  back = hf.load_hf(out, MODEL, m)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(back), jax.device_get(result))
+  assert pipeline.run(cfg, wd) == 0  # both stages finished: loaded, not trained again

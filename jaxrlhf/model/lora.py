@@ -144,6 +144,13 @@ def merge(trainable: dict, base: dict, lora: LoraConfig, dtype) -> dict:
 # ---------------------------------------------------------------------------- PEFT layout
 
 
+def _to_host(x) -> np.ndarray:
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    return np.asarray(jax.device_get(x))
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def _peft_name(i: int, module: str, ab: str) -> str:
   return f"base_model.model.model.layers.{i}.{module}.lora_{ab}.weight"
 
@@ -158,14 +165,15 @@ def export_peft(trainable: dict, cfg: ModelConfig, lora: LoraConfig, out_dir: st
   for t in lora.targets:
     w, n_in, module = TARGETS[t]
     ab = trainable["layers"]["lora"][w]
-    a = np.asarray(jax.device_get(ab["a"]), np.float32)
-    b = np.asarray(jax.device_get(ab["b"]), np.float32)
+    a, b = (np.asarray(_to_host(ab[x]), np.float32) for x in ("a", "b"))
     for i in range(cfg.n_layers):
       # ours: a [*in, r], b [r, *out]; PEFT: lora_A [r, in], lora_B [out, r]
       tensors[_peft_name(i, module, "A")] = np.ascontiguousarray(
           a[i].reshape(-1, lora.rank).T.astype(dtype))
       tensors[_peft_name(i, module, "B")] = np.ascontiguousarray(
           b[i].reshape(lora.rank, -1).T.astype(dtype))
+  if jax.process_index() != 0:  # every process gathers (collective), process 0 writes
+    return out_dir
   os.makedirs(out_dir, exist_ok=True)
   save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"),
             metadata={"format": "pt"})

@@ -144,19 +144,23 @@ def _consumers(state, frozen, batch) -> dict[str, int]:
   return out
 
 
-def decode_plan(stage, state, mesh, acc) -> dict:
+def decode_plan(stage, state, frozen, mesh, acc) -> dict:
   """What the decode layout costs and saves, per device: the policy copy it holds while
   generating, the bytes the once-per-step reshard gathers and their time at the link the
   fsdp groups use (NVLink inside a node, the network across nodes)."""
   import jax
   layout = "tp" if stage.decode_shardings is not None else "train"
-  train_bytes = tree_bytes(state.params["policy"])
+  policy = state.params["policy"]
+  if "policy" in stage.lora:  # what generation reads: the adapters over the frozen base
+    base = frozen[stage.base_keys["policy"]]
+    policy = {**base, "layers": {**base["layers"], "lora": policy["layers"]["lora"]}}
+  train_bytes = tree_bytes(policy)
   if layout == "train":
     return {"layout": "train" if stage.cfg.rollout.decode_layout == "train" else
             "tp (the training layout: no fsdp)", "copy_bytes": 0.0, "reshard_bytes": 0.0,
             "reshard_seconds": 0.0, "policy_bytes": float(train_bytes)}
   copy = tree_bytes(jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                 state.params["policy"], stage.decode_shardings))
+                                 policy, stage.decode_shardings))
   sizes = dict(mesh.shape)
   node_size, node_bw = node_of(acc.name)
   crosses = sizes["tp"] * sizes["fsdp"] > node_size  # fsdp groups span nodes (tp is minor)
@@ -218,8 +222,16 @@ def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True
   else:
     step_seconds = programs[0].est_seconds
   tokens = work["generate" if rl else "step"].tokens
-  models = [f"{r} ({cfg.role_model(r).num_params(h) / 1e9:.3g}B, trained)"
-            for r, h in stage.trainable.items()]
+  models = []
+  for r, h in stage.trainable.items():
+    if r in stage.lora:
+      n = sum(x.size for x in jax.tree.leaves(state.params[r]))
+      bk = stage.base_keys[r]
+      on = f"on the {bk}'s weights" if bk in stage.frozen() else (
+          f"on its frozen {cfg.role_model(r).num_params(h) / 1e9:.3g}B base")
+      models.append(f"{r} (LoRA rank {stage.lora[r].rank}: {n / 1e6:.3g}M trained {on})")
+    else:
+      models.append(f"{r} ({cfg.role_model(r).num_params(h) / 1e9:.3g}B, trained)")
   models += [f"{r} ({cfg.role_model(r).num_params(h) / 1e9:.3g}B, frozen)"
              for r, h in stage.frozen().items()]
   return StagePlan(stage=name, steps=stage.steps, mode=mode, programs=programs,
@@ -227,7 +239,7 @@ def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True
                    consumers=_consumers(state, frozen, batch),
                    models_in_memory=models,
                    may_end_early=stage.stop_rule(),
-                   decode=decode_plan(stage, state, mesh, acc) if rl else None)
+                   decode=decode_plan(stage, state, frozen, mesh, acc) if rl else None)
 
 
 def _plan_phases(stage, state, frozen, batch, read, one_program: bool, step_fn):

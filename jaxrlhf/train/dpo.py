@@ -124,7 +124,8 @@ def preference_loss(scfg, pc_B, pr_B, rc_B, rr_B, b):
 def flops(stage) -> dict:
   T = stage.P + stage.R
   cfg, b = stage.model_cfg("policy"), stage.scfg.batch_size
-  out = {"update": decoder_flops(cfg, 2 * b, T, head_positions=T - 1, train=True)}
+  out = {"update": decoder_flops(cfg, 2 * b, T, head_positions=T - 1, train=True,
+                                lora=stage.lora.get("policy"))}
   if stage.scfg.reference == "step" and stage.scfg.needs_reference:
     out["reference"] = decoder_flops(cfg, 2 * b, T, head_positions=T - 1)
   return out

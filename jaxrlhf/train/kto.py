@@ -81,7 +81,8 @@ class KTOStage(Stage):
 def flops(stage) -> dict:
   T = stage.P + stage.R
   cfg, b = stage.model_cfg("policy"), stage.scfg.batch_size
-  return {"update": decoder_flops(cfg, b, T, head_positions=T - 1, train=True),
+  return {"update": decoder_flops(cfg, b, T, head_positions=T - 1, train=True,
+                                  lora=stage.lora.get("policy")),
           "reference": decoder_flops(cfg, b, T, head_positions=T - 1)}
 
 

@@ -237,7 +237,15 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
   info = ckpt.save_stage_result(workdir, name, outputs,
                                 {"summary": summary, "steps": end,
                                  "config": to_dict(cfg)})
+  for role, path in stage.export_adapters(state, adapter_dir(workdir, name)).items():
+    print(f"{name}: {role}'s LoRA adapter (PEFT layout) in {path}; the stage's result holds "
+          "the merged weights")
   return StageOutcome(outputs, summary, info["id"])
+
+
+def adapter_dir(workdir: str, stage: str) -> str:
+  """``WORKDIR/STAGE/adapters``: a LoRA stage's adapters in PEFT's layout, one folder per role."""
+  return os.path.join(os.path.abspath(workdir), stage, "adapters")
 
 
 RUN_ONLY_SECTIONS = ("mesh", "logging", "checkpoint", "plan", "distributed", "kernels", "pools",

@@ -60,7 +60,7 @@ class RMStage(Stage):
 def flops(stage) -> dict:
   T = stage.P + stage.R
   return {"update": decoder_flops(stage.model_cfg("reward"), 2 * stage.scfg.batch_size, T,
-                                  head="scalar", train=True)}
+                                  head="scalar", train=True, lora=stage.lora.get("reward"))}
 
 
 SPEC = spec.register(spec.AlgorithmSpec(

@@ -79,7 +79,8 @@ def validate(cfg, data) -> None:
 def flops(stage) -> dict:
   T = stage.P + stage.R
   return {"update": decoder_flops(stage.model_cfg("policy"), stage.scfg.batch_size, T,
-                                  head_positions=T - 1, train=True)}
+                                  head_positions=T - 1, train=True,
+                                  lora=stage.lora.get("policy"))}
 
 
 SPEC = spec.register(spec.AlgorithmSpec(

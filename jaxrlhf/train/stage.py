@@ -7,6 +7,8 @@ parameters) into a :class:`TrainState` plus frozen parameters, and supplies a pu
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -235,6 +237,15 @@ class Stage:
   def views(self, params: dict, frozen: dict) -> dict:
     """:meth:`view` of every role in ``params`` (a dict like ``state.params``)."""
     return {r: self.view(params, frozen, r) for r in params}
+
+  def export_adapters(self, state: TrainState, directory: str) -> dict:
+    """Each LoRA role's adapters in PEFT's layout under ``directory/ROLE``; returns role ->
+    path (empty without LoRA)."""
+    out = {}
+    for r, lo in self.lora.items():
+      out[r] = LORA.export_peft(state.params[r], self.model_cfg(r), lo,
+                                os.path.join(directory, r), base_model=self.model_cfg(r).hf_path)
+    return out
 
   def merged(self, params: dict, frozen: dict, role: str) -> dict:
     """``role``'s whole model as plain weights (adapters merged, in ``param_dtype``)."""

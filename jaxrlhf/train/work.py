@@ -52,11 +52,13 @@ def rl_flops(stage) -> dict[str, float]:
       reward += decoder_flops(stage.model_cfg(role), rows, T, head="scalar")
   if reward:
     out["reward"] = reward
-  update = decoder_flops(policy, trained, T, head_positions=N, train=True)
+  update = decoder_flops(policy, trained, T, head_positions=N, train=True,
+                         lora=stage.lora.get("policy"))
   if "value" in stage.spec.terms:
     value = stage.model_cfg("value")
     out["values"] = decoder_flops(value, trained, T, head="scalar")
-    update += decoder_flops(value, trained, T, head="scalar", train=True)
+    update += decoder_flops(value, trained, T, head="scalar", train=True,
+                            lora=stage.lora.get("value"))
   out["update"] = stage.scfg.ppo_epochs * update
   if stage.scfg.off_policy != "none":  # the trainer's log-probs of the rollout
     out["update"] += decoder_flops(policy, trained, T, head_positions=N)
