@@ -189,9 +189,14 @@ class Stage:
     frozen = self.frozen()
     if role == "policy" and "reference" in frozen:
       return "reference"
-    if role == "value" and "reward" in frozen and not self.model_cfg("value").hf_path and (
-        same_backbone(self.model_cfg("reward"), self.model_cfg("value"))):
-      return "reward"
+    value = self.model_cfg("value") if role == "value" else None
+    if value is not None and not value.hf_path:
+      # The backbone the value model would start from (Stage.role_params): the reward
+      # model's, else the policy's, which is the reference's.
+      if "reward" in frozen and same_backbone(self.model_cfg("reward"), value):
+        return "reward"
+      if "reference" in frozen and same_backbone(self.model_cfg("policy"), value):
+        return "reference"
     return f"{role}.base"
 
   def lora_params(self, role: str, key: jax.Array, head: dict) -> dict:
