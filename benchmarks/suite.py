@@ -1,8 +1,10 @@
 """The benchmark suite: GRPO, DPO and PPO steps of the real trainer on fixed workloads, against
-this machine's measured matmul rate (issue 11).
+this machine's measured matmul rate (issue 11), and SFT/DPO on spread-length data, packed
+against padded (issue 25).
 
-    python -m benchmarks.suite                            # all three workloads
+    python -m benchmarks.suite                            # every workload
     python -m benchmarks.suite --workloads=grpo --steps=20 --out=bench.json
+    python -m benchmarks.suite --workloads=sft_spread,dpo_spread --spread_steps=4
 
 Every workload runs in its own subprocess (so peak resident memory is that workload's alone):
 
@@ -31,6 +33,14 @@ step, clip 0.2, one update; DPO 8 pairs of 64 + 64 tokens, sigmoid loss, beta 0.
 every step; PPO 32 prompts x 1 sample, the GRPO reward and lengths, a value model copied from
 the policy with a scalar head, GAE, KL 0.04, one update whose gradients are summed over two
 micro-batches of 16 (``grad_accum=2``: the same update in less memory).
+
+The spread-length workloads (``sft_spread``: 16 SFT rows a step; ``dpo_spread``: 8 pairs,
+sigmoid, reference every step) use the same policy on char-tokenised sequences whose lengths
+are log-uniform from 8 to 512 tokens (prompt up to 256, response up to 256): one worker
+process builds the padded and the packed stage (``data.pack``) from the same parameters and
+alternates their steps on the same batches (every bucket compiled in an untimed first pass),
+reporting step time, useful (non-pad) tokens per second and the fraction of slots holding a
+real token.
 """
 
 from __future__ import annotations

@@ -533,6 +533,12 @@ def test_kernels_lower_to_triton_for_cuda():
   assert n_triton_calls(jax.grad(fa_gemma, argnums=(0, 1, 2)), q, kv, kv, mask, off, off) == 3
   dec_gemma = lambda q, k, v, m, o, w: decode_attention(q, k, v, m, o, window=w, **gemma)
   assert n_triton_calls(dec_gemma, sds((2, 1, 8, 128), bf16), kv, kv, mask, off, off) == 1
+  # Packed rows: segment ids read from the int key mask, in the three flash kernels.
+  qs = sds((2, 120, 8, 128), bf16)
+  fa_packed = lambda q, k, v, m, sg: flash_attention(q, k, v, m, segment_ids=sg).astype(
+      jnp.float32).sum()
+  assert n_triton_calls(jax.grad(fa_packed, argnums=(0, 1, 2)), qs, kv, kv, mask,
+                        sds((2, 120), jnp.int32)) == 3
 
 
 # ------------------------------------------------------------------------------ GPU only
