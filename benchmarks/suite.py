@@ -1,8 +1,10 @@
 """The benchmark suite: GRPO, DPO and PPO steps of the real trainer on fixed workloads, against
-this machine's measured matmul rate (issue 11).
+this machine's measured matmul rate (issue 11), and SFT/DPO on spread-length data, packed
+against padded (issue 25).
 
-    python -m benchmarks.suite                            # all three workloads
+    python -m benchmarks.suite                            # every workload
     python -m benchmarks.suite --workloads=grpo --steps=20 --out=bench.json
+    python -m benchmarks.suite --workloads=sft_spread,dpo_spread --spread_steps=4
 
 Every workload runs in its own subprocess (so peak resident memory is that workload's alone):
 
@@ -31,6 +33,14 @@ step, clip 0.2, one update; DPO 8 pairs of 64 + 64 tokens, sigmoid loss, beta 0.
 every step; PPO 32 prompts x 1 sample, the GRPO reward and lengths, a value model copied from
 the policy with a scalar head, GAE, KL 0.04, one update whose gradients are summed over two
 micro-batches of 16 (``grad_accum=2``: the same update in less memory).
+
+The spread-length workloads (``sft_spread``: 16 SFT rows a step; ``dpo_spread``: 8 pairs,
+sigmoid, reference every step) use the same policy on char-tokenised sequences whose lengths
+are log-uniform from 8 to 512 tokens (prompt up to 256, response up to 256): one worker
+process builds the padded and the packed stage (``data.pack``) from the same parameters and
+alternates their steps on the same batches (every bucket compiled in an untimed first pass),
+reporting step time, useful (non-pad) tokens per second and the fraction of slots holding a
+real token.
 """
 
 from __future__ import annotations
@@ -47,6 +57,10 @@ import tempfile
 import time
 
 WORKLOADS = ("grpo", "dpo", "ppo")
+# Spread-length workloads (issue 25): the same policy on SFT rows / DPO pairs whose lengths
+# spread from 8 to 512 tokens, packed and padded steps alternating in one process.
+SPREAD_WORKLOADS = ("sft_spread", "dpo_spread")
+SPREAD_LENGTHS = (8, 512)
 PARAM_COUNT = 4_458_752
 
 
@@ -100,6 +114,64 @@ def workload_config(name: str, model=None, steps: int = 1000):
         dpo=DPOConfig(steps=steps, batch_size=8, beta=0.1, loss="sigmoid", reference="step",
                       optim=optim))
   raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+
+
+def spread_lengths(n: int, seed: int = 0):
+  """``n`` sequence lengths (BOS, prompt, response and EOS tokens together), log-uniform over
+  :data:`SPREAD_LENGTHS`: as many sequences of 8-16 tokens as of 256-512 (median about 64,
+  mean about 120), the spread of real instruction and preference data."""
+  import numpy as np
+  lo, hi = SPREAD_LENGTHS
+  rng = np.random.default_rng(seed)
+  return np.clip(np.round(np.exp(rng.uniform(np.log(lo), np.log(hi), n))), lo, hi).astype(int)
+
+
+def write_spread_data(directory: str, n: int = 256, seed: int = 0) -> tuple[str, str]:
+  """JSONL SFT rows and preference pairs for the char tokenizer with :func:`spread_lengths`
+  (a prompt of 10-50% of each, at most 255 tokens with BOS; the rest response + EOS, at most
+  256): ``(sft_path, pairs_path)``."""
+  import numpy as np
+  rng = np.random.default_rng(seed + 1)
+  letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+  text = lambda k: "".join(rng.choice(letters, size=int(k)))
+
+  def split(total):
+    p = int(np.clip(round(total * rng.uniform(0.1, 0.5)), 1, 255))  # BOS + prompt
+    return p - 1, min(total - p - 1, 255)  # prompt chars, response chars (EOS after)
+
+  sft, pairs = os.path.join(directory, "sft.jsonl"), os.path.join(directory, "pairs.jsonl")
+  with open(sft, "w") as f:
+    for total in spread_lengths(n, seed):
+      p, r = split(total)
+      f.write(json.dumps({"prompt": text(p), "response": text(r)}) + "\n")
+  lengths = spread_lengths(2 * n, seed + 2).reshape(n, 2)
+  with open(pairs, "w") as f:
+    for a, b in lengths:
+      p, r = split(a)
+      f.write(json.dumps({"prompt": text(p), "chosen": text(r),
+                          "rejected": text(max(1, min(b - p - 2, 255)))}) + "\n")
+  return sft, pairs
+
+
+def spread_config(name: str, pack: bool, directory: str, steps: int = 1000):
+  """The ExperimentConfig of spread workload ``name`` (``sft_spread``: 16 SFT rows a step;
+  ``dpo_spread``: 8 pairs, sigmoid loss, reference every step), ``pack`` on or off: prompts
+  up to 256 and responses up to 256 tokens, so a padded row is 512 slots and so is a packed
+  one (``data.pack_length=0``), the row count rounded to 8 buckets."""
+  from jaxrlhf.config import DataConfig, DPOConfig, ExperimentConfig, MeshConfig, SFTConfig
+  from jaxrlhf.config import OptimizerConfig
+  sft, pairs = write_spread_data(directory)
+  optim = OptimizerConfig(lr=1e-5, warmup_steps=0, schedule="constant")
+  stage = name.split("_")[0]
+  data = DataConfig(task="jsonl", sft_path=sft, pairs_path=pairs, max_prompt_len=256,
+                    max_response_len=256, eval_size=4, pack=pack)
+  extra = ({"sft": SFTConfig(steps=steps, batch_size=16, optim=optim, eval_every=0)}
+           if stage == "sft" else
+           {"dpo": DPOConfig(steps=steps, batch_size=8, beta=0.1, loss="sigmoid",
+                             reference="step", optim=optim, eval_every=0)})
+  return ExperimentConfig(name=f"bench_{name}", seed=0, stages=(stage,),
+                          model=model_config(max_seq_len=512), mesh=MeshConfig(dp=-1),
+                          data=data, **extra)
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -292,6 +364,72 @@ def worker_phases(name: str, steps: int, model=None, cfg=None) -> dict:
           "phase_flops": step_flops(stage), **extra}
 
 
+def worker_spread(name: str, steps: int) -> dict:
+  """Packed and padded steps of spread workload ``name`` alternating in one process (the same
+  batches, the same starting parameters): median step time, useful (real, non-pad) tokens per
+  second, and the fraction of row slots that hold a real token.  Each step's batch is run once
+  untimed first, so every bucket shape the timed steps meet is compiled."""
+  import jax
+  from jaxrlhf import model as M
+  stage_name = name.split("_")[0]
+  with tempfile.TemporaryDirectory(prefix="bench_spread_") as d:
+    runs = {}
+    for pack in (False, True):
+      cfg = spread_config(name, pack, d)
+      stage = _stage(stage_name, cfg)
+      policy = jax.jit(lambda k: M.init_params(cfg.model, k))(jax.random.key(cfg.seed))
+      n_params = sum(x.size for x in jax.tree.leaves(policy))
+      if n_params != PARAM_COUNT:
+        raise AssertionError(f"the workload's policy has {n_params} parameters, not {PARAM_COUNT}")
+      state, frozen = stage.init(jax.random.key(cfg.seed + 1), {"policy": policy})
+      runs[pack] = {"stage": stage, "state": state, "frozen": frozen, "fn": None}
+    for s in range(steps):  # compile every shape the timed steps will meet
+      for r in runs.values():
+        r["fn"], r["state"], _ = _step(r["stage"], r["stage"].mesh, r["fn"], r["state"],
+                                       r["frozen"], s)
+    times = {False: [], True: []}
+    useful = {False: [], True: []}
+    slots = {False: [], True: []}
+    for s in range(steps):
+      for pack, r in runs.items():
+        batch = r["stage"].batch(s)
+        masks = [batch[k] for k in ("mask", "chosen_mask", "rejected_mask") if k in batch]
+        useful[pack].append(sum(float(m.sum()) for m in masks))
+        slots[pack].append(sum(float(m.size) for m in masks))
+        t0 = time.perf_counter()
+        r["fn"], r["state"], _ = _step(r["stage"], r["stage"].mesh, r["fn"], r["state"],
+                                       r["frozen"], s)
+        times[pack].append(time.perf_counter() - t0)
+  if useful[False] != useful[True]:
+    raise AssertionError("packed and padded batches hold different tokens")
+  out = {"workload": name, "params": PARAM_COUNT, "steps": steps,
+         "lengths": list(SPREAD_LENGTHS)}
+  for pack, key in ((False, "padded"), (True, "packed")):
+    step = statistics.median(times[pack])
+    out[key] = {"step_s": _median_min_max(times[pack]),
+                "useful_tokens_per_step": statistics.median(useful[pack]),
+                "slots_per_step": statistics.median(slots[pack]),
+                "useful_fraction": sum(useful[pack]) / sum(slots[pack]),
+                "useful_tokens_per_s": sum(useful[pack]) / sum(times[pack]),
+                "median_step_s": step}
+  out["speedup"] = out["packed"]["useful_tokens_per_s"] / out["padded"]["useful_tokens_per_s"]
+  out["loadavg_1min"] = os.getloadavg()[0]
+  return out
+
+
+def report_spread(r: dict) -> str:
+  lines = [f"== {r['workload']} ({r['params']:,} parameters; lengths {r['lengths'][0]}-"
+           f"{r['lengths'][1]}, {r['steps']} steps each, alternating)"]
+  for key in ("padded", "packed"):
+    x = r[key]
+    lines.append(f"  {key:7s} step {x['step_s']['median']:8.4f} s (min {x['step_s']['min']:.4f})"
+                 f"  useful tokens/s {x['useful_tokens_per_s']:8.0f}  useful slots "
+                 f"{100 * x['useful_fraction']:5.1f}% ({x['slots_per_step']:.0f} slots/step)")
+  lines.append(f"  packed / padded useful tokens/s: {r['speedup']:.2f}x "
+               f"(load {r['loadavg_1min']:.1f})")
+  return "\n".join(lines)
+
+
 def worker_warm(name: str, model=None, steps: int = 3) -> dict:
   """Set-up and first step with the compilation cache filled, then a few more steps: the
   peak memory of a run that compiles nothing."""
@@ -316,6 +454,7 @@ def run_worker(mode: str, name: str, args, cache_dir: str) -> dict:
     path = f.name
   cmd = [sys.executable, "-m", "benchmarks.suite", f"--_worker={mode}:{name}",
          f"--steps={args.steps}", f"--warmup={args.warmup}", f"--phase_steps={args.phase_steps}",
+         f"--spread_steps={getattr(args, 'spread_steps', 4)}",
          f"--_result={path}"]
   env = {**os.environ, "JAXRLHF_COMPILATION_CACHE": cache_dir}
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -380,7 +519,9 @@ def report(r: dict) -> str:
 
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--workloads", default=",".join(WORKLOADS))
+  parser.add_argument("--workloads", default=",".join(WORKLOADS + SPREAD_WORKLOADS))
+  parser.add_argument("--spread_steps", type=int, default=4,
+                      help="timed steps of each layout in the spread-length workloads")
   parser.add_argument("--steps", type=int, default=15, help="timed steps after warm-up")
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
   parser.add_argument("--phase_steps", type=int, default=5,
@@ -399,17 +540,24 @@ def main(argv=None) -> dict:
     mode, name = args._worker.split(":")
     out = {"main": lambda: worker_main(name, args.steps, args.warmup),
            "phases": lambda: worker_phases(name, args.phase_steps),
-           "warm": lambda: worker_warm(name)}[mode]()
+           "warm": lambda: worker_warm(name),
+           "spread": lambda: worker_spread(name, args.spread_steps)}[mode]()
     with open(args._result, "w") as f:
       json.dump(out, f)
     return out
 
   names = [w.strip() for w in args.workloads.split(",") if w.strip()]
-  bad = [w for w in names if w not in WORKLOADS]
+  bad = [w for w in names if w not in WORKLOADS + SPREAD_WORKLOADS]
   if bad:
-    parser.error(f"--workloads: unknown {bad}; choose from {','.join(WORKLOADS)}")
+    parser.error(f"--workloads: unknown {bad}; choose from "
+                 f"{','.join(WORKLOADS + SPREAD_WORKLOADS)}")
   results = {}
   for name in names:
+    if name in SPREAD_WORKLOADS:
+      with tempfile.TemporaryDirectory(prefix=f"bench_{name}_xla_") as cache:
+        results[name] = run_worker("spread", name, args, cache)
+      print(report_spread(results[name]), flush=True)
+      continue
     # A fresh cache directory per workload: the cold first step compiles everything.
     with tempfile.TemporaryDirectory(prefix=f"bench_{name}_xla_") as cache:
       r = run_worker("main", name, args, cache)

@@ -31,6 +31,27 @@ def test_workload_model_has_the_issue_parameter_count():
     suite.workload_config("sft")
 
 
+def test_spread_workload_lengths_and_packing(tmp_path):
+  """The spread-length set: lengths from 8 to 512 (log-uniform: median near 64), the same
+  4.46M policy, and its packed batches holding the padded batches' tokens in fewer slots."""
+  sys.path.insert(0, ROOT)
+  import numpy as np
+  from benchmarks import suite
+  from jaxrlhf.data import DataSource
+  from jaxrlhf.train.spec import build_stage
+  lengths = suite.spread_lengths(4096)
+  assert lengths.min() == 8 and lengths.max() >= 508 and 50 <= np.median(lengths) <= 80
+  stages = {}
+  for pack in (False, True):
+    cfg = suite.spread_config("sft_spread", pack, str(tmp_path))
+    assert cfg.model.num_params("lm") == suite.PARAM_COUNT
+    stages[pack] = build_stage("sft", cfg, None, DataSource(cfg.data, cfg.seed))
+  padded, packed = stages[False].batch(0), stages[True].batch(0)
+  assert padded["mask"].sum() == packed["mask"].sum()
+  assert packed["mask"].size * 2 <= padded["mask"].size  # under half the slots
+  assert packed["mask"].shape[1] == padded["mask"].shape[1] == 512
+
+
 def test_gpu_script_smoke_mode_runs_on_cpu(tmp_path):
   out = tmp_path / "gpu.json"
   proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_1b", "--smoke", f"--out={out}"],

@@ -150,6 +150,87 @@ def test_decode_attention_matches_reference(dtype, shape, kv_layout):
     assert_close(g if name == "q" else lay(g), r, tol_g, f"d{name}")
 
 
+# ----------------------------------------------------------------------- packed segments
+
+def random_segments(rng, b, s, max_segments=4):
+  """``[B, S]`` int32 segment ids of a random packing: 1..n contiguous segments of random
+  lengths from slot 0, then padding (0); some rows full, some with a tail."""
+  seg = np.zeros((b, s), np.int32)
+  for i in range(b):
+    n = int(rng.integers(1, max_segments + 1))
+    cuts = np.sort(rng.choice(np.arange(1, s), size=n, replace=False))
+    if i % 2 == 0:
+      cuts[-1] = s  # a full row
+    start = 0
+    for j, end in enumerate(cuts):
+      seg[i, start:end] = j + 1
+      start = end
+  return seg
+
+
+def test_segment_mask_is_attention_over_each_segment_alone():
+  """The definition: a packed row's attention at a segment's tokens equals the attention of
+  that segment computed alone (its own row, its own slots), for every segment of a random
+  layout."""
+  b, s, h, kh, d = 3, 23, 4, 2, 8
+  seg = random_segments(np.random.default_rng(0), b, s)
+  k = jax.random.split(jax.random.key(5), 3)
+  q = jax.random.normal(k[0], (b, s, h, d))
+  kk = jax.random.normal(k[1], (b, s, kh, d))
+  v = jax.random.normal(k[2], (b, s, kh, d))
+  packed = np.asarray(attention(q, kk, v, jnp.asarray(seg != 0), impl="xla",
+                                segment_ids=jnp.asarray(seg)))
+  checked = 0
+  for i in range(b):
+    for sid in range(1, seg[i].max() + 1):
+      cols = np.nonzero(seg[i] == sid)[0]
+      a, e = cols[0], cols[-1] + 1
+      alone = attention(q[i:i + 1, a:e], kk[i:i + 1, a:e], v[i:i + 1, a:e],
+                        jnp.ones((1, e - a), bool), impl="xla")
+      np.testing.assert_allclose(packed[i, a:e], np.asarray(alone)[0], atol=1e-6)
+      checked += 1
+  assert checked > b  # several segments per row were compared
+  # Without the segment ids the same rows leak across segments: the mask does something.
+  leaky = np.asarray(attention(q, kk, v, jnp.asarray(seg != 0), impl="xla"))
+  assert np.abs(leaky - packed).max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype,shape", [
+    # (B, S, H, K, D, max segments): ragged S, GQA, several segments per key block of 16
+    (jnp.float32, (3, 37, 4, 2, 8, 5)),
+    (jnp.bfloat16, (2, 33, 2, 2, 16, 3)),
+])
+def test_flash_attention_with_segments_matches_reference(dtype, shape):
+  """The Pallas flash kernels (interpreted) with segment ids: outputs and dq, dk, dv against
+  the reference's segment mask on random layouts; padding rows get 0, as documented."""
+  b, s, h, kh, d, n = shape
+  seg = jnp.asarray(random_segments(np.random.default_rng(1), b, s, n))
+  kv_mask = seg != 0
+  k = jax.random.split(jax.random.key(9), 4)
+  q = jax.random.normal(k[0], (b, s, h, d), jnp.float32).astype(dtype)
+  kk = jax.random.normal(k[1], (b, s, kh, d), jnp.float32).astype(dtype)
+  v = jax.random.normal(k[2], (b, s, kh, d), jnp.float32).astype(dtype)
+  cot = jax.random.normal(k[3], (b, s, h, d)) * kv_mask[:, :, None, None]
+  bs = BlockSizes(16, 16, 16, 16)
+  got, got_g = _with_grads(lambda q, k, v, m, sg: flash_attention(
+      q, k, v, m, block_sizes=bs, interpret=True, segment_ids=sg), 3, cot)(q, kk, v, kv_mask,
+                                                                           seg)
+  want, want_g = _with_grads(lambda q, k, v, m, sg: attention_reference(
+      q, k, v, m, segment_ids=sg), 3, cot)(q, kk, v, kv_mask, seg)
+  tol_v, tol_g = TOL[dtype]
+  rows = kv_mask[:, :, None, None]
+  assert_close(jnp.where(rows, got, 0), jnp.where(rows, want, 0), tol_v, "output")
+  assert not np.any(np.asarray(jnp.where(rows, 0, got), np.float32))
+  for name, g, r in zip("qkv", got_g, want_g):
+    assert_close(g, r, tol_g, f"d{name}")
+  # The dispatcher sends packed calls to the flash kernels even for short rows (no decode).
+  short = lambda q: attention(q, kk[:, :8], v[:, :8], kv_mask[:, :8], impl="pallas_interpret",
+                              segment_ids=seg[:, :8])
+  assert "flash_attention_fwd" in str(jax.make_jaxpr(short)(q[:, :8]))
+  with pytest.raises(ValueError, match="cudnn.*segment ids.*data.pack=false"):
+    attention(q, kk, v, kv_mask, impl="cudnn", segment_ids=seg)
+
+
 # ----------------------------------------------------------------------------- dispatcher
 
 def _has_pallas_call(f, *args):
@@ -452,6 +533,12 @@ def test_kernels_lower_to_triton_for_cuda():
   assert n_triton_calls(jax.grad(fa_gemma, argnums=(0, 1, 2)), q, kv, kv, mask, off, off) == 3
   dec_gemma = lambda q, k, v, m, o, w: decode_attention(q, k, v, m, o, window=w, **gemma)
   assert n_triton_calls(dec_gemma, sds((2, 1, 8, 128), bf16), kv, kv, mask, off, off) == 1
+  # Packed rows: segment ids read from the int key mask, in the three flash kernels.
+  qs = sds((2, 120, 8, 128), bf16)
+  fa_packed = lambda q, k, v, m, sg: flash_attention(q, k, v, m, segment_ids=sg).astype(
+      jnp.float32).sum()
+  assert n_triton_calls(jax.grad(fa_packed, argnums=(0, 1, 2)), qs, kv, kv, mask,
+                        sds((2, 120), jnp.int32)) == 3
 
 
 # ------------------------------------------------------------------------------ GPU only

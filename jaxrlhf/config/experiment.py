@@ -144,6 +144,17 @@ def _validate_data(cfg: "ExperimentConfig", problems: list) -> None:
   if not (math.isfinite(d.eval_split) and 0.0 <= d.eval_split < 1.0):
     problems.append(f"data.eval_split={d.eval_split!r}: must be in [0, 1) (e.g. 0.05 holds out "
                     f"5% of each training file; 0 turns it off)")
+  seq_len = d.max_prompt_len + d.max_response_len
+  if d.pack_length and d.pack_length < seq_len:
+    problems.append(f"data.pack_length={d.pack_length}: a packed row must hold the longest "
+                    f"sequence, data.max_prompt_len + data.max_response_len = {seq_len}; set "
+                    f"data.pack_length={seq_len} or more (0: exactly that)")
+  if d.pack_length < 0:
+    problems.append(f"data.pack_length={d.pack_length}: must be 0 (the sequence length) or a "
+                    f"row length >= {seq_len}")
+  if d.pack_buckets < 1:
+    problems.append(f"data.pack_buckets={d.pack_buckets}: must be >= 1 (the number of row "
+                    f"counts a packed batch is rounded up to; 8 is the default)")
   kinds = sorted({EVAL_KIND[s] for s in cfg.stages})
   if d.task == "jsonl" and d.eval_path and len(kinds) > 1:
     problems.append(f"data.eval_path={d.eval_path!r} serves every stage, but the stages "

@@ -302,6 +302,14 @@ class DataConfig:
   # > 0: this fraction of each training file (chosen by data.seed) is held out for evaluation
   # and never trained on (at most data.eval_size examples of it are evaluated).
   eval_split: float = 0.0
+  # Packing (the SFT, reward-model and DPO batches; docs/training.md): each step's sequences are
+  # placed first-fit into rows of data.pack_length tokens (0: max_prompt_len +
+  # max_response_len), several per row, each attending only to itself with its positions
+  # restarting; the row count is rounded up to one of data.pack_buckets sizes (one compiled
+  # program each).  Off (the default): one left/right-padded row per sequence, as before.
+  pack: bool = False
+  pack_length: int = 0
+  pack_buckets: int = 8
 
 
 @dataclasses.dataclass(frozen=True)

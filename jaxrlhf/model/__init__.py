@@ -2,13 +2,15 @@
 
 from jaxrlhf.model.transformer import (KVCache, forward, init_cache, init_params, last_valid_index,
                                        lm_logits, param_axes, param_shapes,
-                                       positions_from_mask, scalar_head, unembedding)
+                                       positions_from_mask, positions_from_segments,
+                                       scalar_head, unembedding)
 from jaxrlhf.model.sharded import abstract_params, init_sharded, param_shardings
 from jaxrlhf.model.scoring import sequence_scores, token_logprobs, token_scores
 
 __all__ = [
     "KVCache", "forward", "init_cache", "init_params", "last_valid_index", "lm_logits",
-    "param_axes", "param_shapes", "positions_from_mask", "scalar_head", "unembedding",
+    "param_axes", "param_shapes", "positions_from_mask", "positions_from_segments",
+    "scalar_head", "unembedding",
     "abstract_params", "init_sharded", "param_shardings", "sequence_scores", "token_logprobs",
     "token_scores",
 ]

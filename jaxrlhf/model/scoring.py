@@ -8,22 +8,36 @@ import jax.numpy as jnp
 
 from jaxrlhf.config import KernelsConfig, ModelConfig
 from jaxrlhf.model.transformer import (forward, last_valid_index, positions_from_mask,
-                                       scalar_head, unembedding)
+                                       positions_from_segments, scalar_head, unembedding)
 from kernels.logprob import logprob_entropy
 
 
+def _hidden(params, tokens_BL, mask_BL, cfg, kernels, segment_ids_BL):
+  """The backbone's final hidden states; packed rows (``segment_ids_BL``) attend within each
+  sequence, with positions restarting at each."""
+  if segment_ids_BL is None:
+    h, _ = forward(params, tokens_BL, positions_from_mask(mask_BL), mask_BL, cfg=cfg,
+                   attn_impl=kernels.attention)
+  else:
+    h, _ = forward(params, tokens_BL, positions_from_segments(segment_ids_BL), mask_BL,
+                   cfg=cfg, attn_impl=kernels.attention, segment_ids_BT=segment_ids_BL)
+  return h
+
+
 def token_logprobs(params: dict, tokens_BL: jax.Array, mask_BL: jax.Array, *, cfg: ModelConfig,
-                   start: int = 1, kernels: KernelsConfig = KernelsConfig()):
+                   start: int = 1, kernels: KernelsConfig = KernelsConfig(),
+                   segment_ids_BL=None):
   """log p(tokens[:, t] | tokens[:, :t]) and the entropy of that distribution, for
   ``t = start .. L-1``: two float32 ``[B, L - start]`` arrays (temperature 1).
 
   Computed blockwise over the vocabulary (never ``[B, L, V]`` logits).  Positions where
-  ``mask`` is false hold meaningless values; callers mask them.
+  ``mask`` is false hold meaningless values; callers mask them.  ``segment_ids_BL``: packed
+  rows (see :func:`~jaxrlhf.model.transformer.forward`); the log-prob of a segment's first
+  token is then predicted from the previous segment and means nothing either.
   """
   if start < 1:
     raise ValueError(f"start={start}: the first token has no prediction; use start >= 1")
-  h, _ = forward(params, tokens_BL, positions_from_mask(mask_BL), mask_BL, cfg=cfg,
-                 attn_impl=kernels.attention)
+  h = _hidden(params, tokens_BL, mask_BL, cfg, kernels, segment_ids_BL)
   if cfg.final_softcap:
     return logprob_entropy(h[:, start - 1:-1], unembedding(params, cfg), tokens_BL[:, start:],
                            impl=kernels.logprob, block_v=kernels.logprob_block_v,
@@ -46,8 +60,8 @@ def sequence_scores(params: dict, tokens_BL: jax.Array, mask_BL: jax.Array, *, c
 
 
 def token_scores(params: dict, tokens_BL: jax.Array, mask_BL: jax.Array, *, cfg: ModelConfig,
-                 kernels: KernelsConfig = KernelsConfig()) -> jax.Array:
-  """Scalar-head score at every position, float32 ``[B, L]`` (value models)."""
-  h, _ = forward(params, tokens_BL, positions_from_mask(mask_BL), mask_BL, cfg=cfg,
-                 attn_impl=kernels.attention)
+                 kernels: KernelsConfig = KernelsConfig(), segment_ids_BL=None) -> jax.Array:
+  """Scalar-head score at every position, float32 ``[B, L]`` (value models; packed rows with
+  ``segment_ids_BL``)."""
+  h = _hidden(params, tokens_BL, mask_BL, cfg, kernels, segment_ids_BL)
   return scalar_head(params, h)

@@ -287,6 +287,8 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
       attn_kw["window"] = cfg.sliding_window
   else:
     attn_kw["window"] = jnp.where(sliding, cfg.sliding_window, _NO_WINDOW)
+  if jnp.issubdtype(kv_mask.dtype, jnp.integer):  # packed rows: segment ids, 0 for padding
+    attn_kw["segment_ids"], kv_mask = kv_mask, kv_mask != 0
   x = rms_norm(h_BTD, lp["attn_norm"], cfg.norm_eps, off)
   q = _proj(x, lp, "wq")
   k = _proj(x, lp, "wk")
@@ -332,13 +334,20 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
 
 
 def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT: jax.Array, *,
-            cfg: ModelConfig, cache: Optional[KVCache] = None, attn_impl: str = "auto"):
+            cfg: ModelConfig, cache: Optional[KVCache] = None, attn_impl: str = "auto",
+            segment_ids_BT: Optional[jax.Array] = None):
   """Final hidden states ``[B, T, D]`` (after the final norm) and the updated cache.
 
   tokens_BT, positions_BT: token ids and rotary positions; mask_BT: which tokens are real.
   Without a cache the T tokens attend causally among themselves; with one, they are written at
   slots ``cache.index .. +T`` and attend to every valid earlier slot.
+  ``segment_ids_BT`` (int, without a cache): packed rows, several sequences per row, each
+  token attending only to its own sequence (id >= 1; 0 for padding, where ``mask_BT`` must be
+  false); the positions should restart at each sequence (:func:`positions_from_segments`).
   """
+  if segment_ids_BT is not None and cache is not None:
+    raise ValueError("forward: segment_ids_BT (packed rows) is for teacher-forced passes "
+                     "without a KV cache")
   cdt = _dtype(cfg.compute_dtype)
   if cfg.embed_scale:  # Gemma: the scale rounded to the weights' dtype, as transformers does
     emb = jnp.take(params["embed"], tokens_BT, axis=0)
@@ -348,6 +357,8 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
   h = constrain(h, ("batch", "seq", "embed"))
   if cache is None:
     q_offset, kv_mask = 0, mask_BT.astype(bool)
+    if segment_ids_BT is not None:  # the layers read the ids in place of the mask
+      kv_mask = jnp.where(kv_mask, segment_ids_BT.astype(jnp.int32), 0)
   else:
     q_offset = cache.index
     kv_mask = jax.lax.dynamic_update_slice_in_dim(cache.mask, mask_BT.astype(bool), q_offset, 1)
@@ -417,6 +428,16 @@ def scalar_head(params: dict, h_BTD: jax.Array) -> jax.Array:
 def positions_from_mask(mask_BT: jax.Array) -> jax.Array:
   """Rotary positions for left- (or right-) padded rows: 0 at the first real token."""
   return jnp.maximum(jnp.cumsum(mask_BT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def positions_from_segments(segment_ids_BT: jax.Array) -> jax.Array:
+  """Rotary positions for packed rows: 0 at the first token of each segment (a change of id),
+  counting up within it; padding gets positions too (they are masked)."""
+  t = jnp.arange(segment_ids_BT.shape[-1])
+  start = jnp.concatenate([jnp.ones_like(segment_ids_BT[:, :1], bool),
+                           segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=-1)
+  first_BT = jax.lax.cummax(jnp.where(start, t, 0), axis=segment_ids_BT.ndim - 1)
+  return (t - first_BT).astype(jnp.int32)
 
 
 def last_valid_index(mask_BT: jax.Array) -> jax.Array:

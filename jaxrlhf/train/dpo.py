@@ -18,7 +18,9 @@ from jaxrlhf.perf import decoder_flops
 from jaxrlhf.train import spec
 from jaxrlhf.train.common import put_batch, update_role
 from jaxrlhf.train.evaluate import ExactMatchEval, pair_batches
-from jaxrlhf.train.stage import Stage, stack_pairs
+from jaxrlhf.train.sequences import (packing_metrics, pair_logp_sums, pair_response_lengths,
+                                     pair_rows)
+from jaxrlhf.train.stage import Stage
 
 
 class DPOStage(Stage):
@@ -31,11 +33,10 @@ class DPOStage(Stage):
 
     def seq_logps(params, b):
       """Summed response log-probs of chosen and rejected: two ``[B]`` arrays."""
-      tokens, mask, loss_mask = stack_pairs(b)
-      logp, _ = M.token_logprobs(params, tokens, mask, cfg=cfg, start=1, kernels=kernels)
-      s = jnp.sum(jnp.where(loss_mask[:, 1:], logp, 0.0), axis=-1)
-      n = b["chosen"].shape[0]
-      return s[:n], s[n:]
+      tokens, mask, _, segment_ids = pair_rows(b)
+      logp, _ = M.token_logprobs(params, tokens, mask, cfg=cfg, start=1, kernels=kernels,
+                                 segment_ids_BL=segment_ids)
+      return pair_logp_sums(logp, b)
 
     self.seq_logps = seq_logps
     self.pref_loss = functools.partial(preference_loss, self.scfg)
@@ -57,7 +58,10 @@ class DPOStage(Stage):
     return state, frozen
 
   def batch_shapes(self):
-    shapes = {**self.sequence_shapes("chosen"), **self.sequence_shapes("rejected")}
+    if self.packer is not None:
+      shapes = self.packed_shapes(2 * self.scfg.batch_size)
+    else:
+      shapes = {**self.sequence_shapes("chosen"), **self.sequence_shapes("rejected")}
     if self.scfg.reference == "cache":
       b = self.scfg.batch_size
       shapes.update(ref_chosen=((b,), jnp.float32), ref_rejected=((b,), jnp.float32))
@@ -65,7 +69,7 @@ class DPOStage(Stage):
 
   def batch(self, step):
     examples = self.data.examples("pairs", step, self.scfg.batch_size)
-    batch = self.data.encoder.pairs(examples)
+    batch = self.pair_batch(examples)
     if self.scfg.reference == "cache":
       batch.update(self._cached_reference(examples, batch))
     return batch
@@ -92,8 +96,9 @@ class DPOStage(Stage):
       loss, metrics = self.pref_loss(pc, pr, b.get("ref_chosen"), b.get("ref_rejected"), b)
       return loss / n_micro, metrics
 
-    return update_role(state, "policy", self.on_view(loss_fn, frozen, "policy"), mb, n_micro,
-                       self.opt["policy"])
+    state, metrics = update_role(state, "policy", self.on_view(loss_fn, frozen, "policy"), mb,
+                                 n_micro, self.opt["policy"])
+    return state, {**metrics, **packing_metrics(batch)}
 
   def evaluate(self, state, frozen):
     if self._eval_pairs is None:
@@ -112,8 +117,7 @@ def preference_loss(scfg, pc_B, pr_B, rc_B, rr_B, b):
   of the reference, None for the reference-free losses): ``(loss, metrics)``, the metrics
   always holding ``pref_accuracy`` and ``reward_margin`` (of the loss's implicit rewards)."""
   if scfg.loss in ("simpo", "orpo"):
-    lc_B = jnp.sum(b["chosen_loss_mask"][:, 1:], axis=-1).astype(jnp.float32)
-    lr_B = jnp.sum(b["rejected_loss_mask"][:, 1:], axis=-1).astype(jnp.float32)
+    lc_B, lr_B = pair_response_lengths(b)
     if scfg.loss == "simpo":
       return simpo_loss(pc_B, pr_B, lc_B, lr_B, beta=scfg.beta, gamma=scfg.simpo_gamma)
     return orpo_loss(pc_B, pr_B, lc_B, lr_B, beta=scfg.beta)
@@ -137,4 +141,4 @@ SPEC = spec.register(spec.AlgorithmSpec(
                        **({"reference": spec.Role("lm", False)} if cfg.dpo.needs_reference
                           else {})},
     batch="pairs", rows_per_example=2, flops=flops, evaluation="pairs+exact_match",
-    eval_at_start=True))
+    eval_at_start=True, packs=True))

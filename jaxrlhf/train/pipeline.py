@@ -99,6 +99,7 @@ def train_all(cfg: ExperimentConfig, workdir: str, policy, profiler, written: di
   stages = [spec.build_stage(name, cfg, mesh, data) for name in cfg.stages]
   for stage in stages:
     stage.spec.validate(cfg, data)
+  spec.check_packing(cfg)
   print(f"{cfg.name}: stages {' -> '.join(cfg.stages)} on mesh {dict(mesh.shape)} "
         f"({jax.device_count()} {jax.default_backend()} devices); outputs in {workdir}")
   if policy == "none":

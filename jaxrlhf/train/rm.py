@@ -11,7 +11,9 @@ from jaxrlhf.perf import decoder_flops
 from jaxrlhf.train import spec
 from jaxrlhf.train.common import update_role
 from jaxrlhf.train.evaluate import pair_batches
-from jaxrlhf.train.stage import Stage, stack_pairs
+from jaxrlhf.train.sequences import (is_packed, packing_metrics, pair_rows, pooled_scores,
+                                     split_pairs)
+from jaxrlhf.train.stage import Stage
 
 
 class RMStage(Stage):
@@ -24,19 +26,24 @@ class RMStage(Stage):
     kernels = self.cfg.kernels
 
     def pair_scores(params, b):
-      tokens, mask, _ = stack_pairs(b)
-      s = M.sequence_scores(params, tokens, mask, cfg=cfg, kernels=kernels, start=self.P)
-      n = b["chosen"].shape[0]
-      return s[:n], s[n:]
+      tokens, mask, _, segment_ids = pair_rows(b)
+      if is_packed(b):
+        s = pooled_scores(M.token_scores(params, tokens, mask, cfg=cfg, kernels=kernels,
+                                         segment_ids_BL=segment_ids), b, cfg.score_pool)
+      else:
+        s = M.sequence_scores(params, tokens, mask, cfg=cfg, kernels=kernels, start=self.P)
+      return split_pairs(s, b)
 
     self.pair_scores = pair_scores
     self._eval = jax.jit(lambda p, b: bradley_terry_loss(*pair_scores(p, b))[1])
 
   def batch_shapes(self):
+    if self.packer is not None:
+      return self.packed_shapes(2 * self.scfg.batch_size)
     return {**self.sequence_shapes("chosen"), **self.sequence_shapes("rejected")}
 
   def batch(self, step):
-    return self.data.encoder.pairs(self.data.examples("pairs", step, self.scfg.batch_size))
+    return self.pair_batch(self.data.examples("pairs", step, self.scfg.batch_size))
 
   def step(self, state, frozen, batch):
     n_micro = self.scfg.optim.grad_accum
@@ -45,8 +52,9 @@ class RMStage(Stage):
       loss, metrics = bradley_terry_loss(*self.pair_scores(params, mb))
       return loss / n_micro, metrics
 
-    return update_role(state, "reward", self.on_view(loss_fn, frozen, "reward"), batch, n_micro,
-                       self.opt["reward"])
+    state, metrics = update_role(state, "reward", self.on_view(loss_fn, frozen, "reward"), batch,
+                                 n_micro, self.opt["reward"])
+    return state, {**metrics, **packing_metrics(batch)}
 
   def evaluate(self, state, frozen):
     if self._eval_pairs is None:
@@ -66,4 +74,4 @@ def flops(stage) -> dict:
 SPEC = spec.register(spec.AlgorithmSpec(
     name="rm", config_type=RMConfig, stage=RMStage,
     roles=lambda cfg: {"reward": spec.Role("scalar", True)}, batch="pairs", rows_per_example=2,
-    flops=flops, evaluation="pairs", eval_at_start=False))
+    flops=flops, evaluation="pairs", eval_at_start=False, packs=True))

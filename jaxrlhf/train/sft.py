@@ -12,6 +12,7 @@ from jaxrlhf.perf import decoder_flops
 from jaxrlhf.train import spec
 from jaxrlhf.train.common import TrainState, update_role
 from jaxrlhf.train.evaluate import ExactMatchEval
+from jaxrlhf.train.sequences import next_token_target, packing_metrics
 from jaxrlhf.train.stage import Stage
 
 
@@ -23,26 +24,38 @@ class SFTStage(Stage):
     self.evaluator = ExactMatchEval(self)
 
   def batch_shapes(self):
+    if self.packer is not None:
+      return self.packed_shapes(self.scfg.batch_size)
     return self.sequence_shapes()
 
   def batch(self, step):
     examples = self.data.examples("sft", step, self.scfg.batch_size)
-    return self.data.encoder.sequences(examples, "response")
+    return self.sequence_batch(examples, "response")
 
-  def step(self, state: TrainState, frozen, batch):
+  def objective(self, batch):
+    """``(loss_fn, mb)``: the loss ``(params, micro-batch) -> (loss, metrics)`` the step
+    differentiates (normalised by the whole batch's target tokens) and the arrays it reads,
+    padded or packed alike."""
     cfg = self.model_cfg("policy")
     target = batch["loss_mask"] if self.scfg.response_only else batch["mask"]
-    target = target[:, 1:] & batch["mask"][:, :-1]
+    target = next_token_target(target, batch)
     denom = jnp.maximum(jnp.sum(target), 1).astype(jnp.float32)
 
     def loss_fn(params, mb):
       logp, _ = M.token_logprobs(params, mb["tokens"], mb["mask"], cfg=cfg, start=1,
-                                 kernels=self.cfg.kernels)
+                                 kernels=self.cfg.kernels, segment_ids_BL=mb.get("segment_ids"))
       return sft_loss(logp, mb["target"], denom=denom)
 
     mb = {"tokens": batch["tokens"], "mask": batch["mask"], "target": target}
-    return update_role(state, "policy", self.on_view(loss_fn, frozen, "policy"), mb,
-                       self.scfg.optim.grad_accum, self.opt["policy"])
+    if "segment_ids" in batch:
+      mb["segment_ids"] = batch["segment_ids"]
+    return loss_fn, mb
+
+  def step(self, state: TrainState, frozen, batch):
+    loss_fn, mb = self.objective(batch)
+    state, metrics = update_role(state, "policy", self.on_view(loss_fn, frozen, "policy"), mb,
+                                 self.scfg.optim.grad_accum, self.opt["policy"])
+    return state, {**metrics, **packing_metrics(batch)}
 
   def evaluate(self, state, frozen):
     return self.evaluator(self.view(state.params, frozen, "policy"))
@@ -87,4 +100,4 @@ SPEC = spec.register(spec.AlgorithmSpec(
     name="sft", config_type=SFTConfig, stage=SFTStage,
     roles=lambda cfg: {"policy": spec.Role("lm", True)}, batch="sequences", rows_per_example=1,
     flops=flops, evaluation="exact_match", eval_at_start=True, validate=validate,
-    stop_rule=stop_rule))
+    stop_rule=stop_rule, packs=True))

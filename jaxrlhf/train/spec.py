@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
+from jaxrlhf.config import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class Role:
@@ -29,7 +31,9 @@ class AlgorithmSpec:
   - ``roles(cfg)``: role -> :class:`Role` for this experiment's settings (e.g. PPO's shared
     backbone puts the value head on the policy; a KL coefficient of 0 needs no reference).
   - ``batch``: what a batch holds: ``sequences`` (prompt + response), ``pairs`` (chosen and
-    rejected), ``prompts`` (generation); ``rows_per_example`` rows each in the forward pass.
+    rejected), ``prompts`` (generation); ``rows_per_example`` rows each in the forward pass;
+    ``packs``: ``data.pack=true`` packs its batches (several sequences per row,
+    :mod:`jaxrlhf.data.packing`).
   - ``validate(cfg, data)``: the checks that need the data (answers for rule rewards ...);
     the config-only checks are ``config_type.check``.
   - ``flops(stage)``: model FLOPs of one step by phase (MFU, the planner).
@@ -53,6 +57,7 @@ class AlgorithmSpec:
   eval_at_start: bool
   validate: Callable = lambda cfg, data: None
   stop_rule: Callable = lambda scfg: ""
+  packs: bool = False
   generates: bool = False
   advantages: Optional[Callable] = None
   terms: dict = dataclasses.field(default_factory=dict)
@@ -77,6 +82,14 @@ def get(name: str) -> AlgorithmSpec:
 
 def names() -> tuple[str, ...]:
   return tuple(_SPECS)
+
+
+def check_packing(cfg) -> None:
+  """``data.pack=true`` must reach a stage that packs: otherwise the setting would do nothing."""
+  if cfg.data.pack and not any(get(name).packs for name in cfg.stages):
+    packers = ", ".join(n for n in names() if get(n).packs)
+    raise ConfigError(f"data.pack=true, but none of the stages ({', '.join(cfg.stages)}) packs "
+                      f"its batches (packing applies to {packers}); set data.pack=false")
 
 
 def build_stage(name: str, cfg, mesh, data):

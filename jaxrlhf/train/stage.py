@@ -16,9 +16,11 @@ from jaxrlhf import model as M
 from jaxrlhf.model import hf, lora as LORA
 from jaxrlhf.config import ConfigError, ExperimentConfig, ModelConfig
 from jaxrlhf.data import DataSource
+from jaxrlhf.data.packing import Packer, interleave_pairs
 from jaxrlhf.mesh import (DECODE_PARAM_RULES, FROZEN_PARAM_RULES, PARAM_RULES, batch_sharding,
                           replicated, tree_shardings)
 from jaxrlhf.train import spec
+from jaxrlhf.train.sequences import pair_rows
 from jaxrlhf.train.common import (TrainState, init_state, jit_step, make_optimizer,
                                   make_state_fn, shardings_of, skip_counters, state_shardings)
 
@@ -63,6 +65,8 @@ class Stage:
     lo = self.scfg.lora
     self.lora = {r: lo for r in self.trainable if lo.rank and r in lo.roles}
     self.base_keys = {r: self._base_key(r) for r in self.lora}
+    self.packer = make_packer(cfg.data, mesh, self.tok.pad_id, self.scfg.optim.grad_accum) if (
+        cfg.data.pack and self.spec.packs) else None
 
   # -- to implement -------------------------------------------------------------------------
   def stop_rule(self) -> str:
@@ -259,6 +263,28 @@ class Stage:
     return LORA.merge(params[role], frozen[self.base_keys[role]], self.lora[role],
                       self.model_cfg(role).param_dtype)
 
+  def sequence_batch(self, examples, field: str) -> dict:
+    """Prompt + ``field`` of each example (SFT), padded or packed (``data.pack``)."""
+    batch = self.data.encoder.sequences(examples, field)
+    return self.packer.pack(**batch) if self.packer is not None else batch
+
+  def pair_batch(self, examples) -> dict:
+    """Preference pairs (RM, DPO), padded (``chosen*``, ``rejected*``) or packed (one set of
+    rows, sequence ``2i`` pair ``i``'s chosen side and ``2i + 1`` its rejected side)."""
+    enc = self.data.encoder
+    if self.packer is None:
+      return enc.pairs(examples)
+    return self.packer.pack(**interleave_pairs(enc.sequences(examples, "chosen"),
+                                               enc.sequences(examples, "rejected")))
+
+  def packed_shapes(self, n_sequences: int) -> dict:
+    """Shapes of a packed batch at its largest bucket (what the planner and memory checks
+    see): every sequence alone in its row."""
+    rows = (self.packer.max_rows(n_sequences), self.packer.row_len)
+    return {"tokens": (rows, jnp.int32), "mask": (rows, jnp.bool_),
+            "loss_mask": (rows, jnp.bool_), "segment_ids": (rows, jnp.int32),
+            "sequence_ids": (rows, jnp.int32), "sequence_lengths": ((n_sequences,), jnp.int32)}
+
   def sequence_shapes(self, side: str = "") -> dict:
     """Shapes of prompt|response sequences: ``tokens, mask, loss_mask``, or for one side of a
     preference pair ``SIDE, SIDE_mask, SIDE_loss_mask``."""
@@ -328,11 +354,20 @@ def zero_score(cfg: ModelConfig) -> dict:
   return {"w": jnp.zeros((cfg.d_model,), dtype), "b": jnp.zeros((), dtype)}
 
 
+def make_packer(d, mesh, pad_id: int, grad_accum: int) -> Packer:
+  """The packing of a stage's batches from ``data.pack_*`` (``d``: the DataConfig): each
+  micro-batch packed into its own rows, rows in multiples of the data-parallel shards."""
+  shape = {} if mesh is None else dict(mesh.shape)
+  return Packer(row_len=d.pack_length or d.max_prompt_len + d.max_response_len,
+                groups=grad_accum, row_multiple=shape.get("dp", 1) * shape.get("fsdp", 1),
+                buckets=d.pack_buckets, pad_id=pad_id)
+
+
 def stack_pairs(b: dict):
   """``(tokens, mask, loss_mask)`` with every chosen row then every rejected row, so one forward
-  pass scores both sides of each preference pair; split results with ``[:n]`` / ``[n:]``."""
-  return tuple(jnp.concatenate([b[f"chosen{s}"], b[f"rejected{s}"]])
-               for s in ("", "_mask", "_loss_mask"))
+  pass scores both sides of each preference pair; split results with ``[:n]`` / ``[n:]``
+  (a padded pair batch: :func:`jaxrlhf.train.sequences.pair_rows` takes either layout)."""
+  return pair_rows(b)[:3]
 
 
 def same_backbone(a: ModelConfig, b: ModelConfig) -> bool:

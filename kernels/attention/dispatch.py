@@ -19,7 +19,8 @@ DECODE_MAX_T = 16
 
 
 def attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, impl: str = "auto",
-              kv_layout: str = "bskd", scale=None, window=None, softcap=None):
+              kv_layout: str = "bskd", scale=None, window=None, softcap=None,
+              segment_ids=None):
   """Causal GQA attention; see :func:`attention_reference` for the contract.
 
   Rows with no visible key (left-pad queries) are unspecified: the reference and cuDNN give the
@@ -30,14 +31,24 @@ def attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, impl: str = "au
   ``scale`` (default ``head_dim ** -0.5``), ``window`` (sliding window, may be traced) and
   ``softcap`` (logit soft-capping) as in the reference; None: off.  cuDNN takes a window
   (through its mask) but no soft-capping: ``impl="cudnn"`` with ``softcap`` is an error.
+
+  ``segment_ids`` (int ``[B, S]``, 0 for padding): packed rows, each query attending only to
+  keys of its own segment (the id at the query's slot).  The Pallas path runs it on the flash
+  kernels at every query length (the decode kernel has no segments; a packed call is never a
+  decode step); cuDNN refuses it.
   """
   check_layout(kv_layout)
   impl = resolve_impl("attention", impl, IMPLS, AUTO)
   if impl == "cudnn" and softcap is not None:
     raise ValueError("kernels.attention='cudnn' has no logit soft-capping (Gemma 2's "
                      "attn_logit_softcapping); use kernels.attention=auto, pallas or xla")
+  if impl == "cudnn" and segment_ids is not None:
+    raise ValueError("kernels.attention='cudnn' has no segment ids (packed sequences, "
+                     "data.pack=true); use kernels.attention=auto, pallas or xla, or set "
+                     "data.pack=false")
   # Gemma's options are passed only when set, so every other call is the plain one.
-  extra = {k: v for k, v in (("window", window), ("softcap", softcap)) if v is not None}
+  extra = {k: v for k, v in (("window", window), ("softcap", softcap),
+                             ("segment_ids", segment_ids)) if v is not None}
   if impl == "xla":
     if scale is None and not extra:
       return attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset,
@@ -45,7 +56,7 @@ def attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, impl: str = "au
     return attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset, scale=scale,
                                kv_layout=kv_layout, **extra)
   interpret = impl == "pallas_interpret"
-  if impl != "cudnn" and q_BTHD.shape[1] <= DECODE_MAX_T:
+  if impl != "cudnn" and q_BTHD.shape[1] <= DECODE_MAX_T and segment_ids is None:
     return decode_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset, interpret=interpret,
                             kv_layout=kv_layout, scale=scale, **extra)
   k_BSKD, v_BSKD = to_bskd(k_BSKD, kv_layout), to_bskd(v_BSKD, kv_layout)

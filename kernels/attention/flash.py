@@ -100,6 +100,19 @@ def visible(cols, q_slot, key_ok, off_ref, windowed):
   return vis
 
 
+def segments_at(m_ref, start, n, ok):
+  """The segment ids (the int key mask, 0: padding) of slots ``start .. start+n``; 0 where not
+  ``ok``."""
+  return plgpu.load(m_ref.at[pl.ds(start, n)], mask=ok, other=0)
+
+
+def same_segment(vis, q_seg, m_ref, s0, bk, s):
+  """``vis`` restricted to keys of block ``s0`` in the query row's own segment (packed rows:
+  the key mask holds segment ids, and a query's id is the one at its own slot)."""
+  k_seg = segments_at(m_ref, s0, bk, s0 + jnp.arange(bk) < s)
+  return vis & (k_seg[None, :] == q_seg[:, None])
+
+
 def first_key_block(off_ref, first_slot, bk, windowed):
   """The first key block a query at ``first_slot`` or later can see: 0 without a window."""
   if not windowed:
@@ -135,12 +148,13 @@ def softmax_finish(carry, lse_if_empty):
 
 
 def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, s, d, dp, scale,
-                bq, bk, softcap=None, windowed=False):
+                bq, bk, softcap=None, windowed=False, segmented=False):
   off = off_ref[0]
   t0 = pl.program_id(0) * bq
   rows = t0 + jnp.arange(bq)
   row_ok = rows < t
   q = _load_rows(q_ref, t0, row_ok, bq, dp, d)
+  q_seg = segments_at(m_ref, off + t0, bq, row_ok) if segmented else None
 
   def body(j, carry):
     cols, key_ok, k, v = key_block(k_ref, v_ref, m_ref, j * bk, bk, s, dp, d)
@@ -148,6 +162,8 @@ def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, s, d,
       vis = visible(cols, off + rows, key_ok, off_ref, windowed)
     else:
       vis = (cols[None, :] <= off + rows[:, None]) & key_ok[None, :]
+    if segmented:
+      vis = same_segment(vis, q_seg, m_ref, j * bk, bk, s)
     return softmax_step(carry, q, k, v, vis, scale, softcap)
 
   n_blocks = n_key_blocks(off + jnp.minimum(t, t0 + bq), s, bk)
@@ -160,13 +176,14 @@ def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, s, d,
 
 
 def _dq_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, do_ref, lse_ref, delta_ref, dq_ref, *, t, s,
-               d, dp, scale, bq, bk, softcap=None, windowed=False):
+               d, dp, scale, bq, bk, softcap=None, windowed=False, segmented=False):
   off = off_ref[0]
   t0 = pl.program_id(0) * bq
   rows = t0 + jnp.arange(bq)
   row_ok = rows < t
   q = _load_rows(q_ref, t0, row_ok, bq, dp, d)
   do = _load_rows(do_ref, t0, row_ok, bq, dp, d)
+  q_seg = segments_at(m_ref, off + t0, bq, row_ok) if segmented else None
   lse = plgpu.load(lse_ref.at[pl.ds(t0, bq)], mask=row_ok, other=_BIG)
   delta = plgpu.load(delta_ref.at[pl.ds(t0, bq)], mask=row_ok, other=0.0)
 
@@ -176,6 +193,8 @@ def _dq_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, do_ref, lse_ref, delta_ref, 
       vis = visible(cols, off + rows, key_ok, off_ref, windowed)
     else:
       vis = (cols[None, :] <= off + rows[:, None]) & key_ok[None, :]
+    if segmented:
+      vis = same_segment(vis, q_seg, m_ref, j * bk, bk, s)
     if softcap is None:
       sc = jnp.where(vis, dot(q, k, trans_b=True) * scale, _MASKED)
     else:
@@ -196,11 +215,13 @@ def _dq_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, do_ref, lse_ref, delta_ref, 
 
 
 def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-                *, t, s, d, dp, scale, bq, bk, groups, softcap=None, windowed=False):
+                *, t, s, d, dp, scale, bq, bk, groups, softcap=None, windowed=False,
+                segmented=False):
   # q_ref / do_ref: [T, G, D] (the query heads of this KV head); lse/delta: [G, T].
   off = off_ref[0]
   s0 = pl.program_id(0) * bk
   cols, key_ok, k, v = key_block(k_ref, v_ref, m_ref, s0, bk, s, dp, d)
+  k_seg = segments_at(m_ref, s0, bk, cols < s) if segmented else None
   # Query blocks wholly before this key block cannot see it: start at the first that can.
   first = jnp.where(s0 > off, jax.lax.div(s0 - off, bq), 0)
 
@@ -218,6 +239,9 @@ def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, m_ref, do_ref, lse_ref, delta_ref,
         vis = visible(cols, off + rows, key_ok, off_ref, windowed) & row_ok[:, None]
       else:
         vis = (cols[None, :] <= off + rows[:, None]) & key_ok[None, :] & row_ok[:, None]
+      if segmented:
+        q_seg = segments_at(m_ref, off + t0, bq, row_ok)
+        vis = vis & (k_seg[None, :] == q_seg[:, None])
       if softcap is None:
         sc = jnp.where(vis, dot(q, k, trans_b=True) * scale, _MASKED)
       else:
@@ -247,7 +271,7 @@ _RULE_IN = "x, b t k g d, b s k d, b s k d, b s"
 _WHOLE = ("x", "t", "g", "d", "s")  # needed whole by every kernel
 
 
-def _statics(q5, k, scale, bq, bk, off=None, softcap=None):
+def _statics(q5, k, scale, bq, bk, off=None, softcap=None, segmented=False):
   b, t, kh, g, d = q5.shape
   s = k.shape[1]
   scale = d ** -0.5 if scale is None else scale
@@ -257,6 +281,8 @@ def _statics(q5, k, scale, bq, bk, off=None, softcap=None):
     st["softcap"] = softcap
   if off is not None and off.shape[0] == 2:  # [q_offset, window]
     st["windowed"] = True
+  if segmented:
+    st["segmented"] = True
   return (b, t, kh, g, d, s), st
 
 
@@ -270,8 +296,10 @@ def _head_specs(t, s, d, g, n_off=1):
       rows=pl.BlockSpec((None, None, None, t), lambda i, bi, hi: (bi, hi // g, hi % g, 0)))
 
 
-def _forward_local(off, q5, k, v, kv_mask, *, bs, interpret, scale, softcap=None):
-  (b, t, kh, g, d, s), st = _statics(q5, k, scale, bs.block_q, bs.block_k, off, softcap)
+def _forward_local(off, q5, k, v, kv_mask, *, bs, interpret, scale, softcap=None,
+                   segmented=False):
+  (b, t, kh, g, d, s), st = _statics(q5, k, scale, bs.block_q, bs.block_k, off, softcap,
+                                     segmented)
   sp = _head_specs(t, s, d, g, off.shape[0])
   return pl.pallas_call(
       functools.partial(_fwd_kernel, **st),
@@ -286,8 +314,10 @@ def _forward_local(off, q5, k, v, kv_mask, *, bs, interpret, scale, softcap=None
   )(off, q5, k, v, kv_mask)
 
 
-def _dq_local(off, q5, k, v, kv_mask, do5, lse4, delta4, *, bs, interpret, scale, softcap=None):
-  (b, t, kh, g, d, s), st = _statics(q5, k, scale, bs.block_q_bwd, bs.block_k_bwd, off, softcap)
+def _dq_local(off, q5, k, v, kv_mask, do5, lse4, delta4, *, bs, interpret, scale, softcap=None,
+              segmented=False):
+  (b, t, kh, g, d, s), st = _statics(q5, k, scale, bs.block_q_bwd, bs.block_k_bwd, off, softcap,
+                                     segmented)
   sp = _head_specs(t, s, d, g, off.shape[0])
   return pl.pallas_call(
       functools.partial(_dq_kernel, **st),
@@ -303,8 +333,9 @@ def _dq_local(off, q5, k, v, kv_mask, do5, lse4, delta4, *, bs, interpret, scale
 
 
 def _dkv_local(off, q5, k, v, kv_mask, do5, lse4, delta4, *, bs, interpret, scale,
-               softcap=None):
-  (b, t, kh, g, d, s), st = _statics(q5, k, scale, bs.block_q_bwd, bs.block_k_bwd, off, softcap)
+               softcap=None, segmented=False):
+  (b, t, kh, g, d, s), st = _statics(q5, k, scale, bs.block_q_bwd, bs.block_k_bwd, off, softcap,
+                                     segmented)
   group = pl.BlockSpec((None, t, None, g, d), lambda j, bi, ki: (bi, 0, ki, 0, 0))
   group_rows = pl.BlockSpec((None, None, g, t), lambda j, bi, ki: (bi, ki, 0, 0))
   kv = pl.BlockSpec((None, s, None, d), lambda j, bi, ki: (bi, 0, ki, 0))
@@ -323,11 +354,13 @@ def _dkv_local(off, q5, k, v, kv_mask, do5, lse4, delta4, *, bs, interpret, scal
 
 
 @functools.lru_cache(maxsize=None)
-def _ops(bs, interpret, scale, softcap=None):
+def _ops(bs, interpret, scale, softcap=None, segmented=False):
   """The three kernels as per-shard ops, built once per static configuration."""
   kw = dict(bs=bs, interpret=interpret, scale=scale)
   if softcap is not None:
     kw["softcap"] = softcap
+  if segmented:
+    kw["segmented"] = True
   grads_in = _RULE_IN + ", b t k g d, b k g t, b k g t"
   return (
       per_shard(functools.partial(_forward_local, **kw), _RULE_IN + " -> b t k g d, b k g t",
@@ -343,23 +376,24 @@ def _group(x_BTHD, kh):
   return x_BTHD.reshape(b, t, kh, h // kh, d)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _flash(q, k, v, kv_mask, off, bs, interpret, scale, softcap):
-  o5, _ = _ops(bs, interpret, scale, softcap)[0](off, _group(q, k.shape[2]), k, v, kv_mask)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _flash(q, k, v, kv_mask, off, bs, interpret, scale, softcap, segmented):
+  o5, _ = _ops(bs, interpret, scale, softcap, segmented)[0](off, _group(q, k.shape[2]), k, v,
+                                                            kv_mask)
   return o5.reshape(q.shape)
 
 
-def _flash_fwd(q, k, v, kv_mask, off, bs, interpret, scale, softcap):
+def _flash_fwd(q, k, v, kv_mask, off, bs, interpret, scale, softcap, segmented):
   q5 = _group(q, k.shape[2])
-  o5, lse4 = _ops(bs, interpret, scale, softcap)[0](off, q5, k, v, kv_mask)
+  o5, lse4 = _ops(bs, interpret, scale, softcap, segmented)[0](off, q5, k, v, kv_mask)
   return o5.reshape(q.shape), (q5, k, v, kv_mask, off, o5, lse4)
 
 
-def _flash_bwd(bs, interpret, scale, softcap, res, do):
+def _flash_bwd(bs, interpret, scale, softcap, segmented, res, do):
   q5, k, v, kv_mask, off, o5, lse4 = res
   do5 = do.reshape(q5.shape)
   delta4 = jnp.einsum("btkgd,btkgd->bkgt", o5.astype(jnp.float32), do5.astype(jnp.float32))
-  _, dq_op, dkv_op = _ops(bs, interpret, scale, softcap)
+  _, dq_op, dkv_op = _ops(bs, interpret, scale, softcap, segmented)
   args = (off, q5, k, v, kv_mask, do5, lse4, delta4)
   dq5 = dq_op(*args)
   dk, dv = dkv_op(*args)
@@ -381,21 +415,33 @@ def check_shapes(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS):
     raise ValueError(f"attention: kv_mask {kv_mask_BS.shape} must be [B, S] = {k_BSKD.shape[:2]}")
 
 
-def kernel_inputs(kv_mask_BS, q_offset, window=None):
+def kernel_inputs(kv_mask_BS, q_offset, window=None, segment_ids_BS=None):
   """The key mask as int32 (Triton has no bool memory) and the offset as an int32 [1] array,
-  or ``[q_offset, window]`` [2] with a sliding window."""
+  or ``[q_offset, window]`` [2] with a sliding window.  With segment ids the mask holds them
+  (0 where the key is not valid), so the kernels read validity and segment from one array."""
+  if segment_ids_BS is not None:
+    mask = jnp.where(kv_mask_BS.astype(bool), segment_ids_BS.astype(jnp.int32), 0)
+  else:
+    mask = kv_mask_BS.astype(jnp.int32)
   off = jnp.reshape(jnp.asarray(q_offset, jnp.int32), (1,))
   if window is not None:
     off = jnp.concatenate([off, jnp.reshape(jnp.asarray(window, jnp.int32), (1,))])
-  return kv_mask_BS.astype(jnp.int32), off
+  return mask, off
 
 
 def flash_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *,
                     block_sizes: BlockSizes = BlockSizes(), interpret: bool = False,
-                    scale: float | None = None, window=None, softcap: float | None = None):
+                    scale: float | None = None, window=None, softcap: float | None = None,
+                    segment_ids=None):
   """Causal GQA attention with a key mask (see the module docstring); differentiable in
-  q, k and v through the Pallas backward kernels.  ``window`` (may be traced) and ``softcap``
-  as in :func:`kernels.attention.reference.attention_reference`."""
+  q, k and v through the Pallas backward kernels.  ``window`` (may be traced), ``softcap`` and
+  ``segment_ids`` (packed rows: int ``[B, S]``, ids >= 1, 0 for padding; ids must be
+  positive where ``kv_mask`` is true) as in
+  :func:`kernels.attention.reference.attention_reference`."""
   check_shapes(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS)
-  mask, off = kernel_inputs(kv_mask_BS, q_offset, window)
-  return _flash(q_BTHD, k_BSKD, v_BSKD, mask, off, block_sizes, interpret, scale, softcap)
+  if segment_ids is not None and segment_ids.shape != kv_mask_BS.shape:
+    raise ValueError(f"attention: segment_ids {segment_ids.shape} must be [B, S] = "
+                     f"{kv_mask_BS.shape}")
+  mask, off = kernel_inputs(kv_mask_BS, q_offset, window, segment_ids)
+  return _flash(q_BTHD, k_BSKD, v_BSKD, mask, off, block_sizes, interpret, scale, softcap,
+                segment_ids is not None)

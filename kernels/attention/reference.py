@@ -8,17 +8,24 @@ import jax.numpy as jnp
 _MASKED = -1e30
 
 
-def allowed_mask(q_len: int, kv_mask_BS: jax.Array, q_offset, window=None) -> jax.Array:
+def allowed_mask(q_len: int, kv_mask_BS: jax.Array, q_offset, window=None,
+                 segment_ids_BS=None) -> jax.Array:
   """[B, T, S] bool: key slot s is visible from query t iff s <= q_offset + t and it is valid;
   with a ``window`` (an int, possibly traced), also iff s > q_offset + t - window: the query
   sees the last ``window`` slots, itself included (transformers' sliding window, which counts
-  cache slots, not rotary positions)."""
+  cache slots, not rotary positions).  With ``segment_ids_BS`` (int ``[B, S]``, one id per
+  packed sequence, 0 for padding), also iff slot s holds the query's own segment: the query
+  at slot ``q_offset + t`` has the id stored at that slot."""
   s_len = kv_mask_BS.shape[1]
   q_slot = q_offset + jnp.arange(q_len)[:, None]
   causal_TS = jnp.arange(s_len)[None, :] <= q_slot
   if window is not None:
     causal_TS = causal_TS & (jnp.arange(s_len)[None, :] > q_slot - window)
-  return causal_TS[None] & kv_mask_BS[:, None, :].astype(bool)
+  allowed = causal_TS[None] & kv_mask_BS[:, None, :].astype(bool)
+  if segment_ids_BS is not None:
+    q_seg_BT = jax.lax.dynamic_slice_in_dim(segment_ids_BS, q_offset, q_len, axis=1)
+    allowed = allowed & (q_seg_BT[:, :, None] == segment_ids_BS[:, None, :])
+  return allowed
 
 
 def softcap_logits(x, cap):
@@ -27,7 +34,8 @@ def softcap_logits(x, cap):
 
 
 def attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, scale=None,
-                        kv_layout: str = "bskd", window=None, softcap=None):
+                        kv_layout: str = "bskd", window=None, softcap=None,
+                        segment_ids=None):
   """Grouped-query causal attention.
 
   q_BTHD: queries at slots ``q_offset .. q_offset+T-1``; k/v_BSKD: keys/values at slots
@@ -37,7 +45,9 @@ def attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, scale
   Softmax in float32; output in the dtype of ``q``.  A query row with no visible key gets
   the mean of V here; other implementations may differ on such rows (they are never used).
   ``window``: sliding-window attention (see :func:`allowed_mask`); ``softcap``: the scaled
-  logits are soft-capped (:func:`softcap_logits`) before masking.  None: off.
+  logits are soft-capped (:func:`softcap_logits`) before masking.  ``segment_ids``: int
+  ``[B, S]`` ids of packed sequences (0: padding); a query sees only keys of its own segment
+  (see :func:`allowed_mask`).  None: off.
   """
   check_layout(kv_layout)
   b, t, h, d = q_BTHD.shape
@@ -54,7 +64,7 @@ def attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, scale
                       preferred_element_type=jnp.float32) * scale
   if softcap is not None:
     scores = softcap_logits(scores, softcap)
-  allowed = allowed_mask(t, kv_mask_BS, q_offset, window)[:, None, None]
+  allowed = allowed_mask(t, kv_mask_BS, q_offset, window, segment_ids)[:, None, None]
   scores = jnp.where(allowed, scores, _MASKED)
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum(f"bkgts,{kv}->btkgd", probs.astype(v_BSKD.dtype), v_BSKD,
