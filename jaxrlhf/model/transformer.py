@@ -230,15 +230,8 @@ def _proj(x_BTI, lp, name: str):
   y = _matmul(x_BTI, lp[name])
   ad = lp.get("lora", {}).get(name)
   if ad is not None:
-    # The rank-r product is saved for the backward; the full-width ``(x @ a) @ b`` is
-    # recomputed from it (a ``remat="dots"`` policy would otherwise keep it: one more
-    # projection-sized activation per adapter).
-    y = y + _lora_up(_matmul(x_BTI, ad["a"]), ad["b"])
+    y = y + _matmul(_matmul(x_BTI, ad["a"]), ad["b"])
   return y
-
-
-_lora_up = jax.checkpoint(lambda xa, b: _matmul(xa, b),
-                          policy=jax.checkpoint_policies.nothing_saveable)
 
 
 def _sliding(cfg: ModelConfig, li):
