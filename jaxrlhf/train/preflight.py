@@ -46,14 +46,21 @@ def gb(x: float) -> str:
 def state_bytes(cfg: ExperimentConfig) -> float:
   """Bytes of every stage's parameters and AdamW states in total (the largest stage), before
   any sharding: what the devices must hold between them at least."""
+  import jax
   from jaxrlhf.train.spec import build_stage
   from jaxrlhf.data import DataSource
   data = DataSource(cfg.data, cfg.seed)
   best = 0.0
   for name in cfg.stages:
     stage = build_stage(name, cfg, None, data)
-    total = sum(3 * param_bytes(cfg.role_model(r), h) for r, h in stage.trainable.items())
+    total = sum(3 * param_bytes(cfg.role_model(r), h) for r, h in stage.trainable.items()
+                if r not in stage.lora)
     total += sum(param_bytes(cfg.role_model(r), h) for r, h in stage.frozen().items())
+    for r, key in stage.base_keys.items():  # LoRA: adapters x 3, the base once
+      total += 3 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+          stage.abstract_trainable(r)))
+      if key not in stage.frozen():
+        total += param_bytes(cfg.role_model(r), stage.trainable[r])
     best = max(best, total)
   return best
 
@@ -89,6 +96,12 @@ def states_per_device(cfg: ExperimentConfig, mesh) -> tuple[float, str]:
   best, where = 0.0, ""
   for name in cfg.stages:
     stage = build_stage(name, cfg, mesh, data)
+    if stage.lora:  # adapters, their moments and the frozen bases, as the stage lays them out
+      state, frozen = stage.abstract_init()
+      total = tree_bytes((state.params, state.opt_state, frozen))
+      if total > best:
+        best, where = total, name
+      continue
     roles = [(r, h, PARAM_RULES, 3) for r, h in stage.trainable.items()]
     roles += [(r, h, FROZEN_PARAM_RULES, 1) for r, h in stage.frozen().items()]
     total = 0.0
