@@ -195,10 +195,10 @@ class LoraConfig:
 
   rank: int = 0
   alpha: float = 16.0
-  targets: tuple = LORA_TARGETS
+  targets: tuple[str, ...] = LORA_TARGETS
   # Which of the stage's trained roles get adapters (the others train fully); the default,
   # every one: the policy (SFT, DPO, PPO, GRPO), the value model (PPO), the reward model (RM).
-  roles: tuple = ("policy", "value", "reward")
+  roles: tuple[str, ...] = ("policy", "value", "reward")
   # A's initialisation ("kaiming": PEFT's default, uniform with a = sqrt(5); "gaussian":
   # N(0, 1 / rank)); B is always zero.
   init: Literal["kaiming", "gaussian"] = "kaiming"
