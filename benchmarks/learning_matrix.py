@@ -68,13 +68,23 @@ class Job:
   def done(self):
     return os.path.exists(os.path.join(self.dir, "summary.json"))
 
-  def start(self, cache_root):
+  def start(self, cache_root, sft_from=None):
     os.makedirs(self.dir, exist_ok=True)
+    src = None
     if self.after is not None:
       src = os.path.join(self.after.dir, "sft", "final")
+    elif sft_from:  # a finished SFT of the same seed and codegen from another matrix
+      for e in (self.experiment, *[k for k, v in SHARES_SFT.items() if v == self.experiment],
+                SHARES_SFT.get(self.experiment)):
+        cand = os.path.join(run_dir(sft_from, e, self.seed, self.isa), "sft", "final") if e else ""
+        if cand and os.path.exists(cand):
+          src = cand
+          break
+    if src is not None:
       dst = os.path.join(self.dir, "sft", "final")
       if not os.path.exists(dst):
         shutil.copytree(src, dst)
+        print(f"         {self.name}: SFT from {src}", flush=True)
     env = dict(os.environ)
     env["XLA_FLAGS"] = R.ISAS[self.isa]
     env["JAXRLHF_COMPILATION_CACHE"] = os.path.join(cache_root, self.isa)
@@ -87,7 +97,7 @@ class Job:
     print(f"started  {self.name}: {' '.join(cmd[3:])}", flush=True)
 
 
-def run_all(jobs, n_parallel, cache_root):
+def run_all(jobs, n_parallel, cache_root, sft_from=None):
   pending = [j for j in jobs if not j.done()]
   running = []
   failed = []
@@ -111,7 +121,7 @@ def run_all(jobs, n_parallel, cache_root):
           failed.append(j)
         continue
       pending.remove(j)
-      j.start(cache_root)
+      j.start(cache_root, sft_from)
       running.append(j)
     time.sleep(2)
   return failed
@@ -179,6 +189,9 @@ def main(argv=None) -> int:
   p.add_argument("--markdown", action="store_true",
                  help="print the README's table from the stored figures and exit")
   p.add_argument("--no-run", action="store_true", help="only tabulate finished runs")
+  p.add_argument("--sft-from", default=None,
+                 help="another matrix's OUT: start each run from its finished SFT of the same "
+                      "seed and codegen (tuning a later stage; the SFT settings must agree)")
   args = p.parse_args(argv)
   if args.markdown:
     print(markdown(R.load_measured()))
@@ -204,7 +217,8 @@ def main(argv=None) -> int:
       j.after = by_key[(src, j.seed, j.isa)]
   # Interleave so that the runs a later one waits for come first.
   jobs.sort(key=lambda j: (j.after is not None, j.seed, j.isa))
-  failed = [] if args.no_run else run_all(jobs, args.jobs, os.path.join(args.out, "xla_cache"))
+  failed = [] if args.no_run else run_all(jobs, args.jobs, os.path.join(args.out, "xla_cache"),
+                                            args.sft_from)
   runs = collect(args.out, experiments, seeds, isas)
   text, ok = table(runs, seeds, isas)
   print(text)
