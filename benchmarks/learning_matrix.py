@@ -128,15 +128,22 @@ def run_all(jobs, n_parallel, cache_root, sft_from=None):
 
 
 def collect(out, experiments, seeds, isas):
-  runs = {}
+  """``(runs, shas)``: each finished run's metrics, and each experiment's settings fingerprint
+  (the same for all its runs, or an error)."""
+  runs, shas = {}, {}
   for e in experiments:
     for s in seeds:
       for isa in isas:
-        path = os.path.join(run_dir(out, e, s, isa), "summary.json")
-        if os.path.exists(path):
-          with open(path) as f:
+        d = run_dir(out, e, s, isa)
+        if os.path.exists(os.path.join(d, "summary.json")):
+          with open(os.path.join(d, "summary.json")) as f:
             runs.setdefault(e, {})[f"{s}/{isa}"] = R.measure(json.load(f))
-  return runs
+          with open(os.path.join(d, "config.json")) as f:
+            sha = R.config_sha(json.load(f))
+          if shas.setdefault(e, sha) != sha:
+            raise SystemExit(f"{d}: trained with other settings than the other runs of {e} "
+                             f"in {out}; rerun it in a fresh --out")
+  return runs, shas
 
 
 def table(runs, seeds, isas) -> tuple[str, bool]:
@@ -219,7 +226,7 @@ def main(argv=None) -> int:
   jobs.sort(key=lambda j: (j.after is not None, j.seed, j.isa))
   failed = [] if args.no_run else run_all(jobs, args.jobs, os.path.join(args.out, "xla_cache"),
                                             args.sft_from)
-  runs = collect(args.out, experiments, seeds, isas)
+  runs, shas = collect(args.out, experiments, seeds, isas)
   text, ok = table(runs, seeds, isas)
   print(text)
   with open(os.path.join(args.out, "matrix.json"), "w") as f:
@@ -228,7 +235,8 @@ def main(argv=None) -> int:
     setup = {"seeds": seeds, "isas": {i: R.ISAS[i] for i in isas},
              "command": "python -m benchmarks.learning_matrix --write"}
     with open(R.MEASURED_FILE, "w") as f:
-      json.dump({"setup": setup, "runs": runs}, f, indent=1, sort_keys=True)
+      json.dump({"setup": setup, "config_sha": shas, "runs": runs}, f, indent=1,
+                sort_keys=True)
       f.write("\n")
     print(f"wrote {R.MEASURED_FILE}")
   if failed:

@@ -40,7 +40,7 @@ METRICS = {
 def measure(summary: dict) -> dict[str, float]:
   """A run's learning metrics from its ``WORKDIR/summary.json``: per stage, the held-out
   accuracy at its end, its gain over the accuracy it started from, its pair accuracy and
-  (SFT) the step it stopped at."""
+  (a stage its stop rule ended, e.g. SFT) the step it stopped at."""
   out: dict[str, float] = {}
   for stage, s in summary.items():
     if "/" in stage or not isinstance(s, dict):
@@ -48,12 +48,12 @@ def measure(summary: dict) -> dict[str, float]:
     start = summary.get(f"{stage}/start", {})
     if "eval/accuracy" in s:
       out[f"{stage}/accuracy"] = float(s["eval/accuracy"])
-      if stage != "sft" and "eval/accuracy" in start:
+      if "eval/accuracy" in start:
         out[f"{stage}/gain"] = float(s["eval/accuracy"]) - float(start["eval/accuracy"])
     if "eval/pair_accuracy" in s:
       out[f"{stage}/pair_accuracy"] = float(s["eval/pair_accuracy"])
-    if stage == "sft" and "steps" in s:
-      out["sft/steps"] = int(s["steps"])
+    if s.get("target_reached") and "steps" in s:  # the step a stop rule ended it at
+      out[f"{stage}/steps"] = int(s["steps"])
   return out
 
 
