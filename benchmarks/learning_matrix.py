@@ -183,6 +183,21 @@ def markdown(measured) -> str:
   return "\n".join(rows)
 
 
+def cells_markdown(runs, seeds, isas) -> str:
+  """Every run's value (seed x codegen), one row per experiment and metric."""
+  cols = [f"{s}/{isa}" for s in seeds for isa in isas]
+  rows = ["| experiment | metric | " + " | ".join(f"seed {c.replace('/', ' ')}" for c in cols)
+          + " | median [range] |", "|---|---|" + "---|" * (len(cols) + 1)]
+  for e, by_run in runs.items():
+    for m in R.METRICS:
+      if not any(m in r for r in by_run.values()):
+        continue
+      vals = [R.fmt(m, by_run[c][m]) if c in by_run and m in by_run[c] else "-" for c in cols]
+      sp = R.spread({"runs": runs}, e, m)
+      rows.append(f"| `{e}` | {m} | " + " | ".join(vals) + f" | {R.fmt_spread(m, sp)} |")
+  return "\n".join(rows)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", default="runs/matrix")
@@ -196,6 +211,8 @@ def main(argv=None) -> int:
   p.add_argument("--markdown", action="store_true",
                  help="print the README's table from the stored figures and exit")
   p.add_argument("--no-run", action="store_true", help="only tabulate finished runs")
+  p.add_argument("--cells", action="store_true",
+                 help="also print every run's figures as a markdown table")
   p.add_argument("--sft-from", default=None,
                  help="another matrix's OUT: start each run from its finished SFT of the same "
                       "seed and codegen (tuning a later stage; the SFT settings must agree)")
@@ -229,6 +246,8 @@ def main(argv=None) -> int:
   runs, shas = collect(args.out, experiments, seeds, isas)
   text, ok = table(runs, seeds, isas)
   print(text)
+  if args.cells:
+    print(cells_markdown(runs, seeds, isas))
   with open(os.path.join(args.out, "matrix.json"), "w") as f:
     json.dump({"overrides": args.set, "runs": runs}, f, indent=2)
   if args.write:
