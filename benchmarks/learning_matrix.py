@@ -198,6 +198,19 @@ def cells_markdown(runs, seeds, isas) -> str:
   return "\n".join(rows)
 
 
+def native_isa() -> str:
+  """The best vector ISA this CPU offers XLA (what the "native" codegen uses)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+  except OSError:
+    return "unknown"
+  for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sse4_2", "SSE4.2")):
+    if flag in flags:
+      return name
+  return "unknown"
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--out", default="runs/matrix")
@@ -251,7 +264,8 @@ def main(argv=None) -> int:
   with open(os.path.join(args.out, "matrix.json"), "w") as f:
     json.dump({"overrides": args.set, "runs": runs}, f, indent=2)
   if args.write:
-    setup = {"seeds": seeds, "isas": {i: R.ISAS[i] for i in isas},
+    setup = {"seeds": seeds, "isas": {i: R.ISAS[i] for i in isas}, "native_isa": native_isa(),
+             "cpus": os.cpu_count(),
              "command": "python -m benchmarks.learning_matrix --write"}
     with open(R.MEASURED_FILE, "w") as f:
       json.dump({"setup": setup, "config_sha": shas, "runs": runs}, f, indent=1,

@@ -156,10 +156,12 @@ def compare(experiment: str, config: Optional[dict], summary: dict,
     return [f"{experiment}: no documented learning results (they exist for "
             f"{', '.join(sorted(runs))}); nothing to compare"]
   m = measure(summary)
+  setup = measured["setup"]
+  codegens = ", ".join(f"{i} ({setup['native_isa']})" if i == "native" and "native_isa" in setup
+                       else i for i in setup["isas"])
   lines = [f"{experiment} against the documented results (median [range] of "
-           f"{len(runs[experiment])} runs: seeds {', '.join(map(str, measured['setup']['seeds']))}"
-           f" x XLA_FLAGS codegens {', '.join(measured['setup']['isas'])}; "
-           "jaxrlhf/learning_results.json):"]
+           f"{len(runs[experiment])} runs: seeds {', '.join(map(str, setup['seeds']))} x CPU "
+           f"codegens {codegens}; jaxrlhf/learning_results.json):"]
   want = measured.get("config_sha", {}).get(experiment)
   if config is not None and want and config_sha(config) != want:
     lines.append("  NOTE: this run's settings differ from the documented runs' (not only the "
