@@ -68,23 +68,26 @@ class Job:
   def done(self):
     return os.path.exists(os.path.join(self.dir, "summary.json"))
 
-  def start(self, cache_root, sft_from=None):
+  def start(self, cache_root, reuse_from=None, reuse=("sft",)):
     os.makedirs(self.dir, exist_ok=True)
-    src = None
+    copies = {}
     if self.after is not None:
-      src = os.path.join(self.after.dir, "sft", "final")
-    elif sft_from:  # a finished SFT of the same seed and codegen from another matrix
-      for e in (self.experiment, *[k for k, v in SHARES_SFT.items() if v == self.experiment],
-                SHARES_SFT.get(self.experiment)):
-        cand = os.path.join(run_dir(sft_from, e, self.seed, self.isa), "sft", "final") if e else ""
-        if cand and os.path.exists(cand):
-          src = cand
-          break
-    if src is not None:
-      dst = os.path.join(self.dir, "sft", "final")
+      copies["sft"] = os.path.join(self.after.dir, "sft", "final")
+    elif reuse_from:  # finished stages of the same seed and codegen from another matrix
+      for stage in reuse:
+        for e in (self.experiment, *[k for k, v in SHARES_SFT.items() if v == self.experiment],
+                  SHARES_SFT.get(self.experiment)):
+          cand = os.path.join(run_dir(reuse_from, e, self.seed, self.isa), stage, "final") if e \
+              else ""
+          if stage in ("sft",) or e == self.experiment:
+            if cand and os.path.exists(cand):
+              copies[stage] = cand
+              break
+    for stage, src in copies.items():
+      dst = os.path.join(self.dir, stage, "final")
       if not os.path.exists(dst):
         shutil.copytree(src, dst)
-        print(f"         {self.name}: SFT from {src}", flush=True)
+        print(f"         {self.name}: {stage} from {src}", flush=True)
     env = dict(os.environ)
     env["XLA_FLAGS"] = R.ISAS[self.isa]
     env["JAXRLHF_COMPILATION_CACHE"] = os.path.join(cache_root, self.isa)
@@ -97,7 +100,7 @@ class Job:
     print(f"started  {self.name}: {' '.join(cmd[3:])}", flush=True)
 
 
-def run_all(jobs, n_parallel, cache_root, sft_from=None):
+def run_all(jobs, n_parallel, cache_root, reuse_from=None, reuse=("sft",)):
   pending = [j for j in jobs if not j.done()]
   running = []
   failed = []
@@ -121,7 +124,7 @@ def run_all(jobs, n_parallel, cache_root, sft_from=None):
           failed.append(j)
         continue
       pending.remove(j)
-      j.start(cache_root, sft_from)
+      j.start(cache_root, reuse_from, reuse)
       running.append(j)
     time.sleep(2)
   return failed
@@ -226,9 +229,11 @@ def main(argv=None) -> int:
   p.add_argument("--no-run", action="store_true", help="only tabulate finished runs")
   p.add_argument("--cells", action="store_true",
                  help="also print every run's figures as a markdown table")
-  p.add_argument("--sft-from", default=None,
-                 help="another matrix's OUT: start each run from its finished SFT of the same "
-                      "seed and codegen (tuning a later stage; the SFT settings must agree)")
+  p.add_argument("--reuse-from", default=None,
+                 help="another matrix's OUT: start each run from its finished stages (--reuse) "
+                      "of the same seed and codegen, to tune a later stage; the trainer "
+                      "refuses a reused stage whose settings changed in a way that matters")
+  p.add_argument("--reuse", default="sft", help="the stages --reuse-from copies (e.g. sft,rm)")
   args = p.parse_args(argv)
   if args.markdown:
     print(markdown(R.load_measured()))
@@ -255,7 +260,7 @@ def main(argv=None) -> int:
   # Interleave so that the runs a later one waits for come first.
   jobs.sort(key=lambda j: (j.after is not None, j.seed, j.isa))
   failed = [] if args.no_run else run_all(jobs, args.jobs, os.path.join(args.out, "xla_cache"),
-                                            args.sft_from)
+                                            args.reuse_from, tuple(args.reuse.split(",")))
   runs, shas = collect(args.out, experiments, seeds, isas)
   text, ok = table(runs, seeds, isas)
   print(text)

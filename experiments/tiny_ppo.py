@@ -48,9 +48,11 @@ def build():
       reward_model=dataclasses.replace(TINY, score_pool="mean"),
       rm=RMConfig(steps=1200, batch_size=64, eval_every=100,
                   optim=OptimizerConfig(lr=3e-4, warmup_steps=10, schedule="cosine")),
-      ppo=PPOConfig(steps=100, batch_size=32, eval_every=20,
+      # From an SFT stopped near 80% (not 91%), 100 steps at 5e-5 gained +7.7 to +10.9 points
+      # (seed 0), short of removing half the remaining errors; 150 at 1e-4 gained +11.3.
+      ppo=PPOConfig(steps=150, batch_size=32, eval_every=20,
                     kl=KLConfig(coef=0.1),
                     reward=RewardConfig(sources=("model", "rule:exact_match"),
                                         weights=(0.2, 1.0), normalize="batch"),
-                    optim=OptimizerConfig(lr=5e-5, warmup_steps=5, schedule="constant"),
+                    optim=OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant"),
                     value_optim=OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant")))
