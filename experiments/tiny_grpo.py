@@ -12,6 +12,6 @@ def build():
       name="tiny_grpo",
       description="SFT, then GRPO (8 samples per prompt, exact-match rule reward) on addition",
       stages=("sft", "grpo"), model=TINY, data=ADDITION, rollout=GREEDY_LEN, sft=TINY_SFT,
-      grpo=GRPOConfig(steps=60, batch_size=16, num_samples=8, eval_every=20,
+      grpo=GRPOConfig(steps=120, batch_size=16, num_samples=8, eval_every=20,
                       reward=RewardConfig(sources=("rule:exact_match",)),
                       optim=OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant")))

@@ -2,7 +2,9 @@
 
 Reads ``DIR/metrics.jsonl`` and writes, per stage, PNG plots of reward, KL, evaluation
 accuracy, response length, loss and the step-time breakdown over steps, into ``DIR/report/``,
-plus ``summary.txt`` (also printed): the final and best values of the key metrics per stage.
+plus ``summary.txt`` (also printed): the final and best values of the key metrics per stage
+and, for a finished run of a tiny experiment, where its learning results fall against the
+documented range (``jaxrlhf/results.py``) and whether it meets the documented claims.
 A plot whose metrics a stage never logged is skipped.  Records of the same stage and step are
 merged, later values winning, so a resumed run (which rewrites the steps after its checkpoint)
 plots once.
@@ -220,6 +222,22 @@ def _start_evals(workdir: str) -> dict[str, dict[str, float]]:
           for k, d in summary.items() if k.endswith("/start") and isinstance(d, dict)}
 
 
+def learning_comparison(workdir: str) -> str:
+  """Where a finished run of a tiny experiment falls against the documented results
+  (jaxrlhf/results.py); "" for a run without summary.json or config.json (unfinished)."""
+  from jaxrlhf import results
+  try:
+    with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
+      summary = json.load(f)
+    with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+      config = json.load(f)
+  except (OSError, ValueError):
+    return ""
+  if not isinstance(config, dict) or "name" not in config:
+    return ""
+  return "\n".join(results.compare(str(config["name"]), config, summary)) + "\n"
+
+
 def make_report(workdir: str, out_dir: Optional[str] = None) -> tuple[list[str], str]:
   """Writes the plots and summary.txt; returns (PNG paths, summary text)."""
   path = os.path.join(workdir, "metrics.jsonl")
@@ -247,7 +265,7 @@ def make_report(workdir: str, out_dir: Optional[str] = None) -> tuple[list[str],
     p = plot_step_time(by_step, stage, out_dir)
     if p:
       pngs.append(p)
-  text = summarize(stages)
+  text = summarize(stages) + learning_comparison(workdir)
   with open(os.path.join(out_dir, "summary.txt"), "w", encoding="utf-8") as f:
     f.write(text)
   return pngs, text

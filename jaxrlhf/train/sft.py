@@ -65,6 +65,12 @@ class SFTStage(Stage):
     if stop > 0 and acc is not None and acc >= stop:
       return (f"{self.data.eval_name('prompts', 'exact match')} {acc:.3f} reached "
               f"{stop_rule(self.scfg)}")
+    # Close to the target, evaluate every sft.stop_eval_every steps (the loop reads
+    # eval_every after each step), so that the stage stops near the target rather than up
+    # to eval_every steps past it.
+    dense = self.scfg.stop_eval_every
+    if stop > 0 and dense > 0 and acc is not None and acc >= self.scfg.stop_eval_from * stop:
+      self.eval_every = min(self.eval_every, dense)
     return ""
 
 
