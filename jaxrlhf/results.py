@@ -139,11 +139,29 @@ _NOT_LEARNING = ("mesh", "logging", "checkpoint", "plan", "distributed", "kernel
                  "name", "description", "required", "seed")
 
 
+def _without_defaults(value, default):
+  """``value`` (a config dict) without the entries equal to ``default``'s, recursively."""
+  if not isinstance(value, dict) or not isinstance(default, dict):
+    return value
+  out = {}
+  for k, v in value.items():
+    if k in default and v == default[k]:
+      continue
+    v = _without_defaults(v, default.get(k))
+    if v != {}:
+      out[k] = v
+  return out
+
+
 def config_sha(config: dict) -> str:
   """A fingerprint of what a run learns from (a run's ``config.json``, or ``to_dict`` of an
-  experiment): every setting but the seed and the run-only sections."""
+  experiment): every setting but the seed and the run-only sections, and only where it differs
+  from the default config, so that a setting added later with its default (off) leaves the
+  documented runs' fingerprints as they were."""
   import hashlib
+  from jaxrlhf.config import ExperimentConfig, to_dict
   kept = {k: v for k, v in config.items() if k not in _NOT_LEARNING}
+  kept = _without_defaults(kept, json.loads(json.dumps(to_dict(ExperimentConfig()))))
   return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
