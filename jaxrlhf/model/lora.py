@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.config import ConfigError, LoraConfig, ModelConfig
+from jaxrlhf.model.hf.export import _to_host
 from jaxrlhf.model.transformer import param_axes
 
 # Short target name -> (our layer parameter, its number of input dimensions, the Hugging Face
@@ -40,6 +41,10 @@ TARGETS = {
     "up": ("w_up", 1, "mlp.up_proj"),
     "down": ("w_down", 1, "mlp.down_proj"),
 }
+# Our layer parameter -> (its number of input dimensions, the Hugging Face module).
+_BY_WEIGHT = {w: (n_in, module) for w, n_in, module in TARGETS.values()}
+# Short target name -> PEFT's ``target_modules`` entry ("q" -> "q_proj").
+_PEFT_MODULE = {t: module.split(".")[-1] for t, (_, _, module) in TARGETS.items()}
 _SIZES = lambda cfg: {"layers": cfg.n_layers, "embed": cfg.d_model, "heads": cfg.n_heads,
                       "kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
                       "mlp": cfg.mlp_dim}
@@ -114,7 +119,7 @@ def view(trainable: dict, base: dict, lora: LoraConfig) -> dict:
   return out
 
 
-def delta(a: jax.Array, b: jax.Array, n_in: int) -> jax.Array:
+def delta(a: jax.Array, b: jax.Array) -> jax.Array:
   """``a @ b`` over the rank, shaped like the projection: ``[L, *in, *out]``, float32."""
   a2 = a.astype(jnp.float32).reshape(a.shape[0], -1, a.shape[-1])
   b2 = b.astype(jnp.float32).reshape(b.shape[0], b.shape[1], -1)
@@ -132,9 +137,7 @@ def merge(trainable: dict, base: dict, lora: LoraConfig, dtype) -> dict:
   layers = dict(full["layers"])
   s = lora.scale()
   for w, ab in trainable["layers"]["lora"].items():
-    n_in = next(n for (name, n, _) in TARGETS.values() if name == w)
-    layers[w] = (base["layers"][w].astype(jnp.float32)
-                 + s * delta(ab["a"], ab["b"], n_in)).astype(dt)
+    layers[w] = (base["layers"][w].astype(jnp.float32) + s * delta(ab["a"], ab["b"])).astype(dt)
   full["layers"] = layers
   if "score" in trainable:
     full["score"] = trainable["score"]
@@ -142,13 +145,6 @@ def merge(trainable: dict, base: dict, lora: LoraConfig, dtype) -> dict:
 
 
 # ---------------------------------------------------------------------------- PEFT layout
-
-
-def _to_host(x) -> np.ndarray:
-  if not isinstance(x, jax.Array) or x.is_fully_addressable:
-    return np.asarray(jax.device_get(x))
-  from jax.experimental import multihost_utils
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _peft_name(i: int, module: str, ab: str) -> str:
@@ -165,7 +161,7 @@ def export_peft(trainable: dict, cfg: ModelConfig, lora: LoraConfig, out_dir: st
   for t in lora.targets:
     w, n_in, module = TARGETS[t]
     ab = trainable["layers"]["lora"][w]
-    a, b = (np.asarray(_to_host(ab[x]), np.float32) for x in ("a", "b"))
+    a, b = (_to_host(jnp.asarray(ab[x])).astype(np.float32) for x in ("a", "b"))
     for i in range(cfg.n_layers):
       # ours: a [*in, r], b [r, *out]; PEFT: lora_A [r, in], lora_B [out, r]
       tensors[_peft_name(i, module, "A")] = np.ascontiguousarray(
@@ -181,7 +177,7 @@ def export_peft(trainable: dict, cfg: ModelConfig, lora: LoraConfig, out_dir: st
       "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
       "lora_dropout": lora.dropout, "use_rslora": lora.rslora, "bias": "none",
       "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
-      "target_modules": sorted(TARGETS[t][2].split(".")[-1] for t in lora.targets),
+      "target_modules": sorted(_PEFT_MODULE[t] for t in lora.targets),
       "modules_to_save": None, "base_model_name_or_path": base_model or None,
   }
   with open(os.path.join(out_dir, "adapter_config.json"), "w", encoding="utf-8") as f:
@@ -214,7 +210,7 @@ def load_peft(path: str, cfg: ModelConfig, lora: LoraConfig,
   config = read_peft_config(path, setting)
   file = os.path.join(path, "adapter_config.json")
   prefix = setting.rsplit(".", 1)[0]
-  wanted = sorted(TARGETS[t][2].split(".")[-1] for t in lora.targets)
+  wanted = sorted(_PEFT_MODULE[t] for t in lora.targets)
   modules = config.get("target_modules") or []
   if isinstance(modules, str):
     raise ConfigError(f"{file}: target_modules is a pattern ({modules!r}); list the modules")
@@ -227,11 +223,10 @@ def load_peft(path: str, cfg: ModelConfig, lora: LoraConfig,
   if bool(config.get("use_rslora", False)) != lora.rslora:
     problems.append(f"use_rslora={config.get('use_rslora')} (set {prefix}.rslora to match)")
   if sorted(modules) != wanted:
-    short = {v[2].split(".")[-1]: k for k, v in TARGETS.items()}
-    short_of = lambda t: TARGETS[t][2].split(".")[-1]
-    unknown = [m for m in modules if m not in short]
+    unknown = [m for m in modules if m not in _PEFT_MODULE.values()]
+    same = ",".join(t for t in TARGETS if _PEFT_MODULE[t] in modules)
     fix = (f"adapters on {', '.join(unknown)} have no counterpart here" if unknown else
-           f"set --set={prefix}.targets={','.join(t for t in TARGETS if short_of(t) in modules)}")
+           f"set --set={prefix}.targets={same}")
     problems.append(f"target_modules={sorted(modules)} against {wanted} ({fix})")
   if problems:
     raise ConfigError(f"{file} does not match {prefix}: " + "; ".join(problems))
@@ -243,7 +238,7 @@ def load_peft(path: str, cfg: ModelConfig, lora: LoraConfig,
   sizes = {**_SIZES(cfg), "lora": lora.rank}
   out = {}
   for w, ab in adapter_axes(cfg, lora)["lora"].items():
-    module = next(m for (name, _, m) in TARGETS.values() if name == w)
+    module = _BY_WEIGHT[w][1]
     a_shape = tuple(sizes[x] for x in ab["a"])
     b_shape = tuple(sizes[x] for x in ab["b"])
     a_layers, b_layers = [], []

@@ -287,35 +287,26 @@ def frozen_manifest(stage, workdir: str, sources: dict) -> dict:
   (reference) the policy, else (a scalar head on the policy's shape) the policy's backbone.
   """
   cfg = stage.cfg
+
+  def entry(role: str, donors: list, **tag) -> dict:
+    origin = next((d for d in donors if d in sources), None)
+    if origin is not None:
+      return {**ckpt.frozen_source(workdir, sources[origin], origin), **tag}
+    if cfg.role_model(role).hf_path:
+      return {"hf_path": cfg.role_model(role).hf_path, **tag}
+    return {"init": "random", "seed": cfg.seed, **tag}
+
   out = {}
   for role, head in stage.frozen().items():
-    origin = None
-    if role in sources:
-      origin = role
-    elif role == "reference" and "policy" in sources:
-      origin = "policy"
-    elif head == "scalar" and cfg.role_model(role) == cfg.model and "policy" in sources:
-      origin = "policy"
-    if origin is not None:
-      out[role] = {**ckpt.frozen_source(workdir, sources[origin], origin), "head": head}
-    elif cfg.role_model(role).hf_path:
-      out[role] = {"hf_path": cfg.role_model(role).hf_path, "head": head}
-    else:
-      out[role] = {"init": "random", "seed": cfg.seed, "head": head}
+    policy = role == "reference" or (head == "scalar" and cfg.role_model(role) == cfg.model)
+    out[role] = entry(role, [role] + (["policy"] if policy else []), head=head)
   # A LoRA role's frozen base (unless it is a frozen role above): the adapters in the stage's
   # checkpoints are only meaningful on top of it.
   for role, key in stage.base_keys.items():
-    if key in out:
-      continue
-    donors = [role] + (["reward"] if role == "value" else []) + (
-        ["policy"] if stage.trainable[role] == "scalar" else [])
-    origin = next((d for d in donors if d in sources), None)
-    if origin is not None:
-      out[key] = {**ckpt.frozen_source(workdir, sources[origin], origin), "lora_base": role}
-    elif cfg.role_model(role).hf_path:
-      out[key] = {"hf_path": cfg.role_model(role).hf_path, "lora_base": role}
-    else:
-      out[key] = {"init": "random", "seed": cfg.seed, "lora_base": role}
+    if key not in out:
+      donors = [role] + (["reward"] if role == "value" else []) + (
+          ["policy"] if stage.trainable[role] == "scalar" else [])
+      out[key] = entry(role, donors, lora_base=role)
   return out
 
 
