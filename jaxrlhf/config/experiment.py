@@ -10,7 +10,7 @@ import typing
 from typing import Literal, Optional
 
 from jaxrlhf.config.sections import (CheckpointConfig, ConfigError, DataConfig, DistributedConfig,
-                                     KernelsConfig, LoggingConfig, MeshConfig, ModelConfig,
+                                     EnvConfig, KernelsConfig, LoggingConfig, MeshConfig, ModelConfig,
                                      PlanConfig, PoolsConfig, RolloutConfig, SINK_PACKAGES, Sink)
 from jaxrlhf.config.stages import (DPOConfig, GRPOConfig, KTOConfig, PPOConfig, RMConfig, SFTConfig,
                                    _Checks)
@@ -42,6 +42,7 @@ class ExperimentConfig:
   mesh: MeshConfig = MeshConfig()
   distributed: DistributedConfig = DistributedConfig()
   rollout: RolloutConfig = RolloutConfig()
+  env: EnvConfig = EnvConfig()
   sft: SFTConfig = SFTConfig()
   rm: RMConfig = RMConfig()
   ppo: PPOConfig = PPOConfig()

@@ -163,6 +163,41 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EnvConfig:
+  """Multi-turn rollouts against an environment (docs/training.md, "Environments"): the
+  policy's actions alternate with the environment's observations inside one KV cache."""
+
+  # "" (off: one prompt, one response), a built-in ("calculator", "guess"), or the user's class:
+  # "path/to/file.py:Class" or "package.module:Class".
+  name: str = ""
+  # The most actions per episode; the episode ends (truncated) at the limit.
+  max_turns: int = 4
+  # The most tokens in one action; an action that reaches it ends there (the environment still
+  # reads it).
+  max_turn_tokens: int = 16
+  # Strings that end an action besides EOS (added to the environment's own ``stop_strings``).
+  stop_strings: tuple[str, ...] = ()
+  # "text": observations are tokenised as they are and appended; "chat": each observation is a
+  # message of ``observation_role`` rendered by the tokenizer's chat template (append-only).
+  format: Literal["text", "chat"] = "text"
+  observation_role: str = "user"
+  # An episode cut short by max_turns or by the token budget (rollout.max_new_tokens, which
+  # holds actions and observations): "truncate" keeps the rewards it earned, "penalize" sets
+  # its return to limit_penalty.
+  on_limit: Literal["truncate", "penalize"] = "truncate"
+  limit_penalty: float = 0.0
+  # Host stepping: 0 steps the rows one after another, N in N threads; a call slower than
+  # timeout_s (threads only) fails the row.
+  workers: int = 0
+  timeout_s: float = 30.0
+  # A reset/step that raises or times out: "mask" ends that episode, drops it from the update
+  # and counts it (env/errors, env/timeouts); "raise" stops the run.
+  errors: Literal["mask", "raise"] = "mask"
+  # An episode whose return reaches this counts as solved (evaluation's success rate).
+  success_reward: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
   """optax AdamW with warm-up + decay, global-norm clipping, gradient accumulation."""
 
