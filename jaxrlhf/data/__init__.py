@@ -11,7 +11,7 @@ step, and a resumed run sees exactly the batches it would have seen.
 """
 
 from jaxrlhf.data.tokenizers import (  # noqa: F401
-    BOS, CharTokenizer, EOS, HFTokenizer, PAD, make_tokenizer)
+    BOS, CHAR_TOKENIZERS, CharTokenizer, CharToolsTokenizer, EOS, HFTokenizer, PAD, make_tokenizer)
 from jaxrlhf.data.examples import (  # noqa: F401
     AdditionTask, Chat, Example)
 from jaxrlhf.data.files import (  # noqa: F401
