@@ -306,7 +306,8 @@ class DataConfig:
   reverse_answer: bool = False
   seed: int = 0
   eval_size: int = 256
-  # "char" (built-in tokenizer for synthetic tasks) or a local transformers tokenizer directory.
+  # "char" or "char_tools" (built-ins for synthetic tasks; char_tools adds "<>/") or a local
+  # transformers tokenizer directory.
   tokenizer: str = "char"
   prompts_path: str = ""  # JSONL {"prompt", optional "answer"}
   sft_path: str = ""  # JSONL {"prompt", "response"}

@@ -11,9 +11,11 @@ step, and a resumed run sees exactly the batches it would have seen.
 """
 
 from jaxrlhf.data.tokenizers import (  # noqa: F401
-    BOS, CharTokenizer, EOS, HFTokenizer, PAD, make_tokenizer)
+    BOS, CHAR_TOKENIZERS, CharTokenizer, CharToolsTokenizer, EOS, HFTokenizer, PAD, make_tokenizer)
 from jaxrlhf.data.examples import (  # noqa: F401
     AdditionTask, Chat, Example)
+from jaxrlhf.data.tasks import (  # noqa: F401
+    CalculatorTask, GuessTask)
 from jaxrlhf.data.files import (  # noqa: F401
     FORMATS, detect_format, read_examples, read_jsonl)
 from jaxrlhf.data.encoding import (  # noqa: F401

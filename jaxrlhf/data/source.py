@@ -10,6 +10,7 @@ import numpy as np
 from jaxrlhf.config import ConfigError, DataConfig
 from jaxrlhf.data.tokenizers import make_tokenizer
 from jaxrlhf.data.examples import AdditionTask, Example
+from jaxrlhf.data.tasks import CalculatorTask, GuessTask
 from jaxrlhf.data.files import _PATH_FIELD, read_examples
 from jaxrlhf.data.encoding import Encoder
 
@@ -26,11 +27,19 @@ class DataSource:
     self._said: set[str] = set()
     if cfg.task == "addition":
       self.task = AdditionTask(cfg.digits, cfg.reverse_answer)
+    elif cfg.task == "calculator":
+      if cfg.tokenizer == "char":
+        raise ConfigError("data.task=calculator writes <calc>...</calc> tool calls, which the "
+                          "char tokenizer cannot spell; set data.tokenizer=char_tools")
+      self.task = CalculatorTask()
+    elif cfg.task == "guess":
+      self.task = GuessTask()
     elif cfg.task == "jsonl":
       self.task = None
     else:
-      raise ConfigError(f"data.task={cfg.task!r}: choose 'addition' or 'jsonl' (your files: "
-                        f"JSONL, Parquet or datasets folders)")
+      raise ConfigError(f"data.task={cfg.task!r}: choose 'addition', 'calculator', 'guess' "
+                        f"(the built-in tasks; the last two are multi-turn, for env.name) or "
+                        f"'jsonl' (your files: JSONL, Parquet or datasets folders)")
 
   def _file(self, field: str, kind: str) -> list[Example]:
     """The examples of ``data.<field>`` read as ``kind``, each checked once (:meth:`Encoder.check`)

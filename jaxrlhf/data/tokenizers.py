@@ -16,6 +16,7 @@ class CharTokenizer:
   """A character tokenizer for the synthetic tasks: ids 0-2 are pad/bos/eos."""
 
   chars = "0123456789+-*=() abcdefghijklmnopqrstuvwxyz?:"
+  name = "char"  # data.tokenizer
 
   def __init__(self):
     self.pad_id, self.bos_id, self.eos_id = PAD, BOS, EOS
@@ -26,9 +27,12 @@ class CharTokenizer:
     try:
       return [self._to_id[c] for c in text]
     except KeyError as e:
-      raise ConfigError(f"character {e.args[0]!r} is not in the built-in char tokenizer "
-                        f"({self.chars!r}); remove it, or set data.tokenizer to a tokenizer "
-                        f"directory") from None
+      c = e.args[0]
+      hint = (" or set data.tokenizer=char_tools (adds '<', '>' and '/'),"
+              if c in CharToolsTokenizer.chars and self.name == "char" else "")
+      raise ConfigError(f"character {c!r} is not in the built-in tokenizer data.tokenizer="
+                        f"{self.name} ({self.chars!r}); remove it,{hint} or set data.tokenizer "
+                        f"to a tokenizer directory") from None
 
   def chat(self, messages: list, add_generation_prompt: bool) -> list[int]:
     raise ConfigError("chat messages need a chat template, and the built-in char tokenizer has "
@@ -46,6 +50,18 @@ class CharTokenizer:
     return "".join(out)
 
 
+class CharToolsTokenizer(CharTokenizer):
+  """The char tokenizer with ``<``, ``>`` and ``/`` appended (tool tags such as ``<calc>``):
+  ids 0..47 are the char tokenizer's, so a model trained on ``char`` reads the same ids."""
+
+  chars = CharTokenizer.chars + "<>/"
+  name = "char_tools"
+
+
+# data.tokenizer values that name a built-in tokenizer rather than a folder.
+CHAR_TOKENIZERS = {t.name: t for t in (CharTokenizer, CharToolsTokenizer)}
+
+
 class HFTokenizer:
   """A transformers tokenizer from a local directory (no hub access)."""
 
@@ -57,7 +73,8 @@ class HFTokenizer:
   def __init__(self, path: str):
     if not os.path.isdir(path):
       raise ConfigError(f"data.tokenizer={path!r} is not a directory; give a local tokenizer "
-                        f"folder (tokenizer.json / tokenizer_config.json) or 'char'")
+                        f"folder (tokenizer.json / tokenizer_config.json), or a built-in: "
+                        f"{' or '.join(repr(n) for n in CHAR_TOKENIZERS)}")
     if not any(os.path.isfile(os.path.join(path, f)) for f in self.FILES):
       raise ConfigError(f"data.tokenizer={path!r}: no tokenizer files in this folder (looked for "
                         f"{', '.join(self.FILES)}); save the tokenizer there with "
@@ -113,4 +130,6 @@ class HFTokenizer:
 
 
 def make_tokenizer(cfg: DataConfig):
-  return CharTokenizer() if cfg.tokenizer == "char" else HFTokenizer(cfg.tokenizer)
+  if cfg.tokenizer in CHAR_TOKENIZERS:
+    return CHAR_TOKENIZERS[cfg.tokenizer]()
+  return HFTokenizer(cfg.tokenizer)
