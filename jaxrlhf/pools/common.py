@@ -44,6 +44,10 @@ def check_config(cfg: ExperimentConfig) -> None:
     raise ConfigError(f"ppo.lora.rank={cfg.ppo.lora.rank}: the pools train full weights only "
                       "(their weight sync ships whole parameters); set ppo.lora.rank=0 for "
                       "--role=actor|critic, or run the colocated step (no --role) with LoRA")
+  if cfg.env.name:
+    raise ConfigError(f"env.name={cfg.env.name!r}: multi-turn episodes run in the colocated "
+                      "step only (the actor pool generates in one program); drop --role, or "
+                      "set env.name=''")
   host = [s for s in cfg.ppo.reward.sources if s.startswith("host:")]
   if host:
     raise ConfigError(f"ppo.reward.sources {host}: host (Python) rewards are not supported by "

@@ -11,6 +11,15 @@ import jax.numpy as jnp
 from jaxrlhf.rewards import RULES
 from jaxrlhf.rollout import generate
 from jaxrlhf.train.common import put_batch
+from jaxrlhf.train.episodes import EnvEval
+
+
+def make_evaluator(stage, role: str = "policy"):
+  """How a stage that generates is evaluated: greedy episodes against the environment when
+  ``env.name`` is set (success rate), else exact match of greedy answers."""
+  if stage.cfg.env.name:
+    return EnvEval(stage, role)
+  return ExactMatchEval(stage, role)
 
 
 class ExactMatchEval:

@@ -4,6 +4,8 @@ value term; the policy term is the shared one of train/phases.py."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from jaxrlhf import model as M
 from jaxrlhf.algorithms import gae, kl_shaped_rewards, value_loss, whiten
 from jaxrlhf.config import PPOConfig
@@ -16,7 +18,16 @@ from jaxrlhf.train.work import rl_flops
 def advantages(stage, carry, score_B, kl_BN, kl_coef, update_mask_BN):
   scfg = stage.scfg
   coef = kl_coef if scfg.kl.placement == "reward" else 0.0
-  rewards = kl_shaped_rewards(score_B, kl_BN, carry.rollout.response_mask_BN, coef=coef)
+  mask = carry.rollout.response_mask_BN
+  turn = carry.rollout.turn_rewards_BN
+  if turn is not None and scfg.reward.normalize == "none" and not scfg.reward.clip:
+    # Multi-turn episodes: each turn's reward where its action ends (GAE skips the observations
+    # between actions), the other sources' score at the last token.  Normalised or clipped
+    # scores are not a sum over turns: the whole return then stays at the last token.
+    turn = jnp.where(mask, stage.env_weight * turn, 0.0)
+    rewards = kl_shaped_rewards(score_B - jnp.sum(turn, axis=-1), kl_BN, mask, coef=coef) + turn
+  else:
+    rewards = kl_shaped_rewards(score_B, kl_BN, mask, coef=coef)
   adv, returns = gae(rewards, carry.scored.values_BN, update_mask_BN, gamma=scfg.gamma,
                      lam=scfg.lam)
   if scfg.whiten_advantages:

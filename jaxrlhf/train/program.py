@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrlhf.perf import PhaseTimer
 from jaxrlhf.train.common import shardings_of
@@ -107,13 +108,20 @@ class PhasedProgram:
 
   LABELS = {"before_host": "generate", "after_host": "score_and_update"}
 
-  def __init__(self, stage, phases, state, *, host_fn=None, timed: bool):
+  def __init__(self, stage, phases, state, *, host_fn=None, rollout_fn=None, timed: bool):
+    """``rollout_fn(state, frozen, batch, carry) -> (carry, metrics)``, when given, runs the
+    generate phase on the host instead (multi-turn episodes: jitted decode segments between
+    environment steps); the step is then cut after it as around a host reward."""
     self.stage = stage
     self.timed = timed
     self.host_fn = host_fn
-    self.parts = split(phases, at_host=host_fn is not None, timed=timed)
+    self.rollout_fn = rollout_fn
+    self.parts = split(phases, at_host=host_fn is not None or rollout_fn is not None,
+                       timed=timed)
+    self.on_host = {label for label, ps in self.parts
+                    if rollout_fn is not None and [p.name for p in ps] == ["generate"]}
     self.jitted = {label: jit_phases(stage, ps, state)
-                   for label, ps in self.parts if label != HOST}
+                   for label, ps in self.parts if label != HOST and label not in self.on_host}
     self.timer = PhaseTimer()
 
   def __call__(self, state, frozen, batch):
@@ -124,19 +132,29 @@ class PhasedProgram:
     carry = StepCarry(state=state)
     host_metrics: dict = {}
     for label, _ in self.parts:
+      name = label if self.timed else self.LABELS.get(label, label)
+      if label in self.on_host:
+        with timer.phase(name):
+          carry, got = self.rollout_fn(carry.state, frozen, batch, carry, host)
+        host_metrics.update(got)
+        continue
       if label == HOST:
+        if self.host_fn is None:
+          continue
         with timer.phase(HOST):
           # Only the tokens come to the host: the functions score decoded text.
-          scores, host_metrics = self.host_fn(jax.device_get(carry.rollout.tokens_BT), host)
+          scores, got = self.host_fn(jax.device_get(carry.rollout.tokens_BT), host)
+          if carry.host_score_B is not None:  # an environment's returns are host scores too
+            scores = np.asarray(jax.device_get(carry.host_score_B)) + scores
           carry = carry.replace(host_score_B=jnp.asarray(scores))
+        host_metrics.update(got)
         continue
-      name = label if self.timed else self.LABELS.get(label, label)
       carry = timer.run(name, self.jitted[label], frozen, batch, carry)
     return carry.state, {**carry.metrics, **host_metrics, **timer.end_step()}
 
   def programs(self):
     """``(label, jitted fn)`` of each device program, in order (for the planner)."""
-    return [(lab, self.jitted[lab]) for lab, _ in self.parts if lab != HOST]
+    return [(lab, self.jitted[lab]) for lab, _ in self.parts if lab in self.jitted]
 
 
 def pool_programs(phases: Sequence[Phase], pool: str) -> list[list[Phase]]:

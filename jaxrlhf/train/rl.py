@@ -13,7 +13,9 @@ from jaxrlhf.algorithms import init_kl_controller
 from jaxrlhf.config import ConfigError
 from jaxrlhf.train import program
 from jaxrlhf.train.common import skip_counters
-from jaxrlhf.train.evaluate import ExactMatchEval
+from jaxrlhf.envs import resolve_env
+from jaxrlhf.train.episodes import EpisodeRunner, episode_rollout
+from jaxrlhf.train.evaluate import make_evaluator
 from jaxrlhf.train.phases import rl_phases
 from jaxrlhf.train.spec import Role
 from jaxrlhf.train.types import HostInputs
@@ -41,13 +43,24 @@ def rl_roles(cfg, name: str, value_head: bool) -> dict:
 def rl_validate(cfg, name: str, data) -> None:
   """Reward sources that exist, and answers wherever a source reads them."""
   r = getattr(cfg, name).reward
+  if cfg.env.name:
+    resolve_env(cfg.env.name, "env.name")  # the file, the class, the fix
+    if "env" not in r.sources:
+      raise ConfigError(f"env.name={cfg.env.name!r} is set but {name}.reward.sources "
+                        f"{tuple(r.sources)} does not read it; add 'env' (the episode's "
+                        f"return) to {name}.reward.sources, with a weight in {name}.reward.weights")
   for src in r.sources:
     kind, _, fname = src.partition(":")
-    if kind == "host":
+    if src == "env":
+      if not cfg.env.name:
+        raise ConfigError(f"{name}.reward.sources: 'env' (an environment's return) needs an "
+                          f"environment; set env.name (calculator, guess, "
+                          f"path/to/file.py:Class)")
+    elif kind == "host":
       RW.resolve_host_reward(src, f"{name}.reward.sources")  # the file, the function, the fix
     elif not (src == "model" or (kind == "rule" and fname in RW.RULES)):
       raise ConfigError(
-          f"{name}.reward.sources: {src!r} is not a reward source; use 'model', "
+          f"{name}.reward.sources: {src!r} is not a reward source; use 'model', 'env', "
           f"'rule:NAME' ({', '.join(sorted(RW.RULES))}), 'host:NAME' "
           f"({', '.join(sorted(RW.HOST_RULES))}), 'host:path/to/file.py:function' or "
           f"'host:package.module:function'")
@@ -59,16 +72,21 @@ class RLStage(Stage):
 
   def __init__(self, cfg, mesh, data):
     super().__init__(cfg, mesh, data)
-    self.evaluator = ExactMatchEval(self)
+    self.evaluator = make_evaluator(self)
     self.n = self.scfg.num_samples
     self.N = cfg.rollout.max_new_tokens
     self.decode_shardings = self.decode_layout_shardings("policy")
     rcfg = self.scfg.reward
     self.host_sources = []
     self.device_sources = []
+    self.episodes = None  # multi-turn episodes (env.name): the host generate phase
+    self.env_weight = 0.0  # the weight of the 'env' source (the episodes' returns)
     for src, w in zip(rcfg.sources, rcfg.weights):
       kind, _, fname = src.partition(":")
-      if kind == "host":
+      if src == "env":
+        self.env_weight = w
+        self.episodes = episode_rollout(self, EpisodeRunner(self), w)
+      elif kind == "host":
         # Resolved once (a user's file is imported here); rl_validate has checked it.
         self.host_sources.append((RW.resolve_host_reward(src, f"{self.name}.reward.sources"), w))
       else:
@@ -99,7 +117,7 @@ class RLStage(Stage):
   def batch(self, step):
     examples = self.data.examples("prompts", step, self.prompts_per_step)
     batch = self.data.encoder.prompts(examples)
-    if self.host_sources:
+    if self.host_sources or self.episodes:
       batch["host"] = HostInputs(tuple(examples))
     return batch
 
@@ -128,10 +146,11 @@ class RLStage(Stage):
 
   def make_step_fn(self, state, frozen, batch):
     """One jitted program, unless phases must be separate (phase timing or a host reward)."""
-    if not self.host_sources and not self.cfg.logging.phase_timing:
+    if not self.host_sources and not self.episodes and not self.cfg.logging.phase_timing:
       return super().make_step_fn(state, frozen, batch)
     return program.PhasedProgram(self, self.phases(), state, timed=self.cfg.logging.phase_timing,
-                                 host_fn=self.host_scores if self.host_sources else None)
+                                 host_fn=self.host_scores if self.host_sources else None,
+                                 rollout_fn=self.episodes)
 
   def host_scores(self, tokens_BT, host: HostInputs) -> tuple[np.ndarray, dict]:
     """The host reward functions on the decoded responses (the split point of the step): the

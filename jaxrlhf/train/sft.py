@@ -11,7 +11,7 @@ from jaxrlhf.config import ConfigError, SFTConfig
 from jaxrlhf.perf import decoder_flops
 from jaxrlhf.train import spec
 from jaxrlhf.train.common import TrainState, update_role
-from jaxrlhf.train.evaluate import ExactMatchEval
+from jaxrlhf.train.evaluate import make_evaluator
 from jaxrlhf.train.sequences import next_token_target, packing_metrics
 from jaxrlhf.train.stage import Stage
 
@@ -21,7 +21,7 @@ class SFTStage(Stage):
 
   def __init__(self, cfg, mesh, data):
     super().__init__(cfg, mesh, data)
-    self.evaluator = ExactMatchEval(self)
+    self.evaluator = make_evaluator(self)
 
   def batch_shapes(self):
     if self.packer is not None:

@@ -46,6 +46,9 @@ class Rollout:
   behaviour_logp_BN: jax.Array  # f32: log p(token) under the sampling policy (temperature 1)
   lengths_B: jax.Array  # int32 response lengths (incl. the stop token)
   finished_B: jax.Array  # bool: ended by EOS / stop (False: ran into max_new_tokens)
+  # Multi-turn episodes (env.name): each turn's environment reward at its action's last token.
+  # The response then holds actions and observations; response_mask_BN marks the actions.
+  turn_rewards_BN: Optional[jax.Array] = None
   # Filled by the reference phase:
   ref_logp_BN: Optional[jax.Array] = None  # f32 under the frozen reference
   kl_BN: Optional[jax.Array] = None  # f32 per-token KL(behaviour || reference), 0 where masked

@@ -1,0 +1,268 @@
+"""Multi-turn episodes against an environment (``env.name``): the host loop around the jitted
+decode segments of :mod:`jaxrlhf.turns`.
+
+Each row of a step is one episode with its own environment instance.  Turn by turn: the policy
+acts (one jitted decode segment for the whole batch), the actions are decoded and stepped
+through the environments on the host, and the observations of the rows that go on are
+tokenised (append-only: a template's suffix, never the conversation again) and prefilled into
+the same cache (one jitted prefill).  An episode ends when its environment says done, when it
+fails (an exception or a timeout: masked and counted), or at a limit (``env.max_turns``, or the
+``rollout.max_new_tokens`` slots its actions and observations share), where ``env.on_limit``
+decides its return.
+
+The result is a :class:`~jaxrlhf.train.types.Rollout` in the usual ``prompt | response`` layout,
+each row's actions and observations packed together from slot ``P``: ``response_mask_BN`` marks
+the policy's tokens only, so observations are outside the loss and the KL, and the behaviour
+log-probs are those the decoder recorded.  The per-turn rewards land on the last token of each
+action (``turn_rewards_BN``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrlhf import turns
+from jaxrlhf.config import ConfigError
+from jaxrlhf.envs import EnvRunner, resolve_env
+from jaxrlhf.envs.render import ChatFormat, TextFormat
+from jaxrlhf.train.common import put_batch
+from jaxrlhf.train.types import Rollout
+
+
+def _bucket(n: int) -> int:
+  """Observation blocks are compiled once per width: multiples of 8."""
+  return max(8, -(-n // 8) * 8)
+
+
+@dataclasses.dataclass
+class Episodes:
+  """What :meth:`EpisodeRunner.run` returns (numpy, rows prompt-major)."""
+
+  tokens: np.ndarray  # [R, P+N] int32: prompt, then the conversation packed from slot P
+  mask: np.ndarray  # [R, P+N] bool: real tokens
+  policy: np.ndarray  # [R, N] bool: the policy's tokens (what trains)
+  logp: np.ndarray  # [R, N] f32: their behaviour log-probs (0 elsewhere)
+  turn_rewards: np.ndarray  # [R, N] f32: each turn's reward at its action's last token
+  returns: np.ndarray  # [R] f32: the episode's return (after env.on_limit); NaN: failed
+  ended: np.ndarray  # [R] bool: the environment ended the episode (not a limit, not a failure)
+  truncated: np.ndarray  # [R] bool: cut at a limit
+  failed: np.ndarray  # [R] bool: an exception or a timeout
+  turns: np.ndarray  # [R] int32: actions taken
+  metrics: dict
+
+
+class EpisodeRunner:
+  """Runs a batch of episodes for a stage's policy: one per row, ``n`` rows per example."""
+
+  def __init__(self, stage, *, greedy: bool = False, role: str = "policy"):
+    cfg = stage.cfg
+    self.ecfg = ecfg = cfg.env
+    self.stage = stage
+    self.spec = resolve_env(ecfg.name, "env.name")
+    self.runner = EnvRunner(self.spec, workers=ecfg.workers, timeout_s=ecfg.timeout_s,
+                            errors=ecfg.errors)
+    self.tok = tok = stage.tok
+    if ecfg.format == "chat":
+      self.fmt = ChatFormat(tok, ecfg.observation_role)
+    else:
+      self.fmt = TextFormat(tok)
+    stops = tuple(dict.fromkeys(tuple(self.spec.stop_strings) + tuple(ecfg.stop_strings)))
+    self.stop_seqs = tuple(tuple(tok.encode(s)) for s in stops)
+    if any(not s for s in self.stop_seqs):
+      raise ConfigError(f"env.stop_strings: a stop string of {self.spec.where} encodes to no "
+                        f"tokens; remove it")
+    self.P, self.N = stage.P, cfg.rollout.max_new_tokens
+    self.S = self.P + self.N
+    rollout = dataclasses.replace(cfg.rollout, temperature=0.0) if greedy else cfg.rollout
+    model_cfg = stage.model_cfg(role)
+    if self.S > model_cfg.max_seq_len:
+      raise ConfigError(f"env: data.max_prompt_len={self.P} + rollout.max_new_tokens={self.N} "
+                        f"= {self.S} exceeds model.max_seq_len={model_cfg.max_seq_len}; lower "
+                        f"rollout.max_new_tokens (the slots a conversation's actions and "
+                        f"observations share) or raise model.max_seq_len")
+    kern = cfg.kernels
+    decode = stage.decode_layout_shardings(role)
+    self.role = role
+
+    self._decode = None if decode is None else jax.jit(
+        lambda p: jax.lax.with_sharding_constraint(p, decode))
+    self._start = jax.jit(functools.partial(turns.start, cfg=model_cfg, total=self.S,
+                                            kernels=kern))
+    self._act = jax.jit(functools.partial(
+        turns.act, cfg=model_cfg, rollout=rollout, eos_id=tok.eos_id, pad_id=tok.pad_id,
+        kernels=kern, max_tokens=ecfg.max_turn_tokens, stop_seqs=self.stop_seqs))
+    self._observe = jax.jit(functools.partial(turns.observe, cfg=model_cfg, kernels=kern))
+
+  # ----------------------------------------------------------------------------- helpers
+  def _left(self, ids_rows, width):
+    out = np.full((len(ids_rows), width), self.tok.pad_id, np.int32)
+    mask = np.zeros((len(ids_rows), width), bool)
+    for r, ids in enumerate(ids_rows):
+      if ids:
+        out[r, width - len(ids):] = ids
+        mask[r, width - len(ids):] = True
+    return out, mask
+
+  def decode_layout(self, policy):
+    """The policy's parameters as the decoder reads them: in the decode layout
+    (``rollout.decode_layout``; one reshard per step, not per turn), else as they are."""
+    if self._decode is None:
+      return policy
+    with jax.set_mesh(self.stage.mesh):
+      return self._decode(policy)
+
+  # --------------------------------------------------------------------------------- run
+  def run(self, policy, examples, key, n: int = 1) -> Episodes:
+    """``n`` episodes per example (rows prompt-major), sampled with ``key``."""
+    ecfg, tok = self.ecfg, self.tok
+    records = [ex.record() for ex in examples for _ in range(n)]
+    rows = len(records)
+    first = self.runner.reset(records)
+    failed = np.array([o is None for o in first], bool)
+    prompts = []
+    for r, obs in enumerate(first):
+      if obs is None:
+        prompts.append([tok.pad_id])  # a placeholder: the row is masked out
+        continue
+      ids = self.fmt.prompt_ids(obs)
+      if len(ids) > self.P:
+        raise ConfigError(f"env {self.spec.where}: the first observation of an episode is "
+                          f"{len(ids)} tokens, longer than data.max_prompt_len={self.P}; raise "
+                          f"data.max_prompt_len (observation: {obs[:60]!r})")
+      prompts.append(ids)
+    prompt, pmask = self._left(prompts, self.P)
+    mesh = self.stage.mesh
+    with jax.set_mesh(mesh):
+      conv = self._start(policy, *put_batch(mesh, {"p": prompt, "m": pmask}).values())
+    live = ~failed
+    ended = np.zeros(rows, bool)
+    truncated = np.zeros(rows, bool)
+    n_turns = np.zeros(rows, np.int32)
+    returns = np.zeros(rows, np.float64)
+    turn_rewards = np.zeros((rows, self.S), np.float32)
+    history = [[{"role": self.ecfg.observation_role, "content": o or ""}] for o in first]
+    obs_tokens = 0
+    for t in range(ecfg.max_turns):
+      if not live.any():
+        break
+      with jax.set_mesh(mesh):
+        conv, reason, start_slot = self._act(
+            policy, conv, jax.random.fold_in(key, t),
+            put_batch(mesh, {"l": live})["l"])
+      reason = np.asarray(reason)
+      i0, i1 = int(start_slot), int(conv.cache.index)
+      toks = np.asarray(conv.tokens_RS[:, i0:i1])
+      pol = np.asarray(conv.policy_RS[:, i0:i1])
+      acting = np.nonzero(live)[0]
+      actions = [tok.decode(toks[r][pol[r]]) for r in acting]
+      results = self.runner.step([int(r) for r in acting], actions)
+      going, observations = [], {}
+      for r, action, (obs, reward, done, bad) in zip(acting, actions, results):
+        n_turns[r] += 1
+        took = np.nonzero(pol[r])[0]
+        if took.size:
+          turn_rewards[r, i0 + took[-1]] += reward
+        returns[r] += reward
+        history[r].append({"role": "assistant", "content": action})
+        if bad:
+          failed[r] = True
+        elif done:
+          ended[r] = True
+        elif reason[r] == turns.BUFFER_FULL or t + 1 == ecfg.max_turns:
+          truncated[r] = True
+        else:
+          going.append(r)
+          observations[r] = obs
+      live = np.zeros(rows, bool)
+      if not going:
+        continue
+      room = self.S - i1 - 1  # an observation must leave a slot for the next action
+      ids = {}
+      for r in going:
+        got = self.fmt.observation_ids(history[r], observations[r],
+                                       bool(reason[r] == turns.EOS))
+        history[r].append({"role": self.ecfg.observation_role, "content": observations[r]})
+        if len(got) > room:
+          truncated[r] = True  # no room left for this observation and an answer
+        else:
+          ids[r] = got
+      if not ids:
+        continue
+      width = min(_bucket(max(len(v) for v in ids.values())), room)
+      block = [ids.get(r, []) for r in range(rows)]
+      obs, omask = self._left(block, width)
+      obs_tokens += int(omask.sum())
+      with jax.set_mesh(mesh):
+        conv = self._observe(policy, conv, *put_batch(mesh, {"o": obs, "m": omask}).values())
+      for r in ids:
+        live[r] = True
+    truncated |= live  # still going after the last turn
+    if ecfg.on_limit == "penalize":
+      returns[truncated] = ecfg.limit_penalty
+    returns[failed] = np.nan
+    (tokens, mask, policy_mask, logp, rew), _ = turns.compact(
+        conv.tokens_RS, conv.mask_RS, conv.policy_RS, conv.logp_RS, turn_rewards,
+        start=self.P, pad_id=tok.pad_id)
+    policy_mask = policy_mask[:, self.P:]
+    ok = ~failed
+    solved = ok & (returns >= ecfg.success_reward)
+    frac = lambda x: float(np.mean(x)) if rows else 0.0
+    metrics = {"env/return_mean": float(np.mean(np.where(ok, returns, 0.0))),
+               "env/solved": frac(solved), "env/turns_mean": float(np.mean(n_turns)),
+               "env/truncated_frac": frac(truncated), "env/ended_frac": frac(ended),
+               "env/policy_tokens": float(policy_mask.sum()),
+               "env/observation_tokens": float(obs_tokens),
+               **self.runner.metrics()}
+    return Episodes(tokens=tokens, mask=mask, policy=policy_mask, logp=logp[:, self.P:],
+                    turn_rewards=rew[:, self.P:], returns=returns.astype(np.float32),
+                    ended=ended, truncated=truncated, failed=failed, turns=n_turns,
+                    metrics=metrics)
+
+
+class EnvEval:
+  """Greedy episodes on the evaluation examples: ``eval/accuracy`` is the fraction solved
+  (return >= ``env.success_reward``), so an SFT stage's ``stop_accuracy`` and the reports read
+  it as they read exact match."""
+
+  def __init__(self, stage, role: str = "policy"):
+    self.stage = stage
+    self.runner = EpisodeRunner(stage, greedy=True, role=role)
+    self.examples = None
+
+  def __call__(self, params) -> dict:
+    if self.examples is None:
+      self.examples = self.stage.data.eval_examples("prompts")
+    ep = self.runner.run(self.runner.decode_layout(params), self.examples, jax.random.key(0))
+    m = ep.metrics
+    return {"eval/accuracy": m["env/solved"], "eval/return": m["env/return_mean"],
+            "eval/turns": m["env/turns_mean"], "eval/truncated_frac": m["env/truncated_frac"],
+            "eval/response_length": float(np.mean(ep.mask[:, self.runner.P:].sum(1)))}
+
+
+def episode_rollout(stage, runner: EpisodeRunner, weight: float):
+  """The host generate phase of an RL step with an environment
+  (:class:`~jaxrlhf.train.program.PhasedProgram`'s ``rollout_fn``): the step's episodes as the
+  carry's rollout, their returns x ``weight`` (the ``env`` reward source) as host scores."""
+  def run(state, frozen, batch, carry, host):
+    del batch
+    rng, key = jax.random.split(state.rng)
+    policy = runner.decode_layout(stage.view(state.params, frozen, "policy"))
+    ep = runner.run(policy, host.examples, key, n=stage.n)
+    placed = put_batch(stage.mesh, {
+        "tokens": ep.tokens, "mask": ep.mask, "policy": ep.policy, "logp": ep.logp,
+        "turn": ep.turn_rewards, "lengths": ep.mask[:, runner.P:].sum(1).astype(np.int32),
+        "finished": ~ep.truncated, "score": np.float32(weight) * ep.returns})
+    rollout = Rollout(tokens_BT=placed["tokens"], mask_BT=placed["mask"],
+                      response_mask_BN=placed["policy"], behaviour_logp_BN=placed["logp"],
+                      lengths_B=placed["lengths"], finished_B=placed["finished"],
+                      turn_rewards_BN=placed["turn"])
+    carry = carry.replace(state=state.replace(rng=rng), rollout=rollout,
+                          host_score_B=placed["score"])
+    return carry, ep.metrics
+
+  return run

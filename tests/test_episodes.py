@@ -1,0 +1,183 @@
+"""Multi-turn episodes through the RL step (jaxrlhf/train/episodes.py): the token accounting
+(observations in the context, never in the loss or the KL), failures counted and masked, the
+``env`` reward source, and a GRPO step with an environment on a sharded mesh."""
+
+import dataclasses
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import mesh
+from jaxrlhf.config import (ConfigError, DataConfig, EnvConfig, ExperimentConfig, GRPOConfig,
+                            ModelConfig, OptimizerConfig, RewardConfig, RolloutConfig, SFTConfig)
+from jaxrlhf.data import DataSource
+from jaxrlhf.train.common import put_batch
+from jaxrlhf.train.episodes import EpisodeRunner
+from jaxrlhf.train import spec
+from jaxrlhf.train.spec import build_stage
+
+MODEL = ModelConfig(vocab_size=51, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                    mlp_dim=64, max_seq_len=64)
+OPT = OptimizerConfig(lr=1e-3, warmup_steps=0, schedule="constant")
+
+# A user's environment, as docs/training.md shows one: echo the digits of the prompt back, one
+# turn per digit, "ok " or "no " after each.
+ECHO = textwrap.dedent('''
+    class Echo:
+      stop_strings = (" ",)
+
+      def reset(self, example):
+        self.want = [c for c in example["prompt"] if c.isdigit()]
+        self.turn = 0
+        return example["prompt"]
+
+      def step(self, action):
+        good = action.strip() == self.want[self.turn]
+        self.turn += 1
+        done = self.turn == len(self.want)
+        return ("ok " if good else "no "), float(good), done
+    ''')
+
+FLAKY = textwrap.dedent('''
+    import time
+
+    class Flaky:
+      stop_strings = (" ",)
+
+      def reset(self, example):
+        self.row = int(example["prompt"][:1]) % 3
+        self.turn = 0
+        return example["prompt"]
+
+      def step(self, action):
+        self.turn += 1
+        if self.row == 1 and self.turn == 2:
+          raise ValueError("the tool crashed")
+        if self.row == 2 and self.turn == 2:
+          time.sleep(2.0)
+        return "ok ", 1.0, self.turn == 3
+    ''')
+
+
+def _cfg(tmp_path, env_src, cls, **env):
+  path = tmp_path / "user_env.py"
+  path.write_text(env_src)
+  return ExperimentConfig(
+      model=MODEL,
+      data=DataConfig(task="addition", digits=1, max_prompt_len=6, max_response_len=3,
+                      eval_size=8, tokenizer="char_tools"),
+      rollout=RolloutConfig(max_new_tokens=40),
+      env=EnvConfig(name=f"{path}:{cls}", max_turns=3, max_turn_tokens=4, **env),
+      sft=SFTConfig(steps=1, batch_size=4, optim=OPT, eval_every=0),
+      grpo=GRPOConfig(steps=2, batch_size=4, num_samples=2, optim=OPT, eval_every=0,
+                      reward=RewardConfig(sources=("env",))))
+
+
+def _stage(cfg, m):
+  stage = build_stage("grpo", cfg, m, DataSource(cfg.data, cfg.seed))
+  state, frozen = stage.init(jax.random.key(0), {})
+  return stage, state, frozen
+
+
+def test_observations_are_in_the_context_but_never_the_policy_s(tmp_path):
+  cfg = _cfg(tmp_path, ECHO, "Echo")
+  m = mesh()
+  stage, state, frozen = _stage(cfg, m)
+  runner = EpisodeRunner(stage)
+  examples = stage.data.examples("prompts", 0, 4)
+  ep = runner.run(stage.view(state.params, frozen, "policy"), examples, jax.random.key(3), n=2)
+  tok = stage.tok
+  P = stage.P
+  for r in range(8):
+    resp, pol = ep.tokens[r, P:], ep.policy[r]
+    real = ep.mask[r, P:]
+    assert not (pol & ~real).any()
+    # The real response is the actions and the observations, in order, with no hole; every
+    # stretch not sampled by the policy is exactly an observation the environment gave.
+    n = int(real.sum())
+    assert real[:n].all() and not real[n:].any()
+    spans, cur = [], [bool(pol[0]), []]
+    for i in range(n):
+      if bool(pol[i]) != cur[0]:
+        spans.append(cur)
+        cur = [bool(pol[i]), []]
+      cur[1].append(int(resp[i]))
+    spans.append(cur)
+    observed = [tok.decode(ids) for is_pol, ids in spans if not is_pol]
+    assert all(o in ("ok ", "no ") for o in observed), observed
+    assert spans[0][0]  # the policy speaks first
+    assert len(observed) == ep.turns[r] - (0 if ep.truncated[r] and not ep.ended[r] else 1) \
+        or ep.truncated[r]
+  # Rewards land on each action's last token and sum to the return.
+  np.testing.assert_allclose(ep.turn_rewards.sum(1), ep.returns, atol=1e-6)
+  assert not (ep.turn_rewards[~ep.policy] != 0).any()
+  assert ep.metrics["env/observation_tokens"] == float((ep.mask[:, P:] & ~ep.policy).sum())
+
+
+def test_failures_are_counted_and_masked_never_a_crash(tmp_path):
+  cfg = _cfg(tmp_path, FLAKY, "Flaky", workers=2, timeout_s=0.5)
+  m = mesh()
+  stage, state, frozen = _stage(cfg, m)
+  batch = put_batch(m, stage.batch(0))
+  examples = batch["host"].examples
+  rows = np.repeat([int(ex.prompt[:1]) % 3 for ex in examples], 2)
+  with jax.set_mesh(m):
+    fn = stage.make_step_fn(state, frozen, batch)
+    state, metrics = fn(state, frozen, batch)
+  metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  assert metrics["env/errors"] == float((rows == 1).sum())
+  assert metrics["env/timeouts"] == float((rows == 2).sum())
+  assert np.isfinite(metrics["policy/loss"])
+
+
+def test_errors_raise_stops_with_the_environment_named(tmp_path):
+  cfg = _cfg(tmp_path, FLAKY, "Flaky", errors="raise")
+  m = mesh()
+  stage, state, frozen = _stage(cfg, m)
+  # A batch with a row that crashes (prompt digit 1, 4 or 7).
+  step = next(s for s in range(50) if any(int(ex.prompt[:1]) % 3 == 1
+                                         for ex in stage.data.examples("prompts", s, 4)))
+  batch = put_batch(m, stage.batch(step))
+  with jax.set_mesh(m), pytest.raises(Exception, match="Flaky"):
+    stage.make_step_fn(state, frozen, batch)(state, frozen, batch)
+
+
+def test_the_env_source_and_the_environment_go_together(tmp_path):
+  cfg = _cfg(tmp_path, ECHO, "Echo")
+  check = lambda c: spec.get("grpo").validate(c, DataSource(c.data, c.seed))
+  check(cfg)
+  no_source = dataclasses.replace(
+      cfg, grpo=dataclasses.replace(cfg.grpo, reward=RewardConfig(sources=("rule:exact_match",))))
+  with pytest.raises(ConfigError, match="add 'env'"):
+    check(no_source)
+  no_env = dataclasses.replace(cfg, env=EnvConfig())
+  with pytest.raises(ConfigError, match="needs an environment"):
+    check(no_env)
+  missing = dataclasses.replace(cfg, env=EnvConfig(name=str(tmp_path / "nope.py:Echo")))
+  with pytest.raises(ConfigError, match="file not found"):
+    check(missing)
+
+
+def test_grpo_step_with_an_environment_on_dp2_tp2_equals_single_device(tmp_path):
+  cfg = _cfg(tmp_path, ECHO, "Echo")
+  out = []
+  for m in (mesh(), mesh(dp=2, tp=2)):
+    stage, state, frozen = _stage(cfg, m)
+    fn, got = None, []
+    for step in range(2):
+      batch = put_batch(m, stage.batch(step))
+      with jax.set_mesh(m):
+        fn = fn or stage.make_step_fn(state, frozen, batch)
+        state, metrics = fn(state, frozen, batch)
+      got.append({k: float(v) for k, v in jax.device_get(metrics).items()
+                  if not k.startswith(("time/", "memory/", "perf/", "throughput/"))})
+    out.append(got)
+  for a, b in zip(*out):
+    assert a.keys() == b.keys()
+    assert a["env/turns_mean"] > 1  # several turns really happened
+    for k in a:
+      np.testing.assert_allclose(a[k], b[k], rtol=2e-4, atol=2e-5, err_msg=k)
+  # The policy's log-probs in the update are those the decoder recorded.
+  assert out[0][0]["rollout/logprob_mismatch"] < 1e-4
