@@ -52,7 +52,7 @@ class EnvRunner:
     self.workers = workers
     self.timeout_s = float(timeout_s)
     self.errors = errors
-    self._pool = concurrent.futures.ThreadPoolExecutor(workers) if workers > 0 else None
+    self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # made on first use
     self._envs: list = []
     self._ended: set[int] = set()  # rows whose episode ended (closed at the next reset)
     self._counts = {"env/errors": 0, "env/timeouts": 0}
@@ -153,6 +153,8 @@ class EnvRunner:
 
   def _map(self, fn: Callable, items: list) -> list[tuple[str, object]]:
     """``fn`` on each item: ``(kind, value)`` per item in order, kind ok / raised / timeout."""
+    if self.workers > 0 and self._pool is None:
+      self._pool = concurrent.futures.ThreadPoolExecutor(self.workers)
     if self._pool is None:
       out = []
       for item in items:
