@@ -81,7 +81,8 @@ def test_resolve_env_spellings(env_file):
     ("{file}:BadStops", ["BadStops.stop_strings is '!'", "tuple of strings"]),
     ("{file}:EmptyStop", ["EmptyStop.stop_strings holds ''", "non-empty str"]),
     ("{file}:3x", ["'3x' is not a class name"]),
-    ("no_such_pkg_xyz.mod:Env", ["env.name", "no module named 'no_such_pkg_xyz'"]),
+    ("no_such_pkg_xyz.mod:Env", ["env.name", "no module named 'no_such_pkg_xyz'",
+                                 "give a file: path/to/file.py:Class"]),
     ("some/dir:Env", ["not a .py file nor a module name"]),
 ])
 def test_resolve_env_failures(env_file, name, words):
@@ -470,5 +471,6 @@ def test_chat_format_refuses_non_append_only(tmp_path, template, match):
 def test_chat_format_refuses_a_generation_prompt_that_is_rewritten(tmp_path):
   tok = _hf(tmp_path / "tok", "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}|"
             "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
-  with pytest.raises(ConfigError, match="data.tokenizer=.*cannot be rendered incrementally.*env.format=text"):
+  with pytest.raises(ConfigError, match="data.tokenizer=.*cannot be rendered incrementally"
+                     ".*env.format=text"):
     ChatFormat(tok)
