@@ -474,3 +474,37 @@ def test_chat_format_refuses_a_generation_prompt_that_is_rewritten(tmp_path):
   with pytest.raises(ConfigError, match="data.tokenizer=.*cannot be rendered incrementally"
                      ".*env.format=text"):
     ChatFormat(tok)
+
+
+@pytest.mark.parametrize("task, name, tokenizer", [("calculator", "calculator", "char_tools"),
+                                                   ("guess", "guess", "char")])
+def test_rollout_layout_equals_the_sft_layout(task, name, tokenizer):
+  """A policy that plays the demonstration, laid out as the driver does (prompt ids, each
+  action's tokens, each observation's ids), is token for token the SFT sequence."""
+  source = DataSource(DataConfig(task=task, tokenizer=tokenizer, max_prompt_len=12,
+                                 max_response_len=48))
+  tok, enc = source.tokenizer, source.encoder
+  fmt = TextFormat(tok)
+  spec = resolve_env(name)
+  examples = source.examples("sft", 0, 16)
+  runner = EnvRunner(spec, workers=2, timeout_s=5.0, errors="mask")
+  firsts = runner.reset([ex.record() for ex in examples])
+  for row, (ex, first) in enumerate(zip(examples, firsts)):
+    ids, rest, history = fmt.prompt_ids(first), ex.response, []
+    while True:
+      ends = [rest.find(s) + len(s) for s in spec.stop_strings if s in rest]
+      action = rest[:min(ends)] if ends else rest
+      rest = rest[len(action):]
+      action_ids = tok.encode(action) + ([] if ends else [tok.eos_id])  # a stop string, or EOS
+      ids += action_ids
+      ((obs, reward, done, failed),) = runner.step([row], [tok.decode(action_ids)])
+      if done:
+        break
+      history.append({"role": "assistant", "content": action})
+      ids += fmt.observation_ids(history, obs, False)
+      rest = rest[len(obs):]
+    assert not failed and reward == 1.0
+    if ends:  # the episode ended at a stop string ("13?"): SFT appends EOS after it
+      ids += [tok.eos_id]
+    assert ids == enc.prompt_ids(ex) + enc.response_ids(ex.response)
+  runner.close()
