@@ -508,3 +508,15 @@ def test_rollout_layout_equals_the_sft_layout(task, name, tokenizer):
       ids += [tok.eos_id]
     assert ids == enc.prompt_ids(ex) + enc.response_ids(ex.response)
   runner.close()
+
+
+def test_runner_reset_must_return_a_str(capsys):
+  class Silent(Counter):
+    def reset(self, example):
+      return None
+
+  runner = EnvRunner(_spec(Silent), workers=0, timeout_s=1.0, errors="mask")
+  assert runner.reset(_rows(2)) == [None, None]
+  assert runner.metrics()["env/errors"] == 2.0
+  assert "reset() returned a wrong result: 'None' (NoneType) is not a str on row 0" in \
+      capsys.readouterr().out

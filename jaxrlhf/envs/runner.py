@@ -66,12 +66,12 @@ class EnvRunner:
     self._close_envs()
     self._counts = dict.fromkeys(self._counts, 0)
     examples = [copy.deepcopy(ex) for ex in examples]  # rows may share one dict
-    results = self._map(lambda ex: self._open(ex), examples)
+    results = self._map(self._open, examples)
     self._envs, out = [], []
     for row, (kind, value) in enumerate(results):
       if kind == _OK and not isinstance(value[1], str):
-        kind, value = _RAISED, TypeError(f"reset() returned {value[1]!r} "
-                                         f"({type(value[1]).__name__}), not a str")
+        kind, value = _RAISED, TypeError(f"{str(value[1])[:60]!r} "
+                                         f"({type(value[1]).__name__}) is not a str")
         self._fail(row, "reset", kind, value, invalid=True)
       elif kind != _OK:
         self._fail(row, "reset", kind, value)
