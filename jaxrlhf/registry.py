@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 import traceback
@@ -147,15 +148,41 @@ def load_python_file(path: str, what: str):
   return module
 
 
-def import_module(name: str, what: str):
-  """``importlib.import_module`` with errors that name ``what`` and the fix."""
+def load_target(target: str, what: str, form: str):
+  """The module of a ``path/to/file.py`` or ``package.module`` target (the part before the
+  last ':' of a setting such as ``host:my_reward.py:score``); ``form`` is how the setting is
+  written, for the error (e.g. ``path/to/file.py:Class or package.module:Class``)."""
+  if target.endswith(".py"):
+    return load_python_file(target, what)
+  if "/" in target or os.sep in target:
+    raise ConfigError(f"{what}: {target} is not a .py file nor a module name; write {form}")
+  return import_module(target, what, form.split(" or ")[0])
+
+
+def signature_refusing(fn, *args) -> str:
+  """``fn``'s signature as text when it cannot be called with ``args`` (checked without
+  calling it), else "" (also when it has no signature to read: the first call will tell)."""
+  try:
+    sig = inspect.signature(fn)
+  except (TypeError, ValueError):
+    return ""
+  try:
+    sig.bind(*args)
+  except TypeError:
+    return str(sig)
+  return ""
+
+
+def import_module(name: str, what: str, file_form: str = "path/to/file.py:function"):
+  """``importlib.import_module`` with errors that name ``what`` and the fix (``file_form``:
+  how to give a file instead)."""
   try:
     return importlib.import_module(name)
   except ModuleNotFoundError as e:
     if e.name and name.startswith(e.name):
       raise ConfigError(f"{what}: no module named {e.name!r}; install the package that provides "
                         f"it, or add its folder to PYTHONPATH (or give a file: "
-                        f"path/to/file.py:function)") from None
+                        f"{file_form})") from None
     raise ConfigError(f"{what}: importing {name} failed: {e}") from None
   except Exception as e:  # noqa: BLE001  (whatever the module raises on import)
     raise ConfigError(f"{what}: importing {name} failed: {type(e).__name__}: {e}") from None

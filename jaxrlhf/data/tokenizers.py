@@ -30,9 +30,9 @@ class CharTokenizer:
       c = e.args[0]
       hint = (" or set data.tokenizer=char_tools (adds '<', '>' and '/'),"
               if c in CharToolsTokenizer.chars and self.name == "char" else "")
-      raise ConfigError(f"character {c!r} is not in the built-in tokenizer data.tokenizer="
-                        f"{self.name} ({self.chars!r}); remove it,{hint} or set data.tokenizer "
-                        f"to a tokenizer directory") from None
+      raise ConfigError(f"character {c!r} is not in the built-in {self.name} tokenizer "
+                        f"({self.chars!r}); remove it,{hint} or set data.tokenizer to a "
+                        f"tokenizer directory") from None
 
   def chat(self, messages: list, add_generation_prompt: bool) -> list[int]:
     raise ConfigError("chat messages need a chat template, and the built-in char tokenizer has "

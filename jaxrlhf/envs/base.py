@@ -4,8 +4,6 @@ resolving ``env.name`` to a checked :class:`EnvSpec`."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import os
 
 from jaxrlhf import registry
 from jaxrlhf.config import ConfigError
@@ -77,17 +75,11 @@ def _check_class(cls, what: str, where: str) -> tuple[str, ...]:
     if not callable(getattr(cls, method, None)):
       raise ConfigError(f"{what}: {where} has no {method}() method; an environment is "
                         f"{ENV_INTERFACE}")
-  try:
-    sig = inspect.signature(cls)
-  except (TypeError, ValueError):
-    sig = None  # some builtins have none: the first construction will tell
-  if sig is not None:
-    try:
-      sig.bind()
-    except TypeError:
-      raise ConfigError(f"{what}: {where}{sig} cannot be constructed with no arguments (one "
-                        f"instance is made per rollout row); give its arguments defaults, or "
-                        f"read them from the example in reset()") from None
+  sig = registry.signature_refusing(cls)
+  if sig:
+    raise ConfigError(f"{what}: {where}{sig} cannot be constructed with no arguments (one "
+                      f"instance is made per rollout row); give its arguments defaults, or "
+                      f"read them from the example in reset()")
   stops = getattr(cls, "stop_strings", ())
   if isinstance(stops, str) or not isinstance(stops, (tuple, list)):
     raise ConfigError(f"{what}: {where}.stop_strings is {stops!r}; write a tuple of strings, "
@@ -120,13 +112,7 @@ def resolve_env(spec: str, setting: str = "env.name") -> EnvSpec:
   if not name.isidentifier():
     raise ConfigError(f"{what}: {name!r} is not a class name; write path/to/file.py:Class or "
                       f"package.module:Class")
-  if target.endswith(".py"):
-    module = registry.load_python_file(target, what)
-  else:
-    if "/" in target or os.sep in target:
-      raise ConfigError(f"{what}: {target} is not a .py file nor a module name; write "
-                        f"path/to/file.py:Class or package.module:Class")
-    module = registry.import_module(target, what)
+  module = registry.load_target(target, what, "path/to/file.py:Class or package.module:Class")
   where = f"{target}:{name}"
   if not hasattr(module, name):
     defined = sorted(n for n, v in vars(module).items()

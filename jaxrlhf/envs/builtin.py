@@ -74,6 +74,8 @@ def evaluate(expression: str) -> Optional[int]:
   parser: nothing is ever passed to ``eval``."""
   if not isinstance(expression, str) or len(expression) > MAX_EXPRESSION_CHARS:
     return None
+  if re.search(r"[0-9] +[0-9]", expression):  # "1 2" is not 12
+    return None
   text = expression.replace(" ", "")
   if not text or not re.fullmatch(r"[0-9+\-*()]+", text):
     return None

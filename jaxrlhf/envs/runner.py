@@ -52,7 +52,7 @@ class EnvRunner:
     self.workers = workers
     self.timeout_s = float(timeout_s)
     self.errors = errors
-    self._pool = concurrent.futures.ThreadPoolExecutor(workers) if workers > 0 else None
+    self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # made on first use
     self._envs: list = []
     self._ended: set[int] = set()  # rows whose episode ended (closed at the next reset)
     self._counts = {"env/errors": 0, "env/timeouts": 0}
@@ -66,12 +66,12 @@ class EnvRunner:
     self._close_envs()
     self._counts = dict.fromkeys(self._counts, 0)
     examples = [copy.deepcopy(ex) for ex in examples]  # rows may share one dict
-    results = self._map(lambda ex: self._open(ex), examples)
+    results = self._map(self._open, examples)
     self._envs, out = [], []
     for row, (kind, value) in enumerate(results):
       if kind == _OK and not isinstance(value[1], str):
-        kind, value = _RAISED, TypeError(f"reset() returned {value[1]!r} "
-                                         f"({type(value[1]).__name__}), not a str")
+        kind, value = _RAISED, TypeError(f"{str(value[1])[:60]!r} "
+                                         f"({type(value[1]).__name__}) is not a str")
         self._fail(row, "reset", kind, value, invalid=True)
       elif kind != _OK:
         self._fail(row, "reset", kind, value)
@@ -153,6 +153,8 @@ class EnvRunner:
 
   def _map(self, fn: Callable, items: list) -> list[tuple[str, object]]:
     """``fn`` on each item: ``(kind, value)`` per item in order, kind ok / raised / timeout."""
+    if self.workers > 0 and self._pool is None:
+      self._pool = concurrent.futures.ThreadPoolExecutor(self.workers)
     if self._pool is None:
       out = []
       for item in items:

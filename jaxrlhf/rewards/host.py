@@ -5,9 +5,7 @@ batch with failures masked and counted."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
-import os
 from typing import Callable, Sequence
 
 import numpy as np
@@ -75,15 +73,10 @@ def resolve_host_reward(source: str, setting: str = "reward.sources") -> HostRew
   if not fname.isidentifier():
     raise ConfigError(f"{what}: {fname!r} is not a function name; write "
                       f"host:path/to/file.py:function")
-  if target.endswith(".py"):
-    module, path = registry.load_python_file(target, what), target
-    where = f"{target}:{fname}"
-  else:
-    if "/" in target or os.sep in target:
-      raise ConfigError(f"{what}: {target} is not a .py file nor a module name; write "
-                        f"host:path/to/file.py:function or host:package.module:function")
-    module, path = registry.import_module(target, what), ""
-    where = f"{target}:{fname}"
+  module = registry.load_target(
+      target, what, "host:path/to/file.py:function or host:package.module:function")
+  path = target if target.endswith(".py") else ""
+  where = f"{target}:{fname}"
   if not hasattr(module, fname):
     defined = sorted(n for n, v in vars(module).items()
                      if callable(v) and not n.startswith("_")
@@ -95,16 +88,10 @@ def resolve_host_reward(source: str, setting: str = "reward.sources") -> HostRew
   if not callable(fn):
     raise ConfigError(f"{what}: {where} is a {type(fn).__name__}, not a function; it must be "
                       f"{HOST_SIGNATURE}")
-  try:
-    sig = inspect.signature(fn)
-  except (TypeError, ValueError):
-    sig = None  # some builtins have none: the first call will tell
-  if sig is not None:
-    try:
-      sig.bind([], [])
-    except TypeError:
-      raise ConfigError(f"{what}: {where}{sig} cannot be called with (responses, examples); a "
-                        f"host reward is {HOST_SIGNATURE}") from None
+  sig = registry.signature_refusing(fn, [], [])
+  if sig:
+    raise ConfigError(f"{what}: {where}{sig} cannot be called with (responses, examples); a "
+                      f"host reward is {HOST_SIGNATURE}")
   return HostReward(source, fn, where, path)
 
 
