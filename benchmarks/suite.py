@@ -5,6 +5,7 @@ against padded (issue 25).
     python -m benchmarks.suite                            # every workload
     python -m benchmarks.suite --workloads=grpo --steps=20 --out=bench.json
     python -m benchmarks.suite --workloads=sft_spread,dpo_spread --spread_steps=4
+    python -m benchmarks.suite --workloads=calc_turns --turn_steps=6
 
 Every workload runs in its own subprocess (so peak resident memory is that workload's alone):
 
@@ -41,6 +42,10 @@ process builds the padded and the packed stage (``data.pack``) from the same par
 alternates their steps on the same batches (every bucket compiled in an untimed first pass),
 reporting step time, useful (non-pad) tokens per second and the fraction of slots holding a
 real token.
+
+The multi-turn workload (``calc_turns``) is ``tiny_grpo_calc`` after a short SFT: GRPO against
+the calculator tool (:func:`worker_turns`), reporting turns and useful tokens per second of the
+episodes phase and the fraction of the conversation slots that hold a real token.
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ WORKLOADS = ("grpo", "dpo", "ppo")
 # spread from 8 to 512 tokens, packed and padded steps alternating in one process.
 SPREAD_WORKLOADS = ("sft_spread", "dpo_spread")
 SPREAD_LENGTHS = (8, 512)
+# Multi-turn episodes (issue 27): GRPO against the calculator tool, the trainer's own timing.
+TURN_WORKLOADS = ("calc_turns",)
 PARAM_COUNT = 4_458_752
 
 
@@ -430,6 +437,61 @@ def report_spread(r: dict) -> str:
   return "\n".join(lines)
 
 
+def worker_turns(name: str, steps: int, sft_steps: int = 150) -> dict:
+  """``tiny_grpo_calc`` (the 0.8M-parameter tiny model over char_tools) after ``sft_steps`` of
+  SFT on the calculator demonstrations, then ``steps`` timed GRPO steps against the calculator
+  (after one untimed step that compiles), each phase timed by the trainer itself
+  (``logging.phase_timing``).  Turns per second and useful tokens per second are of the
+  episodes phase (the host loop: decode segments, environment steps, observation prefills);
+  useful tokens are the actions' and the observations' (not the slots the lock-step decoder
+  leaves empty)."""
+  import dataclasses as dc
+  from jaxrlhf import registry
+  from jaxrlhf.metrics import read_jsonl
+  from jaxrlhf.train import pipeline
+  assert name == "calc_turns", name
+  cfg = registry.get("tiny_grpo_calc")
+  cfg = dc.replace(
+      cfg, sft=dc.replace(cfg.sft, steps=sft_steps, stop_accuracy=0.0, eval_every=0),
+      grpo=dc.replace(cfg.grpo, steps=steps + 1, eval_every=0),
+      logging=dc.replace(cfg.logging, phase_timing=True, console_every_s=0.0),
+      checkpoint=dc.replace(cfg.checkpoint, enabled=False))
+  with tempfile.TemporaryDirectory(prefix="bench_turns_") as d:
+    if pipeline.run(cfg, d) != 0:
+      raise RuntimeError("the calc_turns run failed")
+    recs = [r for r in read_jsonl(os.path.join(d, "metrics.jsonl"))
+            if r.get("stage") == "grpo" and "env/turns_mean" in r]
+  recs = sorted(recs, key=lambda r: r["step"])[1:]  # the first step compiled
+  rows = cfg.grpo.batch_size * cfg.grpo.num_samples
+  gen = [r["time/phase/generate_s"] for r in recs]
+  useful = [r["env/policy_tokens"] + r["env/observation_tokens"] for r in recs]
+  turns = [rows * r["env/turns_mean"] for r in recs]
+  return {"workload": name, "steps": len(recs), "rows": rows, "sft_steps": sft_steps,
+          "slots_per_row": cfg.rollout.max_new_tokens,
+          "step_s": _median_min_max([r["time/step_s"] for r in recs]),
+          "episodes_s": _median_min_max(gen),
+          "episodes_share": sum(gen) / sum(r["time/step_s"] for r in recs),
+          "turns_per_episode": sum(turns) / (rows * len(recs)),
+          "turns_per_s": sum(turns) / sum(gen),
+          "useful_tokens_per_s": sum(useful) / sum(gen),
+          "policy_tokens_per_s": sum(r["env/policy_tokens"] for r in recs) / sum(gen),
+          "useful_fraction": sum(useful) / (rows * cfg.rollout.max_new_tokens * len(recs)),
+          "solved": statistics.mean(r["env/solved"] for r in recs),
+          "loadavg_1min": os.getloadavg()[0]}
+
+
+def report_turns(r: dict) -> str:
+  return "\n".join([
+      f"== {r['workload']} (tiny_grpo_calc after {r['sft_steps']} SFT steps; {r['rows']} "
+      f"episodes a step, {r['steps']} steps)",
+      f"  step {r['step_s']['median']:.3f} s, episodes {r['episodes_s']['median']:.3f} s "
+      f"({100 * r['episodes_share']:.0f}% of the step)",
+      f"  {r['turns_per_episode']:.2f} turns an episode: {r['turns_per_s']:.0f} turns/s, "
+      f"{r['useful_tokens_per_s']:.0f} useful tokens/s ({r['policy_tokens_per_s']:.0f} the "
+      f"policy's), {100 * r['useful_fraction']:.1f}% of the {r['slots_per_row']} slots a row "
+      f"useful; solved {100 * r['solved']:.1f}% (load {r['loadavg_1min']:.1f})"])
+
+
 def worker_warm(name: str, model=None, steps: int = 3) -> dict:
   """Set-up and first step with the compilation cache filled, then a few more steps: the
   peak memory of a run that compiles nothing."""
@@ -455,6 +517,7 @@ def run_worker(mode: str, name: str, args, cache_dir: str) -> dict:
   cmd = [sys.executable, "-m", "benchmarks.suite", f"--_worker={mode}:{name}",
          f"--steps={args.steps}", f"--warmup={args.warmup}", f"--phase_steps={args.phase_steps}",
          f"--spread_steps={getattr(args, 'spread_steps', 4)}",
+         f"--turn_steps={getattr(args, 'turn_steps', 6)}",
          f"--_result={path}"]
   env = {**os.environ, "JAXRLHF_COMPILATION_CACHE": cache_dir}
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -519,9 +582,12 @@ def report(r: dict) -> str:
 
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--workloads", default=",".join(WORKLOADS + SPREAD_WORKLOADS))
+  parser.add_argument("--workloads",
+                      default=",".join(WORKLOADS + SPREAD_WORKLOADS + TURN_WORKLOADS))
   parser.add_argument("--spread_steps", type=int, default=4,
                       help="timed steps of each layout in the spread-length workloads")
+  parser.add_argument("--turn_steps", type=int, default=6,
+                      help="timed GRPO steps of the multi-turn workload")
   parser.add_argument("--steps", type=int, default=15, help="timed steps after warm-up")
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
   parser.add_argument("--phase_steps", type=int, default=5,
@@ -541,18 +607,24 @@ def main(argv=None) -> dict:
     out = {"main": lambda: worker_main(name, args.steps, args.warmup),
            "phases": lambda: worker_phases(name, args.phase_steps),
            "warm": lambda: worker_warm(name),
-           "spread": lambda: worker_spread(name, args.spread_steps)}[mode]()
+           "spread": lambda: worker_spread(name, args.spread_steps),
+           "turns": lambda: worker_turns(name, args.turn_steps)}[mode]()
     with open(args._result, "w") as f:
       json.dump(out, f)
     return out
 
   names = [w.strip() for w in args.workloads.split(",") if w.strip()]
-  bad = [w for w in names if w not in WORKLOADS + SPREAD_WORKLOADS]
+  known = WORKLOADS + SPREAD_WORKLOADS + TURN_WORKLOADS
+  bad = [w for w in names if w not in known]
   if bad:
-    parser.error(f"--workloads: unknown {bad}; choose from "
-                 f"{','.join(WORKLOADS + SPREAD_WORKLOADS)}")
+    parser.error(f"--workloads: unknown {bad}; choose from {','.join(known)}")
   results = {}
   for name in names:
+    if name in TURN_WORKLOADS:
+      with tempfile.TemporaryDirectory(prefix=f"bench_{name}_xla_") as cache:
+        results[name] = run_worker("turns", name, args, cache)
+      print(report_turns(results[name]), flush=True)
+      continue
     if name in SPREAD_WORKLOADS:
       with tempfile.TemporaryDirectory(prefix=f"bench_{name}_xla_") as cache:
         results[name] = run_worker("spread", name, args, cache)

@@ -181,3 +181,76 @@ def test_grpo_step_with_an_environment_on_dp2_tp2_equals_single_device(tmp_path)
       np.testing.assert_allclose(a[k], b[k], rtol=2e-4, atol=2e-5, err_msg=k)
   # The policy's log-probs in the update are those the decoder recorded.
   assert out[0][0]["rollout/logprob_mismatch"] < 1e-4
+
+
+def test_ppo_puts_each_turn_s_reward_where_its_action_ends():
+  """Per-token rewards with turn boundaries: with gamma = lam = 1 and zero values, the advantage
+  of an action token is the sum of the rewards from its own turn on (GAE skips the observation
+  tokens between actions); the other sources' score lands on the last token."""
+  import types
+  import jax.numpy as jnp
+  from jaxrlhf.config import PPOConfig
+  from jaxrlhf.train import ppo
+  from jaxrlhf.train.types import Rollout, Scored
+  # One row: action (slots 0-1), observation (2-3), action (4-5), observation (6), action (7).
+  pol = jnp.array([[1, 1, 0, 0, 1, 1, 0, 1]], bool)
+  turn = jnp.array([[0, 0.5, 0, 0, 0, 0.25, 0, 1.0]], jnp.float32)
+  scfg = PPOConfig(gamma=1.0, lam=1.0, whiten_advantages=False,
+                   reward=RewardConfig(sources=("env", "rule:exact_match")))
+  stage = types.SimpleNamespace(scfg=scfg, env_weight=2.0)
+  other = 0.125  # the rule's part of the score
+  score = jnp.array([other + 2.0 * (0.5 + 0.25 + 1.0)])
+  carry = types.SimpleNamespace(
+      rollout=Rollout(tokens_BT=None, mask_BT=None, response_mask_BN=pol, behaviour_logp_BN=None,
+                      lengths_B=None, finished_B=None, turn_rewards_BN=turn),
+      scored=Scored(score_B=score, keep_B=None, values_BN=jnp.zeros((1, 8))))
+  adv, _ = ppo.advantages(stage, carry, score, jnp.zeros((1, 8)), 0.0, pol)
+  want = [3.625, 3.625, 0, 0, 2.625, 2.625, 0, 2.125]  # 2 x (0.5+0.25+1) + 0.125, then on
+  np.testing.assert_allclose(np.asarray(adv)[0], want, atol=1e-6)
+  # Normalised scores are no sum over turns: the whole return stays at the last token.
+  carry.rollout = carry.rollout.replace(turn_rewards_BN=turn)
+  stage.scfg = dataclasses.replace(scfg, reward=dataclasses.replace(scfg.reward,
+                                                                    normalize="batch"))
+  adv, _ = ppo.advantages(stage, carry, score, jnp.zeros((1, 8)), 0.0, pol)
+  np.testing.assert_allclose(np.asarray(adv)[0], np.where(np.asarray(pol[0]), 3.625, 0),
+                             atol=1e-6)
+
+
+def test_the_documented_user_environment_works_as_written(tmp_path):
+  """The example in docs/training.md ("Environments"), saved as the file it says, resolves and
+  plays the calculator's demonstrations to a full reward."""
+  import os
+  import re
+  from jaxrlhf.data.tasks import CalculatorTask
+  from jaxrlhf.envs import resolve_env
+  doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                          "training.md")).read()
+  code = re.search(r"```python\n(# calc_env.py.*?)```", doc, re.S).group(1)
+  (tmp_path / "calc_env.py").write_text(code)
+  spec = resolve_env(f"{tmp_path / 'calc_env.py'}:Calc")
+  assert spec.stop_strings == ("</calc>",)
+  for ex in CalculatorTask().sample(np.random.default_rng(0), 20, "train"):
+    env = spec.cls()
+    assert env.reset(ex.record()) == ex.prompt
+    call = ex.response[:ex.response.index("</calc>") + len("</calc>")]
+    obs, r, done = env.step(call)
+    assert ex.response == call + obs + ex.answer and (r, done) == (0.0, False)
+    assert env.step(ex.answer) == ("", 1.0, True)
+  assert spec.cls().step("<calc>1+</calc>")[0] == "<result>error</result>"
+
+
+def test_an_episode_cut_at_a_limit_earns_what_env_on_limit_says(tmp_path):
+  base = _cfg(tmp_path, ECHO, "Echo")
+  m = mesh()
+  got = {}
+  for mode in ("truncate", "penalize"):
+    cfg = dataclasses.replace(base, env=dataclasses.replace(
+        base.env, max_turns=1, on_limit=mode, limit_penalty=-0.5))
+    stage, state, frozen = _stage(cfg, m)
+    ep = EpisodeRunner(stage).run(stage.view(state.params, frozen, "policy"),
+                                  stage.data.examples("prompts", 0, 4), jax.random.key(3), n=2)
+    # "a+b=" has two digits to echo: one turn never ends the episode.
+    assert ep.truncated.all() and not ep.ended.any() and (ep.turns == 1).all()
+    got[mode] = ep.returns
+  np.testing.assert_array_equal(got["penalize"], np.full(8, -0.5, np.float32))
+  assert set(np.unique(got["truncate"])) <= {0.0, 1.0}  # what the one turn earned

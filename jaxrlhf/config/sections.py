@@ -298,7 +298,8 @@ class RewardConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  # A built-in synthetic task ("addition") or "jsonl" for the user's files below.
+  # A built-in synthetic task ("addition"; "calculator" and "guess", the data of the built-in
+  # environments) or "jsonl" for the user's files below.
   task: str = "addition"
   digits: int = 2
   # Write the sum least-significant digit first ("07+45=" -> "250"): each digit then depends

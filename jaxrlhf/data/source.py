@@ -146,7 +146,9 @@ class DataSource:
     """Whether nothing in the evaluation set of ``kind`` is trained on: a held-out file,
     data.eval_split, or the built-in task's evaluation split; not the first training
     examples (:meth:`eval_source` "train")."""
-    return self.task is not None or self.eval_source(kind)[1] != "train"
+    if self.task is not None:  # a built-in task: its own split (the guessing game has none)
+      return getattr(self.task, "held_out", True)
+    return self.eval_source(kind)[1] != "train"
 
   def eval_name(self, kind: str, noun: str) -> str:
     """``noun`` (e.g. "exact match", "prompts") named for what the evaluation set of ``kind``

@@ -193,7 +193,15 @@ def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True
       unknown_trip=unknown_trip, half_f32_traffic=sixteen_bit, compile_seconds=secs)
   programs: list[ProgramPlan] = []
   with jax.set_mesh(mesh):
-    step_fn = stage.make_step_fn(state, frozen, batch)
+    if getattr(stage, "episodes", None) is not None:
+      # Multi-turn episodes run on the host between jitted pieces; their decoding is planned
+      # as one single-turn generation over the rollout.max_new_tokens slots the turns share,
+      # cut from the rest of the step as the episodes are.
+      from jaxrlhf.train import program
+      step_fn = program.PhasedProgram(stage, stage.phases(), state,
+                                      timed=cfg.logging.phase_timing, host_fn=stage.host_scores)
+    else:
+      step_fn = stage.make_step_fn(state, frozen, batch)
     one_program = hasattr(step_fn, "lower")
     if one_program:
       compiled, secs = compile_program(step_fn, state, frozen, batch)

@@ -245,7 +245,8 @@ def scores_schema(stage: PPOStage) -> dict:
 
 def rollout_arrays(ro: Rollout) -> dict:
   """A rollout's fields, on the host, for the wire."""
-  return to_host({f.name: getattr(ro, f.name) for f in dataclasses.fields(Rollout)})
+  return to_host({f.name: getattr(ro, f.name) for f in dataclasses.fields(Rollout)
+                  if getattr(ro, f.name) is not None})
 
 
 def rollout_of(mesh, arrays: dict) -> Rollout:

@@ -359,7 +359,8 @@ def print_summary(cfg: ExperimentConfig, summary: dict, data: DataSource) -> Non
     # Held out or not, as the console said when the set was read (DataSource.eval_source).
     named = data.eval_name
     if "eval/accuracy" in s:
-      rows.append((f"{name}: {named('prompts', 'exact match')}", start.get("eval/accuracy"),
+      what = "solved (greedy episodes)" if cfg.env.name else "exact match"
+      rows.append((f"{name}: {named('prompts', what)}", start.get("eval/accuracy"),
                    s["eval/accuracy"]))
     if "eval/pair_accuracy" in s:
       rows.append((f"{name}: {named('pairs', 'pair accuracy')}",

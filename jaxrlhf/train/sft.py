@@ -63,7 +63,8 @@ class SFTStage(Stage):
   def target_reached(self, eval_metrics: dict) -> str:
     stop, acc = self.scfg.stop_accuracy, eval_metrics.get("eval/accuracy")
     if stop > 0 and acc is not None and acc >= stop:
-      return (f"{self.data.eval_name('prompts', 'exact match')} {acc:.3f} reached "
+      what = "success rate (greedy episodes)" if self.cfg.env.name else "exact match"
+      return (f"{self.data.eval_name('prompts', what)} {acc:.3f} reached "
               f"{stop_rule(self.scfg)}")
     # Close to the target, evaluate every sft.stop_eval_every steps (the loop reads
     # eval_every after each step), so that the stage stops near the target rather than up
