@@ -100,6 +100,15 @@ def validate(cfg: "ExperimentConfig", required: bool = True) -> "ExperimentConfi
     problems += m.architecture_problems(role)
   c.at_least(cfg.data, "data", ("max_prompt_len", "max_response_len", "eval_size"), 1)
   _validate_data(cfg, problems)
+  if cfg.env.name:
+    c.at_least(cfg.env, "env", ("max_turns", "max_turn_tokens"), 1)
+    c.at_least(cfg.env, "env", ("workers",), 0)
+    c.finite(cfg.env, "env", "timeout_s", 1e-9, "must be a number of seconds > 0")
+    c.need(all(isinstance(x, str) and x for x in cfg.env.stop_strings), "env.stop_strings",
+           cfg.env.stop_strings, "each stop string must be a non-empty string")
+    c.need(cfg.env.max_turn_tokens <= cfg.rollout.max_new_tokens, "env.max_turn_tokens",
+           cfg.env.max_turn_tokens, f"an action cannot be longer than the "
+           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} slots a whole episode shares")
   for name in cfg.stages:
     getattr(cfg, name).check(name, cfg, c)
   problems += sink_problems(cfg.logging.sinks)

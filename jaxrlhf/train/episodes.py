@@ -72,7 +72,8 @@ class EpisodeRunner:
     else:
       self.fmt = TextFormat(tok)
     stops = tuple(dict.fromkeys(tuple(self.spec.stop_strings) + tuple(ecfg.stop_strings)))
-    self.stop_seqs = tuple(tuple(tok.encode(s)) for s in stops)
+    self.stop_seqs = tuple(tuple(tok.encode(s)) for s in stops) + tuple(
+        (t,) for t in cfg.rollout.stop_token_ids)
     if any(not s for s in self.stop_seqs):
       raise ConfigError(f"env.stop_strings: a stop string of {self.spec.where} encodes to no "
                         f"tokens; remove it")
