@@ -1,6 +1,6 @@
 """The learning matrix of issue 30: the tiny experiments over seeds x CPU codegens.
 
-    python -m benchmarks.learning_matrix                      # 3 seeds x {AVX2, native}, all 3
+    python -m benchmarks.learning_matrix                      # 3 seeds x {AVX2, native}, all 5
     python -m benchmarks.learning_matrix --experiments=tiny_grpo --seeds=0 --set=grpo.steps=90
     python -m benchmarks.learning_matrix --write              # also rewrite the documented figures
     python -m benchmarks.learning_matrix --markdown           # the README's table, from the file
@@ -15,7 +15,8 @@ same (they are: both are ``TINY_SFT``), so each SFT is trained once.
 Prints, per metric, the value of every run, the median and range, and whether each run meets
 the claims of ``jaxrlhf.results.CLAIMS``; ``--write`` stores the values in
 ``jaxrlhf/learning_results.json``, where the README's table and ``python -m jaxrlhf.report``
-read them.  Exit status 1 when a claim is not met.
+read them (the experiments measured replace their own figures; the others keep theirs).  Exit
+status 1 when a claim is not met.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxrlhf import results as R  # noqa: E402
 
-EXPERIMENTS = ("tiny_ppo", "tiny_grpo", "tiny_dpo")
+EXPERIMENTS = ("tiny_ppo", "tiny_grpo", "tiny_dpo", "tiny_grpo_calc", "tiny_grpo_guess")
 # experiment -> the experiment whose finished SFT it starts from (when the settings agree).
 SHARES_SFT = {"tiny_dpo": "tiny_grpo"}
 
@@ -183,12 +184,13 @@ def markdown(measured) -> str:
     for r in by_run.values():
       for metric, _, _, _, ok in R.check_claims(e, r):
         met.setdefault(metric, []).append(ok)
-    for m, (label, _) in R.METRICS.items():
+    for m in R.METRICS:
       sp = R.spread(measured, e, m)
       if sp is None:
         continue
       count = f"{sum(met[m])} of {len(met[m])}" if m in met else ""
-      rows.append(f"| `{e}` | {label} | {R.fmt_spread(m, sp)} | {claims.get(m, '')} | {count} |")
+      rows.append(f"| `{e}` | {R.label(e, m)} | {R.fmt_spread(m, sp)} | {claims.get(m, '')} "
+                  f"| {count} |")
   return "\n".join(rows)
 
 
@@ -278,6 +280,14 @@ def main(argv=None) -> int:
     setup = {"seeds": seeds, "isas": {i: R.ISAS[i] for i in isas}, "native_isa": native_isa(),
              "cpus": os.cpu_count(),
              "command": "python -m benchmarks.learning_matrix --write"}
+    # The experiments measured here replace their documented figures; the others keep theirs.
+    old = R.load_measured() if os.path.exists(R.MEASURED_FILE) else {}
+    if old and {k: v for k, v in old["setup"].items() if k != "command"} != {
+        k: v for k, v in setup.items() if k != "command"}:
+      raise SystemExit(f"--write: this matrix's set-up {setup} differs from the one of "
+                       f"{R.MEASURED_FILE} ({old['setup']}); measure every experiment again")
+    shas = {**old.get("config_sha", {}), **shas}
+    runs = {**old.get("runs", {}), **runs}
     with open(R.MEASURED_FILE, "w") as f:
       json.dump({"setup": setup, "config_sha": shas, "runs": runs}, f, indent=1,
                 sort_keys=True)
