@@ -186,6 +186,25 @@ class RLConfig(StageConfig):
     c.finite(ro, "rollout", "temperature", rule="must be a number >= 0 (0 is greedy)")
     c.need(0.0 < ro.top_p <= 1.0, "rollout.top_p", ro.top_p,
            "must be in (0, 1] (1 turns top-p off)")
+    if ro.refill:
+      _check_refill(self, name, cfg, c)
+
+
+def _check_refill(scfg, name, cfg, c):
+  """What in-flight refill (``rollout.refill``) does not support, each with its fix."""
+  ro = cfg.rollout
+  c.need(math.isfinite(ro.refill_queue) and ro.refill_queue >= 1.0, "rollout.refill_queue",
+         ro.refill_queue, "must be a number >= 1 (prompts queued per trained prompt, e.g. 2)")
+  if name != "grpo":
+    c.problems.append(f"rollout.refill=true is supported for grpo only, not {name} (nor the "
+                      f"pools, which run ppo); set rollout.refill=false")
+  if cfg.env.name:
+    c.problems.append(f"rollout.refill=true with env.name={cfg.env.name!r}: multi-turn "
+                      "episodes run their own host loop and cannot refill; set "
+                      "rollout.refill=false")
+  if getattr(scfg, "dynamic_sampling", False):
+    c.problems.append(f"rollout.refill=true with {name}.dynamic_sampling=true: both choose "
+                      f"which groups of an over-sized queue train; set one of them to false")
 
 
 @dataclasses.dataclass(frozen=True)
