@@ -473,8 +473,7 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
       new, tok0, _ = record(slots, logits_RV, mine_R)
       slots = {k: jnp.where(mine_R.reshape((rows,) + (1,) * (v.ndim - 1)), new[k], v)
                for k, v in slots.items()}
-      group = {**group, "prompt": group["prompt"].at[g].set(q), "next": q + 1,
-               "busy": group["busy"] + n}
+      group = {**group, "prompt": group["prompt"].at[g].set(q), "next": q + 1}
       return (cache, slots, jnp.where(mine_R, tok0, tok_R), live_R | mine_R, group)
 
     return jax.lax.cond(go, fill, lambda a: a, (cache, slots, tok_R, live_R, group))
@@ -482,7 +481,6 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
   slots, tok_R, live_R = record(slots, _rows(jnp.repeat(first_logits, n, axis=0)),
                                 jnp.ones((rows,), bool))
   out, group = harvest(slots, out, group)
-  group = {**group, "busy": jnp.int32(rows)}
 
   def cond(state):
     i, _, _, _, _, _, group = state
@@ -494,8 +492,8 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
     h, cache = forward(params, tok_R[:, None], pos_R1, live_R[:, None], cfg=cfg, cache=cache,
                        attn_impl=kernels.attention)
     cache = _constrain_cache(cache)
-    slots, tok_R, live_R = record(slots, _rows(lm_logits(params, h, cfg)[:, 0]), ~slots["done"])
     group = {**group, "busy": group["busy"] + jnp.sum(live_R, dtype=jnp.int32)}
+    slots, tok_R, live_R = record(slots, _rows(lm_logits(params, h, cfg)[:, 0]), ~slots["done"])
     out, group = harvest(slots, out, group)
     cache, slots, tok_R, live_R, group = refill(cache, slots, tok_R, live_R, group)
     out, group = harvest(slots, out, group)
@@ -528,7 +526,9 @@ def generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=Non
   the first ``num_groups`` groups to complete, in completion order (``prompt_index``: each
   one's prompt in the queue), each response equal (tokens; log-probs up to float rounding) to
   :func:`generate` of its prompt with ``rollout.row_keys``.  ``stats``: prompts started,
-  groups completed, loop steps, and row-steps that sampled a token (``busy``)."""
+  groups completed (past the quota too), sampling steps (the decode loop ran ``steps - 1``
+  forward passes), and ``busy``: row-steps of those passes that fed a running response's
+  token (the rest were idle slots)."""
   return _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q, cfg=cfg,
                           rollout=rollout, eos_id=eos_id, pad_id=pad_id,
                           num_samples=num_samples, num_groups=num_groups, kernels=kernels)
