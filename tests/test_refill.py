@@ -196,8 +196,8 @@ def test_answers_and_host_examples_follow_their_groups(tmp_path, monkeypatch):
   state, frozen = stage.init(jax.random.key(0), {})
   host_batch = stage.batch(0)
   batch = _batch(stage, m, 0)
-  c = phases.generate(stage, frozen, batch, StepCarry(state=state))
-  c = phases.reward(stage, frozen, batch, c)
+  c = jax.jit(lambda st, fr, b: phases.reward(stage, fr, b, phases.generate(
+      stage, fr, b, StepCarry(state=st))))(state, frozen, batch)
   index = np.asarray(c.rollout.prompt_index_B)
   assert index.max() >= 4 and len(set(index)) == 4  # refilled groups, each of n rows
   assert (index.reshape(4, 4) == index[::4, None]).all()
