@@ -4,6 +4,10 @@ together and their prompts' answers and host examples follow them; a GRPO step w
 a dp=2 x tp=2 mesh equals one device; the settings it cannot honour are refused."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +16,7 @@ import pytest
 
 from helpers import TINY, mesh, ragged_batch
 from jaxrlhf import model as M
+from jaxrlhf import results
 from jaxrlhf import rewards as RW
 from jaxrlhf import rollout as R
 from jaxrlhf.config import (ConfigError, DataConfig, EnvConfig, ExperimentConfig, GRPOConfig,
@@ -230,3 +235,22 @@ def test_settings_refill_cannot_honour_are_refused_with_the_fix(change, match):
   cfg = dataclasses.replace(cfg, **change)
   with pytest.raises(ConfigError, match=match):
     validate(cfg, required=False)
+
+
+# tiny_grpo with refill on, as a newcomer runs it (its own process, seed 0): 3.5 minutes on
+# the shared 2-core CPU (load about 4).  Measured: SFT 51.7% (step 210), GRPO 72.8% (+21.1;
+# the default's seed 0 AVX-512 run: 75.2%, +23.5), 0.14 groups dropped per step.
+@pytest.mark.slow
+def test_tiny_grpo_with_refill_still_learns(tmp_path):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  wd = str(tmp_path / "tiny_grpo_refill")
+  proc = subprocess.run([sys.executable, "-m", "jaxrlhf.main", "--experiment=tiny_grpo",
+                         "--set=rollout.refill=true", f"--workdir={wd}"], cwd=root,
+                        capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  with open(os.path.join(wd, "summary.json")) as f:
+    m = results.measure(json.load(f))
+  failed = [f"{metric} {value:.3f} < {needed:.3f} ({rule})"
+            for metric, value, needed, rule, ok in results.check_claims("tiny_grpo", m)
+            if not ok]
+  assert not failed, failed
