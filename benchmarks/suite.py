@@ -6,6 +6,7 @@ against padded (issue 25).
     python -m benchmarks.suite --workloads=grpo --steps=20 --out=bench.json
     python -m benchmarks.suite --workloads=sft_spread,dpo_spread --spread_steps=4
     python -m benchmarks.suite --workloads=calc_turns --turn_steps=6
+    python -m benchmarks.suite --workloads=grpo_longtail --longtail_steps=4
 
 Every workload runs in its own subprocess (so peak resident memory is that workload's alone):
 
@@ -43,6 +44,13 @@ alternates their steps on the same batches (every bucket compiled in an untimed 
 reporting step time, useful (non-pad) tokens per second and the fraction of slots holding a
 real token.
 
+The long-tail workload (``grpo_longtail``, issue 25): GRPO on the same policy, 16 prompts x 4
+samples, up to 128 new tokens, each prompt's response length given by a length oracle read
+from the prompt (:func:`longtail_lengths`: median 16, 1 in 16 at the limit); one process
+alternates steps with ``rollout.refill`` (32 prompts queued for 16 groups) and without,
+reporting step time, useful (trained response) tokens per second and the share of the decode
+loop's row-steps that produced a trained token.
+
 The multi-turn workload (``calc_turns``) is ``tiny_grpo_calc`` after a short SFT: GRPO against
 the calculator tool (:func:`worker_turns`), reporting turns and useful tokens per second of the
 episodes phase and the fraction of the conversation slots that hold a real token.
@@ -68,6 +76,9 @@ SPREAD_WORKLOADS = ("sft_spread", "dpo_spread")
 SPREAD_LENGTHS = (8, 512)
 # Multi-turn episodes (issue 27): GRPO against the calculator tool, the trainer's own timing.
 TURN_WORKLOADS = ("calc_turns",)
+# Long-tail GRPO (issue 25): response lengths from a length oracle, refill against none.
+LONGTAIL_WORKLOADS = ("grpo_longtail",)
+LONGTAIL_LIMIT = 128  # rollout.max_new_tokens of the long-tail workload
 PARAM_COUNT = 4_458_752
 
 
@@ -226,6 +237,35 @@ def workload_flops(name: str) -> dict[str, float]:
   another trainer (benchmarks/peer_trl.py)."""
   from jaxrlhf.train.work import step_flops
   return step_flops(_stage(name, workload_config(name)))
+
+
+def longtail_lengths(prompt_BP, limit: int = LONGTAIL_LIMIT):
+  """The long-tail workload's length oracle: each prompt's response length (EOS included),
+  read from its tokens.  A hash of the prompt gives ``u`` uniform in (0, 1]; the length is
+  ``min(limit, ceil(limit / 16 / u))``, a Pareto tail of index 1: median ``limit / 8``, the
+  shortest ``limit / 16``, and 1 prompt in 16 at the limit.  The sampler forces EOS there
+  (``batch["stop_at"]``, :func:`jaxrlhf.rollout.generate`), so a prompt's length is the same
+  in every run and under either decoder."""
+  import zlib
+  import numpy as np
+  u = np.asarray([(zlib.crc32(np.asarray(row, np.int32).tobytes()) % 65536 + 1) / 65536
+                  for row in np.asarray(prompt_BP)])
+  return np.minimum(limit, np.ceil(limit / 16 / u)).astype(np.int32)
+
+
+def longtail_config(refill: bool, steps: int = 1000):
+  """GRPO on the 4,458,752-parameter policy: 16 prompts x 4 samples trained per step, up to
+  :data:`LONGTAIL_LIMIT` new tokens; with refill, 32 prompts queued for 16 groups."""
+  from jaxrlhf.config import DataConfig, RolloutConfig
+  cfg = workload_config("grpo", model=model_config(max_seq_len=8 + LONGTAIL_LIMIT),
+                        steps=steps)
+  return dataclasses.replace(
+      cfg, name="bench_grpo_longtail",
+      data=DataConfig(task="addition", digits=2, max_prompt_len=8,
+                      max_response_len=32),
+      rollout=RolloutConfig(max_new_tokens=LONGTAIL_LIMIT, temperature=1.0, refill=refill,
+                            refill_queue=2.0),
+      grpo=dataclasses.replace(cfg.grpo, batch_size=16, num_samples=4))
 
 
 def _stage(name: str, cfg):
@@ -424,6 +464,118 @@ def worker_spread(name: str, steps: int) -> dict:
   return out
 
 
+def worker_longtail(name: str, steps: int) -> dict:
+  """GRPO steps with and without in-flight refill alternating in one process (the same
+  starting parameters; each stage its own batches, lengths from :func:`longtail_lengths`):
+  median step time, useful (trained response) tokens per second, and the fraction of the
+  decode loop's row-steps that produced a trained token.  One untimed step each first."""
+  import jax
+  import numpy as np
+  from jaxrlhf import model as M
+  from jaxrlhf.train.common import metrics_to_host, put_batch
+  from jaxrlhf.train.loop import prepare_step
+  runs = {}
+  for refill in (False, True):
+    cfg = longtail_config(refill)
+    stage = _stage("grpo", cfg)
+    policy = jax.jit(lambda k: M.init_params(cfg.model, k))(jax.random.key(cfg.seed))
+    n_params = sum(x.size for x in jax.tree.leaves(policy))
+    if n_params != PARAM_COUNT:
+      raise AssertionError(f"the workload's policy has {n_params} parameters, not {PARAM_COUNT}")
+    state, frozen = stage.init(jax.random.key(cfg.seed + 1), {"policy": policy})
+    runs[refill] = {"stage": stage, "state": state, "frozen": frozen, "fn": None}
+
+  def step(r, s):
+    stage = r["stage"]
+    batch = stage.batch(s)
+    batch["stop_at"] = longtail_lengths(batch["prompt"])
+    batch = put_batch(stage.mesh, batch)
+    with jax.set_mesh(stage.mesh):
+      if r["fn"] is None:
+        r["fn"], _ = prepare_step(stage, r["state"], r["frozen"], batch)
+      t0 = time.perf_counter()
+      r["state"], metrics = r["fn"](r["state"], r["frozen"], batch)
+      metrics = metrics_to_host(metrics)
+    return time.perf_counter() - t0, metrics, np.asarray(jax.device_get(batch["stop_at"]))
+
+  def generate(r, s):
+    """The generate phase alone, its own program: seconds."""
+    from jaxrlhf.train import phases
+    from jaxrlhf.train.types import StepCarry
+    stage = r["stage"]
+    batch = stage.batch(s)
+    batch["stop_at"] = longtail_lengths(batch["prompt"])
+    batch = put_batch(stage.mesh, {k: v for k, v in batch.items() if k != "host"})
+    with jax.set_mesh(stage.mesh):
+      if "gen" not in r:
+        r["gen"] = jax.jit(lambda st, fr, b: phases.generate(stage, fr, b,
+                                                             StepCarry(state=st)).rollout)
+        jax.block_until_ready(r["gen"](r["state"], r["frozen"], batch))
+      t0 = time.perf_counter()
+      jax.block_until_ready(r["gen"](r["state"], r["frozen"], batch))
+    return time.perf_counter() - t0
+
+  for r in runs.values():
+    step(r, 10_000)  # compile, untimed (a batch the timed steps do not use)
+  rec = {False: [], True: []}
+  gen = {False: [], True: []}
+  for s in range(steps):
+    for refill, r in runs.items():
+      rec[refill].append(step(r, s))
+    for refill, r in runs.items():
+      gen[refill].append(generate(r, s))
+  rows = 16 * 4
+  out = {"workload": name, "params": PARAM_COUNT, "steps": steps, "limit": LONGTAIL_LIMIT,
+         "rows": rows}
+  for refill, key in ((False, "no_refill"), (True, "refill")):
+    times = [t for t, _, _ in rec[refill]]
+    tokens = [m["rollout/tokens"] for _, m, _ in rec[refill]]
+    if refill:
+      loop = [m["rollout/decode_steps"] for _, m, _ in rec[refill]]
+    else:  # the loop runs to the longest row: the longest forced length, an upper bound
+      loop = [float(lens.max()) for _, _, lens in rec[refill]]
+    queued = [lens for _, _, lens in rec[refill]]
+    x = {"step_s": _median_min_max(times), "median_step_s": statistics.median(times),
+         "generate_s": statistics.median(gen[refill]),
+         "useful_tokens_per_s": sum(tokens) / sum(times),
+         "useful_tokens_per_step": statistics.median(tokens),
+         "decode_steps": statistics.median(loop),
+         "useful_slot_fraction": sum(tokens) / (rows * sum(loop)),
+         "update_slot_fraction": sum(tokens) / (rows * LONGTAIL_LIMIT * steps),
+         "queued_median_length": float(np.median(np.concatenate(queued))),
+         "response_length_mean": statistics.mean(m["response_length/mean"]
+                                                 for _, m, _ in rec[refill])}
+    if refill:
+      for k in ("started", "completed", "dropped"):
+        x[k] = statistics.mean(m[f"rollout/{k}"] for _, m, _ in rec[refill])
+      x["busy_frac"] = statistics.mean(m["rollout/busy_frac"] for _, m, _ in rec[refill])
+    out[key] = x
+  out["speedup"] = out["no_refill"]["median_step_s"] / out["refill"]["median_step_s"]
+  out["generate_speedup"] = out["no_refill"]["generate_s"] / out["refill"]["generate_s"]
+  out["useful_tokens_ratio"] = (out["refill"]["useful_tokens_per_s"]
+                                / out["no_refill"]["useful_tokens_per_s"])
+  out["loadavg_1min"] = os.getloadavg()[0]
+  return out
+
+
+def report_longtail(r: dict) -> str:
+  lines = [f"== {r['workload']} ({r['params']:,} parameters; 16 prompts x 4, up to "
+           f"{r['limit']} tokens, {r['steps']} steps each, alternating)"]
+  for key in ("no_refill", "refill"):
+    x = r[key]
+    extra = (f"  started {x['started']:.1f} completed {x['completed']:.1f} dropped "
+             f"{x['dropped']:.1f} groups/step" if key == "refill" else "")
+    lines.append(f"  {key:9s} step {x['step_s']['median']:7.3f} s (min {x['step_s']['min']:.3f})"
+                 f"  useful tokens/s {x['useful_tokens_per_s']:7.0f}  decode steps "
+                 f"{x['decode_steps']:5.0f}  generate {x['generate_s']:6.3f} s  useful decode slots "
+                 f"{100 * x['useful_slot_fraction']:5.1f}%  mean length "
+                 f"{x['response_length_mean']:5.1f}" + extra)
+  lines.append(f"  refill: step {r['speedup']:.2f}x faster (generation alone "
+               f"{r['generate_speedup']:.2f}x), useful tokens/s "
+               f"{r['useful_tokens_ratio']:.2f}x (load {r['loadavg_1min']:.1f})")
+  return "\n".join(lines)
+
+
 def report_spread(r: dict) -> str:
   lines = [f"== {r['workload']} ({r['params']:,} parameters; lengths {r['lengths'][0]}-"
            f"{r['lengths'][1]}, {r['steps']} steps each, alternating)"]
@@ -518,6 +670,7 @@ def run_worker(mode: str, name: str, args, cache_dir: str) -> dict:
          f"--steps={args.steps}", f"--warmup={args.warmup}", f"--phase_steps={args.phase_steps}",
          f"--spread_steps={getattr(args, 'spread_steps', 4)}",
          f"--turn_steps={getattr(args, 'turn_steps', 6)}",
+         f"--longtail_steps={getattr(args, 'longtail_steps', 4)}",
          f"--_result={path}"]
   env = {**os.environ, "JAXRLHF_COMPILATION_CACHE": cache_dir}
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -583,7 +736,10 @@ def report(r: dict) -> str:
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--workloads",
-                      default=",".join(WORKLOADS + SPREAD_WORKLOADS + TURN_WORKLOADS))
+                      default=",".join(WORKLOADS + SPREAD_WORKLOADS + TURN_WORKLOADS
+                                       + LONGTAIL_WORKLOADS))
+  parser.add_argument("--longtail_steps", type=int, default=4,
+                      help="timed steps of each arm (refill, none) of the long-tail workload")
   parser.add_argument("--spread_steps", type=int, default=4,
                       help="timed steps of each layout in the spread-length workloads")
   parser.add_argument("--turn_steps", type=int, default=6,
@@ -608,18 +764,24 @@ def main(argv=None) -> dict:
            "phases": lambda: worker_phases(name, args.phase_steps),
            "warm": lambda: worker_warm(name),
            "spread": lambda: worker_spread(name, args.spread_steps),
-           "turns": lambda: worker_turns(name, args.turn_steps)}[mode]()
+           "turns": lambda: worker_turns(name, args.turn_steps),
+           "longtail": lambda: worker_longtail(name, args.longtail_steps)}[mode]()
     with open(args._result, "w") as f:
       json.dump(out, f)
     return out
 
   names = [w.strip() for w in args.workloads.split(",") if w.strip()]
-  known = WORKLOADS + SPREAD_WORKLOADS + TURN_WORKLOADS
+  known = WORKLOADS + SPREAD_WORKLOADS + TURN_WORKLOADS + LONGTAIL_WORKLOADS
   bad = [w for w in names if w not in known]
   if bad:
     parser.error(f"--workloads: unknown {bad}; choose from {','.join(known)}")
   results = {}
   for name in names:
+    if name in LONGTAIL_WORKLOADS:
+      with tempfile.TemporaryDirectory(prefix=f"bench_{name}_xla_") as cache:
+        results[name] = run_worker("longtail", name, args, cache)
+      print(report_longtail(results[name]), flush=True)
+      continue
     if name in TURN_WORKLOADS:
       with tempfile.TemporaryDirectory(prefix=f"bench_{name}_xla_") as cache:
         results[name] = run_worker("turns", name, args, cache)

@@ -17,7 +17,7 @@ only in how the next-token logits are computed.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import flax.struct
 import jax
@@ -44,6 +44,9 @@ class Rollout:
   sample_logprobs: jax.Array  # [B*n, N] f32: under the sampling distribution; 0 if masked
   lengths: jax.Array  # [B*n] int32: response lengths (incl. the stop token)
   finished: jax.Array  # [B*n] bool: ended by EOS/stop (False: ran into max_new_tokens)
+  # In-flight refill only (:func:`generate_refill`):
+  prompt_index: Optional[jax.Array] = None  # [B] int32: each group's prompt in the queue
+  stats: Optional[dict] = None  # scalar counts: started, completed, decode steps, busy slots
 
 
 # -------------------------------------------------------------------------------- sampling
@@ -106,6 +109,41 @@ def sample_logits(logits_BV: jax.Array, key: jax.Array, rollout: RolloutConfig):
   return tok_B, logp_B, sample_logp_B
 
 
+def row_keys(key: jax.Array, response_B: jax.Array, token_B: jax.Array) -> jax.Array:
+  """The per-response sampling keys ``fold_in(fold_in(key, response), token)`` (``[B]``
+  keys): a response's draws depend on its id and token index only, not on its row or the
+  loop step (``rollout.row_keys``, and always under refill)."""
+  return jax.vmap(lambda r, j: jax.random.fold_in(jax.random.fold_in(key, r), j))(
+      response_B, token_B)
+
+
+def sample_rows(logits_BV: jax.Array, keys_B: jax.Array, rollout: RolloutConfig):
+  """:func:`sample_logits` with one key per row (``keys_B`` from :func:`row_keys`)."""
+  one = lambda l_V, k: tuple(x[0] for x in sample_logits(l_V[None], k, rollout))
+  return jax.vmap(one)(logits_BV, keys_B)
+
+
+def _real_vocab(logits_BV, cfg: ModelConfig):
+  """Probability 0 for the ids of a padded vocabulary (``>= cfg.unpadded_vocab_size``)."""
+  if not cfg.unpadded_vocab_size:
+    return logits_BV
+  real_V = jnp.arange(logits_BV.shape[-1]) < cfg.unpadded_vocab_size
+  return jnp.where(real_V[None, :], logits_BV, -jnp.inf)
+
+
+def _stop_ids(eos_id: int, rollout: RolloutConfig):
+  return jnp.asarray(sorted({eos_id, *rollout.stop_token_ids} - {-1}) or [-1], jnp.int32)
+
+
+def _force_stop(tok_B, logp_B, logits_BV, j_B, stop_at_B, eos_id: int):
+  """The benchmark's length oracle: token ``stop_at - 1`` of a response is EOS (``stop_at``
+  per row, 0: no forced stop), its log-prob the policy's for EOS."""
+  forced_B = (stop_at_B > 0) & (j_B + 1 >= stop_at_B)
+  lse_B = jax.nn.logsumexp(logits_BV.astype(jnp.float32), axis=-1)
+  eos_logp_B = logits_BV[:, eos_id].astype(jnp.float32) - lse_B
+  return jnp.where(forced_B, eos_id, tok_B), jnp.where(forced_B, eos_logp_B, logp_B)
+
+
 # ---------------------------------------------------------------------------- validation
 
 
@@ -164,23 +202,31 @@ Advance = Callable[[object, jax.Array, jax.Array, jax.Array], tuple[jax.Array, o
 
 
 def _decode(first_logits_BV, advance: Advance, model_state, key, *, cfg: ModelConfig,
-            rollout: RolloutConfig, eos_id: int, pad_id: int):
+            rollout: RolloutConfig, eos_id: int, pad_id: int, stop_at_B=None):
   """Samples response token 0 from ``first_logits_BV``, then tokens 1.. with ``advance``,
   until ``max_new_tokens`` or every row has emitted a stop token.  Ids of a padded vocabulary
   (``>= cfg.unpadded_vocab_size``) get probability 0, in the log-probs as in the draws.
+  ``rollout.row_keys``: row ``r`` is response ``r`` (prompt-major) for :func:`row_keys`.
+  ``stop_at_B``: the length oracle (:func:`_force_stop`), None for none.
 
   Returns (response_BN, response_mask_BN, logprobs_BN, sample_logprobs_BN, finished_B, steps).
   """
   rows, n_new = first_logits_BV.shape[0], rollout.max_new_tokens
-  stop_ids = jnp.asarray(sorted({eos_id, *rollout.stop_token_ids} - {-1}) or [-1], jnp.int32)
+  stop_ids = _stop_ids(eos_id, rollout)
 
   def record(carry, logits_BV, i):
     """Samples step ``i`` for rows still running and writes it into the buffers."""
     resp, rmask, lp, slp, done = carry
-    if cfg.unpadded_vocab_size:
-      real_V = jnp.arange(logits_BV.shape[-1]) < cfg.unpadded_vocab_size
-      logits_BV = jnp.where(real_V[None, :], logits_BV, -jnp.inf)
-    tok, logp, slogp = sample_logits(logits_BV, jax.random.fold_in(key, i), rollout)
+    logits_BV = _real_vocab(logits_BV, cfg)
+    if rollout.row_keys:
+      step_B = jnp.full((rows,), i, jnp.int32)
+      tok, logp, slogp = sample_rows(logits_BV, row_keys(key, jnp.arange(rows), step_B),
+                                     rollout)
+    else:
+      tok, logp, slogp = sample_logits(logits_BV, jax.random.fold_in(key, i), rollout)
+    if stop_at_B is not None:
+      tok, logp = _force_stop(tok, logp, logits_BV, jnp.full((rows,), i, jnp.int32),
+                              stop_at_B, eos_id)
     live = ~done
     tok = jnp.where(live, tok, pad_id)
     put = lambda buf, col: jax.lax.dynamic_update_slice_in_dim(buf, col[:, None], i, axis=1)
@@ -224,9 +270,9 @@ def _assemble(prompt_BP, pmask_BP, decoded, num_samples: int, pad_id: int) -> Ro
 # ---------------------------------------------------------------------- cached decoding
 
 
-def _generate(params, prompt_tokens_BP, prompt_mask_BP, key, *, cfg: ModelConfig,
-              rollout: RolloutConfig, eos_id: int, pad_id: int, num_samples: int,
-              kernels: KernelsConfig):
+def _generate(params, prompt_tokens_BP, prompt_mask_BP, key, stop_at_B=None, *,
+              cfg: ModelConfig, rollout: RolloutConfig, eos_id: int, pad_id: int,
+              num_samples: int, kernels: KernelsConfig):
   """:func:`generate`, also returning the number of sampling steps taken (for tests)."""
   _check(prompt_tokens_BP, prompt_mask_BP, cfg, rollout, eos_id, pad_id, num_samples)
   b, p = prompt_tokens_BP.shape
@@ -261,15 +307,16 @@ def _generate(params, prompt_tokens_BP, prompt_mask_BP, key, *, cfg: ModelConfig
                        attn_impl=kernels.attention)
     return _rows(lm_logits(params, h, cfg)[:, 0]), _constrain_cache(cache)
 
+  stop_at = None if stop_at_B is None else jnp.repeat(stop_at_B.astype(jnp.int32), n)
   decoded = _decode(_rows(first_logits), advance, cache, key, cfg=cfg, rollout=rollout,
-                    eos_id=eos_id, pad_id=pad_id)
+                    eos_id=eos_id, pad_id=pad_id, stop_at_B=stop_at)
   return _assemble(tokens_BP, mask_BP, decoded, n, pad_id), decoded[-1]
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def generate(params, prompt_tokens_BP, prompt_mask_BP, key, *, cfg: ModelConfig,
-             rollout: RolloutConfig, eos_id: int, pad_id: int = 0, num_samples: int = 1,
-             kernels: KernelsConfig = KernelsConfig()) -> Rollout:
+def generate(params, prompt_tokens_BP, prompt_mask_BP, key, stop_at_B=None, *,
+             cfg: ModelConfig, rollout: RolloutConfig, eos_id: int, pad_id: int = 0,
+             num_samples: int = 1, kernels: KernelsConfig = KernelsConfig()) -> Rollout:
   """Samples ``num_samples`` responses per prompt with a KV cache.
 
   params: policy parameters (LM head); prompt_tokens_BP / prompt_mask_BP: ``[B, P]`` prompts,
@@ -280,10 +327,211 @@ def generate(params, prompt_tokens_BP, prompt_mask_BP, key, *, cfg: ModelConfig,
 
   Jitted with the configs static; calling it inside another ``jax.jit`` inlines it.  Under a
   mesh (``jax.set_mesh``), rows are sharded over the data axes and the KV cache over ``tp``
-  by kv head, following :meth:`KVCache.axes`.
+  by kv head, following :meth:`KVCache.axes`.  ``stop_at_B`` (``[B]`` int, benchmarks only):
+  a length oracle, EOS forced at each prompt's given length (0: none).
   """
-  return _generate(params, prompt_tokens_BP, prompt_mask_BP, key, cfg=cfg, rollout=rollout,
-                   eos_id=eos_id, pad_id=pad_id, num_samples=num_samples, kernels=kernels)[0]
+  return _generate(params, prompt_tokens_BP, prompt_mask_BP, key, stop_at_B, cfg=cfg,
+                   rollout=rollout, eos_id=eos_id, pad_id=pad_id, num_samples=num_samples,
+                   kernels=kernels)[0]
+
+
+# ------------------------------------------------------------------ in-flight refill
+
+
+def _check_refill(prompt_tokens_QP, num_groups: int):
+  q = prompt_tokens_QP.shape[0]
+  if not 1 <= num_groups <= q:
+    raise ConfigError(f"generate_refill: num_groups={num_groups} must be in [1, {q}] (the "
+                      f"queue's prompts); queue at least as many prompts as groups train")
+
+
+def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=None, *,
+                     cfg: ModelConfig, rollout: RolloutConfig, eos_id: int, pad_id: int,
+                     num_samples: int, num_groups: int, kernels: KernelsConfig) -> Rollout:
+  """:func:`generate_refill` (docs/rollout.md, "In-flight refill").
+
+  Layout: ``G = num_groups`` groups of ``n`` rows, a cache of ``P + N - 1`` slots with one
+  write index shared by every row (as :func:`generate`).  A group refilled at loop step ``i``
+  (after that step's write: index ``P + i``) gets its prompt's keys/values in slots
+  ``[i, P + i)`` and every earlier slot masked; its rotary positions restart from the
+  prompt's own.  Attention is causal by slot and masked by the cache's key mask, so the
+  group's logits are those of a fresh decode of that prompt.  The loop ends when ``G``
+  groups have completed, at the latest at step ``N`` (the first ``G`` groups all end by
+  then), so ``P + N - 1`` slots always suffice.
+  """
+  _check(prompt_tokens_QP, prompt_mask_QP, cfg, rollout, eos_id, pad_id, num_samples)
+  _check_refill(prompt_tokens_QP, num_groups)
+  q_len, p = prompt_tokens_QP.shape
+  n, n_new, g_n = num_samples, rollout.max_new_tokens, num_groups
+  rows = g_n * n
+  tokens_QP = prompt_tokens_QP.astype(jnp.int32)
+  mask_QP = prompt_mask_QP.astype(bool)
+  plen_Q = jnp.sum(mask_QP, axis=1, dtype=jnp.int32)
+  stop_at_Q = (jnp.zeros((q_len,), jnp.int32) if stop_at_Q is None
+               else stop_at_Q.astype(jnp.int32))
+  stop_ids = _stop_ids(eos_id, rollout)
+  sample_n = jnp.arange(n, dtype=jnp.int32)
+  row_R = jnp.arange(rows, dtype=jnp.int32)
+
+  def prefill(tok_XP, mask_XP):
+    """Prefills prompts into a cache of their own length: ([X, V] last logits, cache)."""
+    cache = _constrain_cache(init_cache(cfg, tok_XP.shape[0], p))
+    h, cache = forward(params, tok_XP, positions_from_mask(mask_XP), mask_XP, cfg=cfg,
+                       cache=cache, attn_impl=kernels.attention)
+    h_X1D = jnp.take_along_axis(h, last_valid_index(mask_XP)[:, None, None], axis=1)
+    return lm_logits(params, h_X1D, cfg)[:, 0], cache
+
+  # The first G prompts, prefilled together as generate does, then the slots decoding writes.
+  first_logits, cache = prefill(_rows(tokens_QP[:g_n]), _rows(mask_QP[:g_n]))
+  grow = lambda x: jnp.pad(jnp.repeat(x, n, axis=1), ((0, 0), (0, 0), (0, 0), (0, n_new - 1),
+                                                      (0, 0)))
+  cache = _constrain_cache(KVCache(
+      k=grow(cache.k), v=grow(cache.v),
+      mask=jnp.pad(jnp.repeat(cache.mask, n, axis=0), ((0, 0), (0, n_new - 1))),
+      index=cache.index))
+
+  # Per-row slot state (the response running in each row) and per-group state.
+  slots = dict(
+      resp=jnp.full((rows, n_new), pad_id, jnp.int32), rmask=jnp.zeros((rows, n_new), bool),
+      lp=jnp.zeros((rows, n_new), jnp.float32), slp=jnp.zeros((rows, n_new), jnp.float32),
+      done=jnp.zeros((rows,), bool), stopped=jnp.zeros((rows,), bool),
+      j=jnp.zeros((rows,), jnp.int32),  # tokens sampled so far
+      start=jnp.repeat(plen_Q[:g_n], n),  # rotary position of response token 0
+      rid=row_R,  # response id: prompt index x n + sample
+      stop_at=jnp.repeat(stop_at_Q[:g_n], n))
+  out = dict(resp=slots["resp"], rmask=slots["rmask"], lp=slots["lp"], slp=slots["slp"],
+             stopped=slots["stopped"], prompt=jnp.zeros((g_n,), jnp.int32))
+  group = dict(prompt=jnp.arange(g_n, dtype=jnp.int32),  # -1: idle (harvested)
+               next=jnp.int32(g_n), completed=jnp.int32(0), busy=jnp.int32(0))
+
+  def record(slots, logits_RV, live_R):
+    """Samples token ``j`` of each live row's response and writes it at column ``j``."""
+    logits_RV = _real_vocab(logits_RV, cfg)
+    tok, logp, slogp = sample_rows(logits_RV, row_keys(key, slots["rid"], slots["j"]),
+                                   rollout)
+    tok, logp = _force_stop(tok, logp, logits_RV, slots["j"], slots["stop_at"], eos_id)
+    tok = jnp.where(live_R, tok, pad_id)
+    col = jnp.where(live_R, slots["j"], n_new)  # out of bounds: not written
+    put = lambda buf, x: _rows(buf.at[row_R, col].set(x, mode="drop"))
+    stop = live_R & jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+    j = slots["j"] + live_R
+    slots = {**slots, "resp": put(slots["resp"], tok), "rmask": put(slots["rmask"], live_R),
+             "lp": put(slots["lp"], logp), "slp": put(slots["slp"], slogp), "j": j,
+             "stopped": slots["stopped"] | stop,
+             "done": slots["done"] | stop | (live_R & (j >= n_new))}
+    return slots, tok, live_R
+
+  def harvest(slots, out, group):
+    """Copies every group whose rows have all ended into the batch (in completion order, up
+    to G of them) and marks its slots idle."""
+    done_G = jnp.all(slots["done"].reshape(g_n, n), axis=1) & (group["prompt"] >= 0)
+    rank_G = jnp.cumsum(done_G.astype(jnp.int32)) - done_G
+    dest_G = jnp.where(done_G, group["completed"] + rank_G, g_n)  # >= G: not kept
+    dest_R = (dest_G[:, None] * n + sample_n[None, :]).reshape(rows)
+    take = lambda buf, x: buf.at[dest_R].set(x, mode="drop")
+    out = {"resp": take(out["resp"], slots["resp"]), "rmask": take(out["rmask"], slots["rmask"]),
+           "lp": take(out["lp"], slots["lp"]), "slp": take(out["slp"], slots["slp"]),
+           "stopped": take(out["stopped"], slots["stopped"]),
+           "prompt": out["prompt"].at[dest_G].set(group["prompt"], mode="drop")}
+    group = {**group, "prompt": jnp.where(done_G, -1, group["prompt"]),
+             "completed": group["completed"] + jnp.sum(done_G, dtype=jnp.int32)}
+    return out, group
+
+  def refill(cache, slots, tok_R, live_R, group):
+    """The next queued prompt into the first idle group's rows, if any and the quota is not
+    met: its [1, P] prefill written at slots [index - P, index), its token 0 sampled."""
+    idle_G = group["prompt"] < 0
+    go = jnp.any(idle_G) & (group["next"] < q_len) & (group["completed"] < g_n)
+
+    def fill(args):
+      cache, slots, tok_R, live_R, group = args
+      g, q = jnp.argmax(idle_G).astype(jnp.int32), group["next"]
+      tok_1P = jax.lax.dynamic_slice_in_dim(tokens_QP, q, 1, axis=0)
+      mask_1P = jax.lax.dynamic_slice_in_dim(mask_QP, q, 1, axis=0)
+      logits_1V, small = prefill(tok_1P, mask_1P)
+      at, r0 = cache.index - p, g * n
+      kv = lambda big, new: jax.lax.dynamic_update_slice(big, jnp.repeat(new, n, axis=1),
+                                                         (0, r0, 0, at, 0))
+      rmask_nS = jax.lax.dynamic_update_slice_in_dim(
+          jnp.zeros((n, cache.mask.shape[1]), bool), jnp.repeat(mask_1P, n, axis=0), at, 1)
+      cache = _constrain_cache(KVCache(
+          k=kv(cache.k, small.k), v=kv(cache.v, small.v),
+          mask=jax.lax.dynamic_update_slice_in_dim(cache.mask, rmask_nS, r0, 0),
+          index=cache.index))
+      mine_R = (row_R >= r0) & (row_R < r0 + n)
+      fresh = lambda x, v: jnp.where(mine_R.reshape((rows,) + (1,) * (x.ndim - 1)), v, x)
+      slots = {**slots, "resp": fresh(slots["resp"], pad_id),
+               "rmask": fresh(slots["rmask"], False), "lp": fresh(slots["lp"], 0.0),
+               "slp": fresh(slots["slp"], 0.0), "done": fresh(slots["done"], False),
+               "stopped": fresh(slots["stopped"], False), "j": fresh(slots["j"], 0),
+               "start": fresh(slots["start"], plen_Q[q]),
+               "rid": fresh(slots["rid"], q * n + row_R - r0),
+               "stop_at": fresh(slots["stop_at"], stop_at_Q[q])}
+      # Token 0 of the group's rows (every row samples; only these rows keep theirs).
+      logits_RV = jnp.zeros((rows, logits_1V.shape[-1]), logits_1V.dtype)
+      logits_RV = jnp.where(mine_R[:, None], logits_1V, logits_RV)
+      new, tok0, _ = record(slots, logits_RV, mine_R)
+      slots = {k: jnp.where(mine_R.reshape((rows,) + (1,) * (v.ndim - 1)), new[k], v)
+               for k, v in slots.items()}
+      group = {**group, "prompt": group["prompt"].at[g].set(q), "next": q + 1}
+      return (cache, slots, jnp.where(mine_R, tok0, tok_R), live_R | mine_R, group)
+
+    return jax.lax.cond(go, fill, lambda a: a, (cache, slots, tok_R, live_R, group))
+
+  slots, tok_R, live_R = record(slots, _rows(jnp.repeat(first_logits, n, axis=0)),
+                                jnp.ones((rows,), bool))
+  out, group = harvest(slots, out, group)
+
+  def cond(state):
+    i, _, _, _, _, _, group = state
+    return (i < n_new) & (group["completed"] < g_n)
+
+  def body(state):
+    i, cache, slots, tok_R, live_R, out, group = state
+    pos_R1 = (slots["start"] + slots["j"] - 1)[:, None]
+    h, cache = forward(params, tok_R[:, None], pos_R1, live_R[:, None], cfg=cfg, cache=cache,
+                       attn_impl=kernels.attention)
+    cache = _constrain_cache(cache)
+    group = {**group, "busy": group["busy"] + jnp.sum(live_R, dtype=jnp.int32)}
+    slots, tok_R, live_R = record(slots, _rows(lm_logits(params, h, cfg)[:, 0]), ~slots["done"])
+    out, group = harvest(slots, out, group)
+    cache, slots, tok_R, live_R, group = refill(cache, slots, tok_R, live_R, group)
+    out, group = harvest(slots, out, group)
+    return i + 1, cache, slots, tok_R, live_R, out, group
+
+  init = (jnp.ones((), jnp.int32), cache, slots, tok_R, live_R, out, group)
+  steps, _, _, _, _, out, group = jax.lax.while_loop(cond, body, init)
+
+  prompt_G = out["prompt"]
+  pmask = jnp.repeat(mask_QP[prompt_G], n, axis=0)
+  prompt = jnp.where(pmask, jnp.repeat(tokens_QP[prompt_G], n, axis=0), pad_id)
+  rmask = out["rmask"]
+  stats = {"started": group["next"], "completed": group["completed"], "steps": steps,
+           "busy": group["busy"]}
+  return Rollout(tokens=jnp.concatenate([prompt, out["resp"]], axis=1),
+                 mask=jnp.concatenate([pmask, rmask], axis=1), response_mask=rmask,
+                 logprobs=out["lp"], sample_logprobs=out["slp"],
+                 lengths=jnp.sum(rmask, axis=1, dtype=jnp.int32), finished=out["stopped"],
+                 prompt_index=prompt_G, stats=stats)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("num_groups",))
+def generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=None, *,
+                    cfg: ModelConfig, rollout: RolloutConfig, eos_id: int, pad_id: int = 0,
+                    num_samples: int = 1, num_groups: int = 1,
+                    kernels: KernelsConfig = KernelsConfig()) -> Rollout:
+  """Continuous batching on fixed shapes: ``num_groups`` groups of ``num_samples`` rows
+  decode the queue of ``Q`` prompts ``prompt_tokens_QP``; when every row of a group has
+  stopped, the group's rows take the next queued prompt, prefilled inside the loop.  Returns
+  the first ``num_groups`` groups to complete, in completion order (``prompt_index``: each
+  one's prompt in the queue), each response equal (tokens; log-probs up to float rounding) to
+  :func:`generate` of its prompt with ``rollout.row_keys``.  ``stats``: prompts started,
+  groups completed (past the quota too), sampling steps (the decode loop ran ``steps - 1``
+  forward passes), and ``busy``: row-steps of those passes that fed a running response's
+  token (the rest were idle slots)."""
+  return _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q, cfg=cfg,
+                          rollout=rollout, eos_id=eos_id, pad_id=pad_id,
+                          num_samples=num_samples, num_groups=num_groups, kernels=kernels)
 
 
 # ------------------------------------------------------------- recompute-everything decoding

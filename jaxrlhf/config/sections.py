@@ -160,6 +160,18 @@ class RolloutConfig:
   # params/tp per device that lives only during generation); "train" decodes in the training
   # layout (fsdp shards all-gathered again for every token).  The same with fsdp=1.
   decode_layout: Literal["tp", "train"] = "tp"
+  # Per-response sampling keys: token j of response r (r = prompt index x num_samples +
+  # sample) draws with fold_in(fold_in(key, r), j), so a response does not depend on the row
+  # or loop step it ran in.  Off: every row draws from fold_in(key, step) (the default's draws).
+  row_keys: bool = False
+  # In-flight refill (RL steps, docs/rollout.md): the step's rows are batch_size groups of
+  # num_samples slots; a group whose rows have all stopped takes the next prompt of the step's
+  # queue inside the decode loop, and decoding stops once batch_size groups have completed.
+  # The batch is those groups (the first to finish: short responses are favoured; the rest
+  # is dropped and counted, docs/training.md).  Always draws with per-response keys.
+  refill: bool = False
+  # Prompts queued per step with refill, per trained prompt (ceil(batch_size x this)).
+  refill_queue: float = 2.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 from jaxrlhf.config.sections import (LORA_TARGETS, KLConfig, LoraConfig, OptimizerConfig,
                                      RewardConfig)
@@ -125,6 +125,8 @@ class RLConfig(StageConfig):
   """What every RL algorithm shares: prompts and samples per step, the clipped policy loss
   over ``ppo_epochs`` x ``num_minibatches``, the KL to the reference, the reward sources."""
 
+  # Whether the algorithm's step takes rollout.refill (groups of a queue decoded in flight).
+  supports_refill: ClassVar[bool] = False
   num_samples: int = 1  # responses per prompt
   ppo_epochs: int = 1
   num_minibatches: int = 1
@@ -186,6 +188,25 @@ class RLConfig(StageConfig):
     c.finite(ro, "rollout", "temperature", rule="must be a number >= 0 (0 is greedy)")
     c.need(0.0 < ro.top_p <= 1.0, "rollout.top_p", ro.top_p,
            "must be in (0, 1] (1 turns top-p off)")
+    if ro.refill:
+      _check_refill(self, name, cfg, c)
+
+
+def _check_refill(scfg, name, cfg, c):
+  """What in-flight refill (``rollout.refill``) does not support, each with its fix."""
+  ro = cfg.rollout
+  c.need(math.isfinite(ro.refill_queue) and ro.refill_queue >= 1.0, "rollout.refill_queue",
+         ro.refill_queue, "must be a number >= 1 (prompts queued per trained prompt, e.g. 2)")
+  if not scfg.supports_refill:
+    c.problems.append(f"rollout.refill=true is supported for grpo only, not {name} (nor the "
+                      f"pools, which run ppo); set rollout.refill=false")
+  if cfg.env.name:
+    c.problems.append(f"rollout.refill=true with env.name={cfg.env.name!r}: multi-turn "
+                      "episodes run their own host loop and cannot refill; set "
+                      "rollout.refill=false")
+  if getattr(scfg, "dynamic_sampling", False):
+    c.problems.append(f"rollout.refill=true with {name}.dynamic_sampling=true: both choose "
+                      f"which groups of an over-sized queue train; set one of them to false")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +238,7 @@ class PPOConfig(RLConfig):
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig(RLConfig):
+  supports_refill: ClassVar[bool] = True
   batch_size: int = 16  # prompts per step
   num_samples: int = 8  # group size
   advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp"] = "grpo"

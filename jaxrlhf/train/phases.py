@@ -23,6 +23,7 @@ from jaxrlhf.algorithms import (POLICY_LOSSES, aggregate, entropy_bonus, kl_esti
                                 select_groups, update_kl_controller)
 from jaxrlhf.config import KLConfig
 from jaxrlhf.rollout import generate as sample
+from jaxrlhf.rollout import generate_refill as sample_refill
 from jaxrlhf.train.common import accumulate_grads, apply_update, count_skip
 from jaxrlhf.train.program import HOST, Phase
 from jaxrlhf.train.types import Rollout, Scored, Shaped, StepCarry, UpdateBatch
@@ -54,13 +55,38 @@ def generate(stage, frozen, batch, c: StepCarry) -> StepCarry:
   policy = stage.view(c.state.params, frozen, "policy")
   if stage.decode_shardings is not None:
     policy = jax.lax.with_sharding_constraint(policy, stage.decode_shardings)
-  ro = sample(policy, batch["prompt"], batch["prompt_mask"], k,
-              cfg=stage.model_cfg("policy"), rollout=stage.cfg.rollout, eos_id=tok.eos_id,
-              pad_id=tok.pad_id, num_samples=stage.n, kernels=stage.cfg.kernels)
+  kw = dict(cfg=stage.model_cfg("policy"), rollout=stage.cfg.rollout, eos_id=tok.eos_id,
+            pad_id=tok.pad_id, num_samples=stage.n, kernels=stage.cfg.kernels)
+  # "stop_at": a benchmark's length oracle (benchmarks/suite.py, grpo_longtail); absent
+  # from the trainer's batches.
+  if stage.cfg.rollout.refill:
+    return _refill(stage, batch, c.replace(state=c.state.replace(rng=rng)),
+                   sample_refill(policy, batch["prompt"], batch["prompt_mask"], k,
+                                 batch.get("stop_at"), num_groups=stage.scfg.batch_size, **kw))
+  ro = sample(policy, batch["prompt"], batch["prompt_mask"], k, batch.get("stop_at"), **kw)
   rollout = Rollout(tokens_BT=ro.tokens, mask_BT=ro.mask, response_mask_BN=ro.response_mask,
                     behaviour_logp_BN=ro.logprobs, lengths_B=ro.lengths,
                     finished_B=ro.finished)
   return c.replace(state=c.state.replace(rng=rng), rollout=rollout)
+
+
+def _refill(stage, batch, c: StepCarry, ro) -> StepCarry:
+  """The refilled rollout (``rollout.refill``): the first ``batch_size`` groups to complete,
+  each row with its prompt's index in the step's queue (answers and host examples follow
+  it), and the counts: prompts started, groups completed, groups dropped (started but not
+  trained: unfinished, or finished past the quota), sampling steps, and the share of the
+  decode passes' row-slots that fed a running response's token."""
+  rows = stage.scfg.batch_size * stage.n
+  st = {k: v.astype(jnp.float32) for k, v in ro.stats.items()}
+  metrics = {"rollout/started": st["started"], "rollout/completed": st["completed"],
+             "rollout/dropped": st["started"] - stage.scfg.batch_size,
+             "rollout/queued": jnp.float32(batch["prompt"].shape[0]),
+             "rollout/decode_steps": st["steps"],
+             "rollout/busy_frac": st["busy"] / (rows * jnp.maximum(st["steps"] - 1, 1))}
+  rollout = Rollout(tokens_BT=ro.tokens, mask_BT=ro.mask, response_mask_BN=ro.response_mask,
+                    behaviour_logp_BN=ro.logprobs, lengths_B=ro.lengths,
+                    finished_B=ro.finished, prompt_index_B=jnp.repeat(ro.prompt_index, stage.n))
+  return c.replace(rollout=rollout, metrics={**c.metrics, **metrics})
 
 
 def reference(stage, frozen, batch, c: StepCarry) -> StepCarry:
@@ -90,8 +116,14 @@ def reward(stage, frozen, batch, c: StepCarry) -> StepCarry:
                             cfg=stage.model_cfg("reward"), kernels=stage.cfg.kernels,
                             start=stage.P)
     else:
-      s = RW.RULES[name](response, ro.response_mask_BN, jnp.repeat(batch["answer"], stage.n, 0),
-                         jnp.repeat(batch["answer_mask"], stage.n, 0), eos_id=stage.tok.eos_id)
+      if ro.prompt_index_B is None:
+        answer = jnp.repeat(batch["answer"], stage.n, 0)
+        answer_mask = jnp.repeat(batch["answer_mask"], stage.n, 0)
+      else:  # refill: each row's prompt in the queue
+        answer = batch["answer"][ro.prompt_index_B]
+        answer_mask = batch["answer_mask"][ro.prompt_index_B]
+      s = RW.RULES[name](response, ro.response_mask_BN, answer, answer_mask,
+                         eos_id=stage.tok.eos_id)
     parts.append((s.astype(jnp.float32), w))
   if c.host_score_B is not None:
     parts.append((c.host_score_B, 1.0))

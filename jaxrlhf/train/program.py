@@ -143,6 +143,9 @@ class PhasedProgram:
           continue
         with timer.phase(HOST):
           # Only the tokens come to the host: the functions score decoded text.
+          index = carry.rollout.prompt_index_B
+          if index is not None:  # refill: the trained groups' prompts, in completion order
+            host = host.take(jax.device_get(index)[::self.stage.n])
           scores, got = self.host_fn(jax.device_get(carry.rollout.tokens_BT), host)
           if carry.host_score_B is not None:  # an environment's returns are host scores too
             scores = np.asarray(jax.device_get(carry.host_score_B)) + scores

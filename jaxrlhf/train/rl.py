@@ -6,6 +6,8 @@ train/program.py; an algorithm brings its spec (advantages and loss terms) and n
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from jaxrlhf import rewards as RW
@@ -106,8 +108,16 @@ class RLStage(Stage):
 
   @property
   def prompts_per_step(self) -> int:
-    """Prompts generated per step: the batch, or more for dynamic sampling to select from."""
+    """Prompts generated per step: the batch, or more for dynamic sampling to select from,
+    or the refill queue (``rollout.refill``: at most this many start)."""
+    if self.cfg.rollout.refill:
+      return math.ceil(self.scfg.batch_size * self.cfg.rollout.refill_queue)
     return getattr(self.scfg, "prompts_per_step", self.scfg.batch_size)
+
+  @property
+  def decode_prompts(self) -> int:
+    """Groups decoded side by side (the refill loop's groups; else every generated prompt)."""
+    return self.scfg.batch_size if self.cfg.rollout.refill else self.prompts_per_step
 
   def batch_shapes(self):
     b = self.prompts_per_step

@@ -49,6 +49,8 @@ class Rollout:
   # Multi-turn episodes (env.name): each turn's environment reward at its action's last token.
   # The response then holds actions and observations; response_mask_BN marks the actions.
   turn_rewards_BN: Optional[jax.Array] = None
+  # In-flight refill (rollout.refill): each row's prompt in the step's queue (int32).
+  prompt_index_B: Optional[jax.Array] = None
   # Filled by the reference phase:
   ref_logp_BN: Optional[jax.Array] = None  # f32 under the frozen reference
   kl_BN: Optional[jax.Array] = None  # f32 per-token KL(behaviour || reference), 0 where masked
@@ -110,3 +112,7 @@ class HostInputs:
   the programs never see it."""
 
   examples: tuple
+
+  def take(self, index) -> "HostInputs":
+    """The examples at ``index`` (refill: each trained group's prompt in the queue)."""
+    return HostInputs(tuple(self.examples[int(i)] for i in index))

@@ -34,7 +34,7 @@ def rl_flops(stage) -> dict[str, float]:
   P, N, n = stage.P, stage.N, stage.n
   # Generation, the reference and the reward see every generated prompt (over-sampled for
   # dynamic sampling); the update the trained batch only.
-  b = stage.prompts_per_step
+  b = stage.decode_prompts  # refill: the loop's groups (at most N steps of them)
   rows, T = b * n, stage.P + stage.N
   trained = stage.scfg.batch_size * n
   policy = stage.model_cfg("policy")
@@ -81,7 +81,7 @@ def generation_bytes(stage, tp: int, n_devices: int) -> float:
   if not stage.spec.generates:
     return math.nan
   cfg = stage.model_cfg("policy")
-  rows = stage.prompts_per_step * stage.n
+  rows = stage.decode_prompts * stage.n
   params = cfg.num_params("lm") * _itemsize(cfg.param_dtype)
   cache = (2 * cfg.n_layers * rows * (stage.P + stage.N - 1) * cfg.n_kv_heads * cfg.head_dim
            * _itemsize(cfg.compute_dtype))
