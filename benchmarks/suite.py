@@ -607,7 +607,8 @@ def worker_turns(name: str, steps: int, sft_steps: int = 150) -> dict:
       cfg, sft=dc.replace(cfg.sft, steps=sft_steps, stop_accuracy=0.0, eval_every=0),
       grpo=dc.replace(cfg.grpo, steps=steps + 1, eval_every=0),
       logging=dc.replace(cfg.logging, phase_timing=True, console_every_s=0.0),
-      checkpoint=dc.replace(cfg.checkpoint, enabled=False))
+      checkpoint=dc.replace(cfg.checkpoint, enabled=False),
+      data=dc.replace(cfg.data, eval_size=16))  # the stages' start/end evaluations: not timed
   with tempfile.TemporaryDirectory(prefix="bench_turns_") as d:
     if pipeline.run(cfg, d) != 0:
       raise RuntimeError("the calc_turns run failed")

@@ -59,4 +59,5 @@ def build_guess():
       # Up to 6 guesses of at most 4 tokens, 5 replies (7 tokens, in blocks of 8).
       rollout=RolloutConfig(max_new_tokens=72),
       env=EnvConfig(name="guess", max_turns=6, max_turn_tokens=4),
-      sft=_sft(0.4, 300), grpo=_grpo(60, 1e-4))
+      # 60 steps gained +3.5 to +12.5 points over seeds 0-2; seed 2 gained +12.9 in 120.
+      sft=_sft(0.4, 300), grpo=_grpo(120, 1e-4))

@@ -235,3 +235,15 @@ def test_report_gives_each_phase_its_share_of_its_own_floor():
   line = next(l for l in suite.report(r).splitlines() if "phases" in l)
   assert "generate 0.1250 (40%)" in line and "update 0.3125 (80%)" in line
   assert "reward 0.0010;" in line  # no FLOPs counted for it: no share printed
+
+
+def test_turns_workload_reports_turns_and_useful_tokens():
+  """The multi-turn workload (calc_turns) on a few steps: the trainer's own phase timing and
+  episode counts give turns/s, useful tokens/s and the fraction of slots used."""
+  from benchmarks import suite
+  r = suite.worker_turns("calc_turns", steps=2, sft_steps=3)
+  assert r["steps"] == 2 and r["rows"] == 128
+  assert r["turns_per_episode"] >= 1 and r["turns_per_s"] > 0
+  assert r["useful_tokens_per_s"] >= r["policy_tokens_per_s"] > 0
+  assert 0 < r["useful_fraction"] <= 1 and 0 < r["episodes_share"] < 1
+  assert "turns/s" in suite.report_turns(r)

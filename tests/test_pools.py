@@ -23,7 +23,7 @@ sys.path.insert(0, HERE)
 
 from helpers import mesh  # noqa: E402
 from redis_helpers import RedisServer, free_port  # noqa: E402
-from jaxrlhf.config import (CheckpointConfig, ConfigError, LoggingConfig,  # noqa: E402
+from jaxrlhf.config import (CheckpointConfig, ConfigError, EnvConfig, LoggingConfig,  # noqa: E402
                             KLConfig, MeshConfig, OptimizerConfig, PoolsConfig, PPOConfig,
                             RewardConfig)
 from jaxrlhf.mesh import make_mesh  # noqa: E402
@@ -382,6 +382,7 @@ def test_configs_the_pools_cannot_run_are_refused():
       ({"ppo": dataclasses.replace(base.ppo, shared_backbone=True)}, "shared_backbone"),
       ({"ppo": dataclasses.replace(base.ppo, reward=RewardConfig(sources=("host:exact_match",)))},
        "host"),
+      ({"env": EnvConfig(name="calculator")}, "colocated step only"),
       ({"pools": PoolsConfig(mode="async", max_staleness=0)}, "max_staleness"),
       ({"pools": PoolsConfig(max_queue=0)}, "max_queue"),
       ({"pools": PoolsConfig(is_correction=0.5)}, r"is_correction=0.5: 0 \(off\) or a cap > 1")]:
