@@ -411,25 +411,32 @@ def worker_phases(name: str, steps: int, model=None, cfg=None) -> dict:
           "phase_flops": step_flops(stage), **extra}
 
 
+def _workload_run(stage_name: str, cfg) -> dict:
+  """One arm of a two-arm workload: its stage, and the workload's policy (checked to be the
+  4,458,752-parameter one) handed to it as an earlier stage's result; ``fn`` is compiled on
+  the first step."""
+  import jax
+  from jaxrlhf import model as M
+  stage = _stage(stage_name, cfg)
+  policy = jax.jit(lambda k: M.init_params(cfg.model, k))(jax.random.key(cfg.seed))
+  n_params = sum(x.size for x in jax.tree.leaves(policy))
+  if n_params != PARAM_COUNT:
+    raise AssertionError(f"the workload's policy has {n_params} parameters, not {PARAM_COUNT}")
+  state, frozen = stage.init(jax.random.key(cfg.seed + 1), {"policy": policy})
+  return {"stage": stage, "state": state, "frozen": frozen, "fn": None}
+
+
 def worker_spread(name: str, steps: int) -> dict:
   """Packed and padded steps of spread workload ``name`` alternating in one process (the same
   batches, the same starting parameters): median step time, useful (real, non-pad) tokens per
   second, and the fraction of row slots that hold a real token.  Each step's batch is run once
   untimed first, so every bucket shape the timed steps meet is compiled."""
-  import jax
-  from jaxrlhf import model as M
   stage_name = name.split("_")[0]
   with tempfile.TemporaryDirectory(prefix="bench_spread_") as d:
     runs = {}
     for pack in (False, True):
       cfg = spread_config(name, pack, d)
-      stage = _stage(stage_name, cfg)
-      policy = jax.jit(lambda k: M.init_params(cfg.model, k))(jax.random.key(cfg.seed))
-      n_params = sum(x.size for x in jax.tree.leaves(policy))
-      if n_params != PARAM_COUNT:
-        raise AssertionError(f"the workload's policy has {n_params} parameters, not {PARAM_COUNT}")
-      state, frozen = stage.init(jax.random.key(cfg.seed + 1), {"policy": policy})
-      runs[pack] = {"stage": stage, "state": state, "frozen": frozen, "fn": None}
+      runs[pack] = _workload_run(stage_name, cfg)
     for s in range(steps):  # compile every shape the timed steps will meet
       for r in runs.values():
         r["fn"], r["state"], _ = _step(r["stage"], r["stage"].mesh, r["fn"], r["state"],
@@ -471,19 +478,12 @@ def worker_longtail(name: str, steps: int) -> dict:
   decode loop's row-steps that produced a trained token.  One untimed step each first."""
   import jax
   import numpy as np
-  from jaxrlhf import model as M
   from jaxrlhf.train.common import metrics_to_host, put_batch
   from jaxrlhf.train.loop import prepare_step
   runs = {}
   for refill in (False, True):
     cfg = longtail_config(refill)
-    stage = _stage("grpo", cfg)
-    policy = jax.jit(lambda k: M.init_params(cfg.model, k))(jax.random.key(cfg.seed))
-    n_params = sum(x.size for x in jax.tree.leaves(policy))
-    if n_params != PARAM_COUNT:
-      raise AssertionError(f"the workload's policy has {n_params} parameters, not {PARAM_COUNT}")
-    state, frozen = stage.init(jax.random.key(cfg.seed + 1), {"policy": policy})
-    runs[refill] = {"stage": stage, "state": state, "frozen": frozen, "fn": None}
+    runs[refill] = _workload_run("grpo", cfg)
 
   def step(r, s):
     stage = r["stage"]

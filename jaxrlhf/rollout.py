@@ -270,34 +270,41 @@ def _assemble(prompt_BP, pmask_BP, decoded, num_samples: int, pad_id: int) -> Ro
 # ---------------------------------------------------------------------- cached decoding
 
 
+def _prefill(params, tokens_XP, mask_XP, *, cfg: ModelConfig, kernels: KernelsConfig):
+  """Prefills ``[X, P]`` prompts into a cache only as long as the prompt (attention over P
+  slots, not P + N): ``([X, V] logits at each row's last real token, cache)``."""
+  cache = _constrain_cache(init_cache(cfg, tokens_XP.shape[0], tokens_XP.shape[1]))
+  h, cache = forward(params, tokens_XP, positions_from_mask(mask_XP), mask_XP, cfg=cfg,
+                     cache=cache, attn_impl=kernels.attention)
+  h_X1D = jnp.take_along_axis(h, last_valid_index(mask_XP)[:, None, None], axis=1)
+  return lm_logits(params, h_X1D, cfg)[:, 0], cache
+
+
+def _grow(cache: KVCache, n: int, extra: int) -> KVCache:
+  """Each prompt's cache replicated for its ``n`` samples and extended with ``extra`` empty
+  slots (the ``N - 1`` decoding writes: the last sampled token is never fed back).  Slots past
+  a row's stop stay masked out."""
+  grow = lambda x: jnp.pad(jnp.repeat(x, n, axis=1), ((0, 0), (0, 0), (0, 0), (0, extra),
+                                                      (0, 0)))
+  return _constrain_cache(KVCache(
+      k=grow(cache.k), v=grow(cache.v),
+      mask=jnp.pad(jnp.repeat(cache.mask, n, axis=0), ((0, 0), (0, extra))),
+      index=cache.index))
+
+
 def _generate(params, prompt_tokens_BP, prompt_mask_BP, key, stop_at_B=None, *,
               cfg: ModelConfig, rollout: RolloutConfig, eos_id: int, pad_id: int,
               num_samples: int, kernels: KernelsConfig):
   """:func:`generate`, also returning the number of sampling steps taken (for tests)."""
   _check(prompt_tokens_BP, prompt_mask_BP, cfg, rollout, eos_id, pad_id, num_samples)
-  b, p = prompt_tokens_BP.shape
   n, n_new = num_samples, rollout.max_new_tokens
   tokens_BP = _rows(prompt_tokens_BP.astype(jnp.int32))
   mask_BP = _rows(prompt_mask_BP.astype(bool))
-  pos_BP = positions_from_mask(mask_BP)
 
-  # Prefill once per prompt, into a cache only as long as the prompt (attention over P slots,
-  # not P + N); logits only at each row's last real token.
-  cache = _constrain_cache(init_cache(cfg, b, p))
-  h_BPD, cache = forward(params, tokens_BP, pos_BP, mask_BP, cfg=cfg, cache=cache,
-                         attn_impl=kernels.attention)
-  last_B = last_valid_index(mask_BP)
-  h_B1D = jnp.take_along_axis(h_BPD, last_B[:, None, None], axis=1)
-  first_logits = jnp.repeat(lm_logits(params, h_B1D, cfg)[:, 0], n, axis=0)
-
-  # Replicate for the group and extend with the N - 1 slots decoding writes (the last sampled
-  # token is never fed back).  Slots past a row's stop stay masked out.
-  grow = lambda x: jnp.pad(jnp.repeat(x, n, axis=1), ((0, 0), (0, 0), (0, 0), (0, n_new - 1),
-                                                      (0, 0)))
-  cache = _constrain_cache(KVCache(
-      k=grow(cache.k), v=grow(cache.v),
-      mask=jnp.pad(jnp.repeat(cache.mask, n, axis=0), ((0, 0), (0, n_new - 1))),
-      index=cache.index))
+  # Prefill once per prompt, then replicate for the group with the decoding slots.
+  last_logits, cache = _prefill(params, tokens_BP, mask_BP, cfg=cfg, kernels=kernels)
+  first_logits = jnp.repeat(last_logits, n, axis=0)
+  cache = _grow(cache, n, n_new - 1)
   # Rotary positions continue from each row's number of real prompt tokens.
   start_B = jnp.repeat(jnp.sum(mask_BP, axis=1, dtype=jnp.int32), n)
 
@@ -373,22 +380,11 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
   sample_n = jnp.arange(n, dtype=jnp.int32)
   row_R = jnp.arange(rows, dtype=jnp.int32)
 
-  def prefill(tok_XP, mask_XP):
-    """Prefills prompts into a cache of their own length: ([X, V] last logits, cache)."""
-    cache = _constrain_cache(init_cache(cfg, tok_XP.shape[0], p))
-    h, cache = forward(params, tok_XP, positions_from_mask(mask_XP), mask_XP, cfg=cfg,
-                       cache=cache, attn_impl=kernels.attention)
-    h_X1D = jnp.take_along_axis(h, last_valid_index(mask_XP)[:, None, None], axis=1)
-    return lm_logits(params, h_X1D, cfg)[:, 0], cache
+  prefill = functools.partial(_prefill, params, cfg=cfg, kernels=kernels)
 
   # The first G prompts, prefilled together as generate does, then the slots decoding writes.
   first_logits, cache = prefill(_rows(tokens_QP[:g_n]), _rows(mask_QP[:g_n]))
-  grow = lambda x: jnp.pad(jnp.repeat(x, n, axis=1), ((0, 0), (0, 0), (0, 0), (0, n_new - 1),
-                                                      (0, 0)))
-  cache = _constrain_cache(KVCache(
-      k=grow(cache.k), v=grow(cache.v),
-      mask=jnp.pad(jnp.repeat(cache.mask, n, axis=0), ((0, 0), (0, n_new - 1))),
-      index=cache.index))
+  cache = _grow(cache, n, n_new - 1)
 
   # Per-row slot state (the response running in each row) and per-group state.
   slots = dict(

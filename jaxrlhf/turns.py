@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.config import KernelsConfig, ModelConfig, RolloutConfig
-from jaxrlhf.model.transformer import KVCache, forward, init_cache, lm_logits, positions_from_mask
-from jaxrlhf.rollout import _constrain_cache, _rows, sample_logits
+from jaxrlhf.model.transformer import KVCache, forward, lm_logits
+from jaxrlhf.rollout import _constrain_cache, _grow, _prefill, _real_vocab, _rows, sample_logits
 
 # Why an action ended (``act``'s ``reason_R``).
 NOT_LIVE, EOS, STOP, TURN_LIMIT, BUFFER_FULL = 0, 1, 2, 3, 4
@@ -51,25 +51,16 @@ class Conversation:
   logits_RV: jax.Array  # f32: each row's next-token logits (after its last real token)
 
 
-def _real_vocab(logits_RV, cfg: ModelConfig):
-  if cfg.unpadded_vocab_size:
-    real_V = jnp.arange(logits_RV.shape[-1]) < cfg.unpadded_vocab_size
-    logits_RV = jnp.where(real_V[None, :], logits_RV, -jnp.inf)
-  return logits_RV
-
-
 def start(params, prompt_RP, pmask_RP, *, cfg: ModelConfig, total: int,
           kernels: KernelsConfig) -> Conversation:
   """Prefills ``[R, P]`` left-padded prompts into a cache of ``total`` slots (``P + N``)."""
   r, p = prompt_RP.shape
   tokens = _rows(prompt_RP.astype(jnp.int32))
   mask = _rows(pmask_RP.astype(bool))
-  cache = _constrain_cache(init_cache(cfg, r, total))
-  h, cache = forward(params, tokens, positions_from_mask(mask), mask, cfg=cfg, cache=cache,
-                     attn_impl=kernels.attention)
-  logits = lm_logits(params, h[:, -1:], cfg)[:, 0]  # left-padded: the last slot is real
+  logits, cache = _prefill(params, tokens, mask, cfg=cfg, kernels=kernels)
+  cache = _grow(cache, 1, total - p)
   pad = lambda x, v: jnp.pad(x, ((0, 0), (0, total - p)), constant_values=v)
-  return Conversation(cache=_constrain_cache(cache), tokens_RS=_rows(pad(tokens, 0)),
+  return Conversation(cache=cache, tokens_RS=_rows(pad(tokens, 0)),
                       mask_RS=_rows(pad(mask, False)),
                       policy_RS=_rows(jnp.zeros((r, total), bool)),
                       logp_RS=_rows(jnp.zeros((r, total), jnp.float32)),

@@ -109,8 +109,9 @@ def test_observations_are_in_the_context_but_never_the_policy_s(tmp_path):
     observed = [tok.decode(ids) for is_pol, ids in spans if not is_pol]
     assert all(o in ("ok ", "no ") for o in observed), observed
     assert spans[0][0]  # the policy speaks first
-    assert len(observed) == ep.turns[r] - (0 if ep.truncated[r] and not ep.ended[r] else 1) \
-        or ep.truncated[r]
+    # One observation between each two actions: none after the last (the episode ended, or
+    # was cut at max_turns or at the slots before its observation went in).
+    assert len(observed) == ep.turns[r] - 1, (r, observed, ep.turns[r])
   # Rewards land on each action's last token and sum to the return.
   np.testing.assert_allclose(ep.turn_rewards.sum(1), ep.returns, atol=1e-6)
   assert not (ep.turn_rewards[~ep.policy] != 0).any()

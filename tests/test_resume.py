@@ -255,24 +255,32 @@ LORA_SETS = ("--set=sft.lora.rank=4", "--set=grpo.lora.rank=4",
              "--set=grpo.lora.base_dtype=bfloat16", "--set=mesh.dp=1", "--set=mesh.tp=2")
 
 
+def _killed_and_resumed_grpo(tmp_path, jit_cache, sets):
+  """SFT then 8 GRPO steps with ``sets``, straight and killed after checkpoint 4 then resumed;
+  asserts the resumed run continued there and ends in the same state as the straight one.
+  Returns ``(straight_dir, resumed_dir, cfg, resumed state)``."""
+  straight_dir, wd = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  os.makedirs(straight_dir)
+  os.makedirs(wd)
+  straight = Worker(straight_dir, jit_cache, "grpo", *sets, name="straight")
+  first = Worker(wd, jit_cache, "grpo", *sets, "--hang_after_save=4", name="first")
+  straight.finish()
+  first.wait_for("saved")
+  first.kill()
+  out = Worker(wd, jit_cache, "grpo", *sets, name="second").finish()
+  assert "grpo: continuing after step 4 of 8" in out
+  cfg = _cfg("grpo", *(s.removeprefix("--set=") for s in sets))
+  got, _ = _state(wd, cfg, "grpo", 8)
+  want, _ = _state(straight_dir, cfg, "grpo", 8)
+  _assert_same_state(got, want)
+  return straight_dir, wd, cfg, got
+
+
 def test_lora_grpo_killed_after_checkpoint_resumes_bit_identically(tmp_path, jit_cache):
   """SFT then GRPO, both with adapters: the checkpoints hold the adapters and their
   optimizer state (the frozen base is rebuilt from SFT's merged result, which the manifest
   names), and the resumed run ends bit for bit where an uninterrupted one does."""
-  straight_dir, wd = str(tmp_path / "straight"), str(tmp_path / "resumed")
-  os.makedirs(straight_dir)
-  os.makedirs(wd)
-  straight = Worker(straight_dir, jit_cache, "grpo", *LORA_SETS, name="straight")
-  first = Worker(wd, jit_cache, "grpo", *LORA_SETS, "--hang_after_save=4", name="first")
-  straight.finish()
-  first.wait_for("saved")
-  first.kill()
-  out = Worker(wd, jit_cache, "grpo", *LORA_SETS, name="second").finish()
-  assert "grpo: continuing after step 4 of 8" in out
-  cfg = _cfg("grpo", *(s.removeprefix("--set=") for s in LORA_SETS))
-  got, _ = _state(wd, cfg, "grpo", 8)
-  want, _ = _state(straight_dir, cfg, "grpo", 8)
-  _assert_same_state(got, want)
+  straight_dir, wd, cfg, got = _killed_and_resumed_grpo(tmp_path, jit_cache, LORA_SETS)
   # Only adapters are trained and checkpointed: no base projection in the state.
   assert any("'lora'" in k for k in got) and not any("'embed'" in k for k in got)
   frozen = C.Checkpointer(C.checkpoint_dir(wd, "grpo"), cfg.checkpoint, {}).saved_frozen(8)
@@ -293,20 +301,7 @@ def test_multi_turn_grpo_killed_mid_run_resumes_bit_identically(tmp_path, jit_ca
   steps between jitted decode segments): killed after a checkpoint, the resumed run ends bit
   for bit where an uninterrupted one does (the episodes depend on the state's key and the
   data position only)."""
-  straight_dir, wd = str(tmp_path / "straight"), str(tmp_path / "resumed")
-  os.makedirs(straight_dir)
-  os.makedirs(wd)
-  straight = Worker(straight_dir, jit_cache, "grpo", *ENV_SETS, name="straight")
-  first = Worker(wd, jit_cache, "grpo", *ENV_SETS, "--hang_after_save=4", name="first")
-  straight.finish()
-  first.wait_for("saved")
-  first.kill()
-  out = Worker(wd, jit_cache, "grpo", *ENV_SETS, name="second").finish()
-  assert "grpo: continuing after step 4 of 8" in out
-  cfg = _cfg("grpo", *(s.removeprefix("--set=") for s in ENV_SETS))
-  got, _ = _state(wd, cfg, "grpo", 8)
-  want, _ = _state(straight_dir, cfg, "grpo", 8)
-  _assert_same_state(got, want)
+  straight_dir, wd, _, _ = _killed_and_resumed_grpo(tmp_path, jit_cache, ENV_SETS)
   steps = range(5, 9)
   resumed, unbroken = _metrics(wd, "grpo", steps), _metrics(straight_dir, "grpo", steps)
   assert resumed == unbroken

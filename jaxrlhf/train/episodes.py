@@ -155,10 +155,12 @@ class EpisodeRunner:
         conv, reason, start_slot = self._act(
             policy, conv, jax.random.fold_in(key, t),
             put_batch(mesh, {"l": live})["l"])
-      reason = np.asarray(reason)
-      i0, i1 = int(start_slot), int(conv.cache.index)
-      toks = np.asarray(conv.tokens_RS[:, i0:i1])
-      pol = np.asarray(conv.policy_RS[:, i0:i1])
+      # Whole buffers to the host and sliced there: a device slice at this turn's slots would
+      # compile one program per distinct (start, end).
+      reason, i0, i1, toks, pol = jax.device_get(
+          (reason, start_slot, conv.cache.index, conv.tokens_RS, conv.policy_RS))
+      i0, i1 = int(i0), int(i1)
+      toks, pol = toks[:, i0:i1], pol[:, i0:i1]
       acting = np.nonzero(live)[0]
       actions = [tok.decode(toks[r][pol[r]]) for r in acting]
       results = self.runner.step([int(r) for r in acting], actions)
