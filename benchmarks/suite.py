@@ -47,9 +47,11 @@ real token.
 The long-tail workload (``grpo_longtail``, issue 25): GRPO on the same policy, 16 prompts x 4
 samples, up to 128 new tokens, each prompt's response length given by a length oracle read
 from the prompt (:func:`longtail_lengths`: median 16, 1 in 16 at the limit); one process
-alternates steps with ``rollout.refill`` (32 prompts queued for 16 groups) and without,
-reporting step time, useful (trained response) tokens per second and the share of the decode
-loop's row-steps that produced a trained token.
+alternates steps with ``rollout.refill`` (32 prompts queued for 16 groups) and without, each
+with and without ``rollout.length_buckets=8`` (the phases after generation cut to the batch's
+longest response, in steps of 16 slots), reporting step time, useful (trained response)
+tokens per second and the share of the decode loop's and the update's slots that held a
+trained token.
 
 The multi-turn workload (``calc_turns``) is ``tiny_grpo_calc`` after a short SFT: GRPO against
 the calculator tool (:func:`worker_turns`), reporting turns and useful tokens per second of the
@@ -253,9 +255,15 @@ def longtail_lengths(prompt_BP, limit: int = LONGTAIL_LIMIT):
   return np.minimum(limit, np.ceil(limit / 16 / u)).astype(np.int32)
 
 
-def longtail_config(refill: bool, steps: int = 1000):
+# The arms of the long-tail workload: name -> (rollout.refill, rollout.length_buckets).
+LONGTAIL_ARMS = {"no_refill": (False, 0), "no_refill_buckets": (False, 8),
+                 "refill": (True, 0), "refill_buckets": (True, 8)}
+
+
+def longtail_config(refill: bool, steps: int = 1000, buckets: int = 0):
   """GRPO on the 4,458,752-parameter policy: 16 prompts x 4 samples trained per step, up to
-  :data:`LONGTAIL_LIMIT` new tokens; with refill, 32 prompts queued for 16 groups."""
+  :data:`LONGTAIL_LIMIT` new tokens; with refill, 32 prompts queued for 16 groups; with
+  ``buckets``, the phases after generation cut to the batch's longest response."""
   from jaxrlhf.config import DataConfig, RolloutConfig
   cfg = workload_config("grpo", model=model_config(max_seq_len=8 + LONGTAIL_LIMIT),
                         steps=steps)
@@ -264,7 +272,7 @@ def longtail_config(refill: bool, steps: int = 1000):
       data=DataConfig(task="addition", digits=2, max_prompt_len=8,
                       max_response_len=32),
       rollout=RolloutConfig(max_new_tokens=LONGTAIL_LIMIT, temperature=1.0, refill=refill,
-                            refill_queue=2.0),
+                            refill_queue=2.0, length_buckets=buckets),
       grpo=dataclasses.replace(cfg.grpo, batch_size=16, num_samples=4))
 
 
@@ -472,18 +480,21 @@ def worker_spread(name: str, steps: int) -> dict:
 
 
 def worker_longtail(name: str, steps: int) -> dict:
-  """GRPO steps with and without in-flight refill alternating in one process (the same
-  starting parameters; each stage its own batches, lengths from :func:`longtail_lengths`):
-  median step time, useful (trained response) tokens per second, and the fraction of the
-  decode loop's row-steps that produced a trained token.  One untimed step each first."""
+  """GRPO steps of the arms of :data:`LONGTAIL_ARMS` (with and without in-flight refill, with
+  and without length buckets for the phases after generation) alternating in one process
+  (the same starting parameters; each arm its own batches, lengths from
+  :func:`longtail_lengths`): median step time, useful (trained response) tokens per second,
+  and the fraction of the decode loop's row-steps that produced a trained token.  Untimed
+  steps first (one, or three for a bucketed arm, whose later programs compile once per
+  width); a timed step that still met a new width is left out of its arm's median."""
   import jax
   import numpy as np
   from jaxrlhf.train.common import metrics_to_host, put_batch
   from jaxrlhf.train.loop import prepare_step
   runs = {}
-  for refill in (False, True):
-    cfg = longtail_config(refill)
-    runs[refill] = _workload_run("grpo", cfg)
+  for arm, (refill, buckets) in LONGTAIL_ARMS.items():
+    runs[arm] = _workload_run("grpo", longtail_config(refill, buckets=buckets))
+    runs[arm]["widths"] = set()
 
   def step(r, s):
     stage = r["stage"]
@@ -496,7 +507,10 @@ def worker_longtail(name: str, steps: int) -> dict:
       t0 = time.perf_counter()
       r["state"], metrics = r["fn"](r["state"], r["frozen"], batch)
       metrics = metrics_to_host(metrics)
-    return time.perf_counter() - t0, metrics, np.asarray(jax.device_get(batch["stop_at"]))
+    width = metrics.get("rollout/update_width")
+    new = width is not None and width not in r["widths"]
+    r["widths"].add(width)
+    return time.perf_counter() - t0, metrics, np.asarray(jax.device_get(batch["stop_at"])), new
 
   def generate(r, s):
     """The generate phase alone, its own program: seconds."""
@@ -515,45 +529,59 @@ def worker_longtail(name: str, steps: int) -> dict:
       jax.block_until_ready(r["gen"](r["state"], r["frozen"], batch))
     return time.perf_counter() - t0
 
-  for r in runs.values():
-    step(r, 10_000)  # compile, untimed (a batch the timed steps do not use)
-  rec = {False: [], True: []}
-  gen = {False: [], True: []}
+  for arm, r in runs.items():  # compile, untimed (batches the timed steps do not use)
+    for s in range(3 if LONGTAIL_ARMS[arm][1] else 1):
+      step(r, 10_000 + s)
+  rec = {arm: [] for arm in runs}
+  gen = {arm: [] for arm in runs}
   for s in range(steps):
-    for refill, r in runs.items():
-      rec[refill].append(step(r, s))
-    for refill, r in runs.items():
-      gen[refill].append(generate(r, s))
+    for arm, r in runs.items():
+      rec[arm].append(step(r, s))
+    for arm, r in runs.items():
+      if not LONGTAIL_ARMS[arm][1]:  # the same generate program with or without buckets
+        gen[arm].append(generate(r, s))
   rows = 16 * 4
   out = {"workload": name, "params": PARAM_COUNT, "steps": steps, "limit": LONGTAIL_LIMIT,
          "rows": rows}
-  for refill, key in ((False, "no_refill"), (True, "refill")):
-    times = [t for t, _, _ in rec[refill]]
-    tokens = [m["rollout/tokens"] for _, m, _ in rec[refill]]
+  for arm, (refill, buckets) in LONGTAIL_ARMS.items():
+    clean = [x for x in rec[arm] if not x[3]] or rec[arm]
+    times = [t for t, _, _, _ in clean]
+    tokens = [m["rollout/tokens"] for _, m, _, _ in clean]
     if refill:
-      loop = [m["rollout/decode_steps"] for _, m, _ in rec[refill]]
+      loop = [m["rollout/decode_steps"] for _, m, _, _ in clean]
     else:  # the loop runs to the longest row: the longest forced length, an upper bound
-      loop = [float(lens.max()) for _, _, lens in rec[refill]]
-    queued = [lens for _, _, lens in rec[refill]]
+      loop = [float(lens.max()) for _, _, lens, _ in clean]
+    queued = [lens for _, _, lens, _ in clean]
     x = {"step_s": _median_min_max(times), "median_step_s": statistics.median(times),
-         "generate_s": statistics.median(gen[refill]),
+         "generate_s": statistics.median(gen[arm] or gen[arm.replace("_buckets", "")]),
          "useful_tokens_per_s": sum(tokens) / sum(times),
          "useful_tokens_per_step": statistics.median(tokens),
          "decode_steps": statistics.median(loop),
          "useful_slot_fraction": sum(tokens) / (rows * sum(loop)),
-         "update_slot_fraction": sum(tokens) / (rows * LONGTAIL_LIMIT * steps),
+         "update_slot_fraction": sum(tokens) / (rows * LONGTAIL_LIMIT * len(clean)),
          "queued_median_length": float(np.median(np.concatenate(queued))),
          "response_length_mean": statistics.mean(m["response_length/mean"]
-                                                 for _, m, _ in rec[refill])}
+                                                 for _, m, _, _ in clean),
+         "timed_steps": len(clean)}
+    if buckets:
+      widths = [m["rollout/update_width"] for _, m, _, _ in clean]
+      x["update_width_mean"] = statistics.mean(widths)
+      x["update_slot_fraction"] = sum(tokens) / (rows * sum(widths))
     if refill:
       for k in ("started", "completed", "dropped"):
-        x[k] = statistics.mean(m[f"rollout/{k}"] for _, m, _ in rec[refill])
-      x["busy_frac"] = statistics.mean(m["rollout/busy_frac"] for _, m, _ in rec[refill])
-    out[key] = x
-  out["speedup"] = out["no_refill"]["median_step_s"] / out["refill"]["median_step_s"]
-  out["generate_speedup"] = out["no_refill"]["generate_s"] / out["refill"]["generate_s"]
+        x[k] = statistics.mean(m[f"rollout/{k}"] for _, m, _, _ in clean)
+      x["busy_frac"] = statistics.mean(m["rollout/busy_frac"] for _, m, _, _ in clean)
+    out[arm] = x
+  base = out["no_refill"]
+  out["speedup"] = base["median_step_s"] / out["refill"]["median_step_s"]
+  out["speedup_buckets"] = base["median_step_s"] / out["refill_buckets"]["median_step_s"]
+  out["speedup_vs_buckets"] = (out["no_refill_buckets"]["median_step_s"]
+                               / out["refill_buckets"]["median_step_s"])
+  out["generate_speedup"] = base["generate_s"] / out["refill"]["generate_s"]
   out["useful_tokens_ratio"] = (out["refill"]["useful_tokens_per_s"]
-                                / out["no_refill"]["useful_tokens_per_s"])
+                                / base["useful_tokens_per_s"])
+  out["useful_tokens_ratio_buckets"] = (out["refill_buckets"]["useful_tokens_per_s"]
+                                        / base["useful_tokens_per_s"])
   out["loadavg_1min"] = os.getloadavg()[0]
   return out
 
@@ -561,18 +589,27 @@ def worker_longtail(name: str, steps: int) -> dict:
 def report_longtail(r: dict) -> str:
   lines = [f"== {r['workload']} ({r['params']:,} parameters; 16 prompts x 4, up to "
            f"{r['limit']} tokens, {r['steps']} steps each, alternating)"]
-  for key in ("no_refill", "refill"):
+  for key in LONGTAIL_ARMS:
+    if key not in r:
+      continue
     x = r[key]
     extra = (f"  started {x['started']:.1f} completed {x['completed']:.1f} dropped "
-             f"{x['dropped']:.1f} groups/step" if key == "refill" else "")
-    lines.append(f"  {key:9s} step {x['step_s']['median']:7.3f} s (min {x['step_s']['min']:.3f})"
-                 f"  useful tokens/s {x['useful_tokens_per_s']:7.0f}  decode steps "
-                 f"{x['decode_steps']:5.0f}  generate {x['generate_s']:6.3f} s  useful decode slots "
-                 f"{100 * x['useful_slot_fraction']:5.1f}%  mean length "
+             f"{x['dropped']:.1f} groups/step" if "started" in x else "")
+    if "update_width_mean" in x:
+      extra += f"  update width {x['update_width_mean']:.0f}"
+    lines.append(f"  {key:17s} step {x['step_s']['median']:7.3f} s (min "
+                 f"{x['step_s']['min']:.3f})  useful tokens/s {x['useful_tokens_per_s']:7.0f}  "
+                 f"decode steps {x['decode_steps']:5.0f}  generate {x['generate_s']:6.3f} s  "
+                 f"useful decode slots {100 * x['useful_slot_fraction']:5.1f}%  useful update "
+                 f"slots {100 * x['update_slot_fraction']:5.1f}%  mean length "
                  f"{x['response_length_mean']:5.1f}" + extra)
   lines.append(f"  refill: step {r['speedup']:.2f}x faster (generation alone "
                f"{r['generate_speedup']:.2f}x), useful tokens/s "
                f"{r['useful_tokens_ratio']:.2f}x (load {r['loadavg_1min']:.1f})")
+  if "speedup_buckets" in r:
+    lines.append(f"  refill + length buckets: step {r['speedup_buckets']:.2f}x faster than no "
+                 f"refill ({r['speedup_vs_buckets']:.2f}x than no refill with buckets), useful "
+                 f"tokens/s {r['useful_tokens_ratio_buckets']:.2f}x")
   return "\n".join(lines)
 
 

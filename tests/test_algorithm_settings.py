@@ -134,3 +134,31 @@ def test_dynamic_sampling_and_off_policy_run_as_timed_phases():
   assert m["dynamic/generated_groups"] == 6 and m["dynamic/kept_groups"] <= 4
   assert m["dynamic/kept_groups"] + m["dynamic/shortfall_groups"] == 4
   assert {"time/phase/select_s", "off_policy/is_weight_mean"} <= set(m), sorted(m)
+
+
+def test_dpo_sft_weight_adds_the_chosen_token_nll_and_is_refused_with_orpo():
+  """RPO: ``dpo.sft_weight`` x the chosen side's per-token NLL on top of the DPO loss (its
+  gradient too); ORPO has its own SFT term, so the two are refused together."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxrlhf.algorithms import dpo_loss
+  from jaxrlhf.train.dpo import preference_loss
+  pc, pr = jnp.asarray([-3.0, -5.0]), jnp.asarray([-4.0, -2.0])
+  rc, rr = jnp.asarray([-3.5, -4.0]), jnp.asarray([-3.0, -2.5])
+  # Chosen responses of 3 and 1 tokens after a 2-token prompt.
+  b = {"chosen_loss_mask": jnp.asarray([[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]], bool),
+       "rejected_loss_mask": jnp.asarray([[0, 0, 1, 1, 0], [0, 0, 1, 1, 1]], bool)}
+  scfg = DPOConfig(beta=0.2, sft_weight=0.5)
+  base, _ = dpo_loss(pc, pr, rc, rr, beta=0.2)
+  loss, m = preference_loss(scfg, pc, pr, rc, rr, b)
+  nll = (3.0 + 5.0) / 4  # 4 chosen tokens
+  np.testing.assert_allclose(m["nll"], nll, rtol=1e-6)
+  np.testing.assert_allclose(loss, base + 0.5 * nll, rtol=1e-6)
+  g = jax.grad(lambda x: preference_loss(scfg, x, pr, rc, rr, b)[0])(pc)
+  g0 = jax.grad(lambda x: dpo_loss(x, pr, rc, rr, beta=0.2)[0])(pc)
+  np.testing.assert_allclose(g, g0 - 0.5 / 4, rtol=1e-6)
+  cfg = _pref("orpo")
+  with pytest.raises(ConfigError, match=r"dpo.sft_weight.*dpo.loss=orpo has its own SFT term"):
+    validate(dataclasses.replace(cfg, dpo=dataclasses.replace(cfg.dpo, sft_weight=1.0)))

@@ -172,6 +172,12 @@ class RolloutConfig:
   refill: bool = False
   # Prompts queued per step with refill, per trained prompt (ceil(batch_size x this)).
   refill_queue: float = 2.0
+  # Length buckets for the phases after generation (RL steps, docs/rollout.md): 0 (off) runs
+  # the reference, reward, values and update on all max_new_tokens response slots; k > 0 cuts
+  # the rollout after the batch's longest response, rounded up to one of k widths
+  # (ceil(max_new_tokens / k) x 1..k), each compiled once: the same losses and gradients up
+  # to float rounding, cheaper when every response of a step is short (refill's batches).
+  length_buckets: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

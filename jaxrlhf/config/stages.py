@@ -188,6 +188,9 @@ class RLConfig(StageConfig):
     c.finite(ro, "rollout", "temperature", rule="must be a number >= 0 (0 is greedy)")
     c.need(0.0 < ro.top_p <= 1.0, "rollout.top_p", ro.top_p,
            "must be in (0, 1] (1 turns top-p off)")
+    c.need(0 <= ro.length_buckets <= ro.max_new_tokens, "rollout.length_buckets",
+           ro.length_buckets, f"must be in [0, rollout.max_new_tokens={ro.max_new_tokens}] "
+           "(0 is off; e.g. 4: the update runs on a quarter, half, ... of the slots)")
     if ro.refill:
       _check_refill(self, name, cfg, c)
 
@@ -287,6 +290,9 @@ class DPOConfig(StageConfig):
   loss: Literal["sigmoid", "ipo", "cdpo", "simpo", "orpo"] = "sigmoid"
   label_smoothing: float = 0.0  # cDPO
   simpo_gamma: float = 1.0  # SimPO's target reward margin
+  # RPO: + sft_weight x the chosen responses' per-token NLL (0: off; not with orpo, whose
+  # loss has its own SFT term).
+  sft_weight: float = 0.0
   # Reference log-probs: "step" computes them inside every step; "cache" precomputes once.
   reference: Literal["step", "cache"] = "step"
 
@@ -301,6 +307,10 @@ class DPOConfig(StageConfig):
            self.reference, f"{name}.loss={self.loss!r} reads no reference model; leave "
            f"{name}.reference=step")
     c.finite(self, name, "simpo_gamma")
+    c.finite(self, name, "sft_weight", 0.0, "must be a number >= 0 (0 is off; e.g. 1.0)")
+    c.need(not (self.sft_weight and self.loss == "orpo"), f"{name}.sft_weight",
+           self.sft_weight, f"{name}.loss=orpo has its own SFT term (weighted 1, its odds "
+           f"term by {name}.beta); set {name}.sft_weight=0")
 
 
 @dataclasses.dataclass(frozen=True)

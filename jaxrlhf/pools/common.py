@@ -48,6 +48,10 @@ def check_config(cfg: ExperimentConfig) -> None:
     raise ConfigError(f"env.name={cfg.env.name!r}: multi-turn episodes run in the colocated "
                       "step only (the actor pool generates in one program); drop --role, or "
                       "set env.name=''")
+  if cfg.rollout.length_buckets:
+    raise ConfigError(f"rollout.length_buckets={cfg.rollout.length_buckets}: the pools "
+                      "exchange full-width rollouts; set rollout.length_buckets=0 for "
+                      "--role=actor|critic, or run the colocated step (no --role)")
   host = [s for s in cfg.ppo.reward.sources if s.startswith("host:")]
   if host:
     raise ConfigError(f"ppo.reward.sources {host}: host (Python) rewards are not supported by "

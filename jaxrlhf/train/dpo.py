@@ -116,13 +116,21 @@ def preference_loss(scfg, pc_B, pr_B, rc_B, rr_B, b):
   """``dpo.loss`` on a batch of pairs from the summed response log-probs of the policy (and
   of the reference, None for the reference-free losses): ``(loss, metrics)``, the metrics
   always holding ``pref_accuracy`` and ``reward_margin`` (of the loss's implicit rewards)."""
-  if scfg.loss in ("simpo", "orpo"):
-    lc_B, lr_B = pair_response_lengths(b)
-    if scfg.loss == "simpo":
-      return simpo_loss(pc_B, pr_B, lc_B, lr_B, beta=scfg.beta, gamma=scfg.simpo_gamma)
-    return orpo_loss(pc_B, pr_B, lc_B, lr_B, beta=scfg.beta)
-  return dpo_loss(pc_B, pr_B, rc_B, rr_B, beta=scfg.beta, loss_type=scfg.loss,
-                  label_smoothing=scfg.label_smoothing)
+  lc_B, lr_B = pair_response_lengths(b)
+  if scfg.loss == "simpo":
+    loss, metrics = simpo_loss(pc_B, pr_B, lc_B, lr_B, beta=scfg.beta, gamma=scfg.simpo_gamma)
+  elif scfg.loss == "orpo":
+    return orpo_loss(pc_B, pr_B, lc_B, lr_B, beta=scfg.beta)  # has its own SFT term
+  else:
+    loss, metrics = dpo_loss(pc_B, pr_B, rc_B, rr_B, beta=scfg.beta, loss_type=scfg.loss,
+                             label_smoothing=scfg.label_smoothing)
+  if scfg.sft_weight:
+    # RPO (Pang et al. 2024): + weight x the chosen responses' per-token NLL, which keeps
+    # the chosen answer likely while the margin grows (plain DPO may lower both sides).
+    nll = -jnp.sum(pc_B) / jnp.maximum(jnp.sum(lc_B), 1).astype(jnp.float32)
+    loss = loss + scfg.sft_weight * nll
+    metrics = {**metrics, "nll": jax.lax.stop_gradient(nll)}
+  return loss, metrics
 
 
 def flops(stage) -> dict:

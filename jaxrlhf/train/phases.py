@@ -156,7 +156,8 @@ def values(stage, frozen, batch, c: StepCarry) -> StepCarry:
   v = M.token_scores(stage.value_params(stage.views(c.state.params, frozen)), ro.tokens_BT,
                      ro.mask_BT,
                      cfg=stage.model_cfg("value"), kernels=stage.cfg.kernels)
-  return c.replace(scored=c.scored.replace(values_BN=v[:, stage.P - 1:stage.P - 1 + stage.N]))
+  n = ro.response_mask_BN.shape[1]  # max_new_tokens, or the length bucket's width
+  return c.replace(scored=c.scored.replace(values_BN=v[:, stage.P - 1:stage.P - 1 + n]))
 
 
 def shape(stage, frozen, batch, c: StepCarry) -> StepCarry:

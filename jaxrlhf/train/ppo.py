@@ -42,7 +42,8 @@ def value_term(stage, params, mb, *, denom, n_seq, kl_coef):
   scfg = stage.scfg
   v = M.token_scores(stage.value_params(params), mb.tokens_BT, mb.mask_BT,
                      cfg=stage.model_cfg("value"),
-                     kernels=stage.cfg.kernels)[:, stage.P - 1:stage.P - 1 + stage.N]
+                     kernels=stage.cfg.kernels)[:, stage.P - 1:stage.P - 1
+                                                + mb.update_mask_BN.shape[1]]
   vl, vm = value_loss(v, mb.values_BN, mb.returns_BN, mb.update_mask_BN, clip=scfg.value_clip,
                       agg="token_mean", denom=denom)
   return scfg.vf_coef * vl, {"value/loss": vl,

@@ -11,6 +11,9 @@ the pools and the planner run is such a slice:
   its own jitted, timed program (:class:`PhasedProgram`);
 - a host (Python) reward: the programs before and after :data:`HOST`, the decoded rollout
   scored on the host in between (:class:`PhasedProgram`);
+- ``rollout.length_buckets``: the programs before and after :data:`HOST` too, the rollout cut
+  in between to its longest response rounded up to a bucket (:func:`trim_rollout`), so the
+  phases after generation run (and are compiled once per bucket) on fewer response slots;
 - the disaggregated pools: the actor's and the critic's phases (:func:`pool_phases`), with the
   pool's own exchange phases added around them;
 - ``--plan``: the same programs lowered on abstract arrays (:func:`programs`).
@@ -19,6 +22,7 @@ the pools and the planner run is such a slice:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Sequence
 
 import jax
@@ -27,7 +31,7 @@ import numpy as np
 
 from jaxrlhf.perf import PhaseTimer
 from jaxrlhf.train.common import shardings_of
-from jaxrlhf.train.types import StepCarry
+from jaxrlhf.train.types import Rollout, StepCarry
 
 # The split point of a step with host rewards: the phases before it form one program, the
 # decoded rollout is scored in Python, the phases after it form the second program.
@@ -99,11 +103,57 @@ def step_fn(stage, phases: Sequence[Phase]) -> Callable:
   return step
 
 
+def bucket_widths(n: int, buckets: int) -> tuple[int, ...]:
+  """The response widths of ``rollout.length_buckets``: ``ceil(n / buckets) x 1..buckets``,
+  capped at ``n`` (``()`` when off)."""
+  if buckets <= 0:
+    return ()
+  step = -(-n // buckets)
+  return tuple(sorted({min(n, step * i) for i in range(1, buckets + 1)}))
+
+
+@jax.jit
+def _extent(mask_BT, response_mask_BN):
+  """The slots after the prompt that any row still uses (its last real token's column + 1)."""
+  n = response_mask_BN.shape[1]
+  used = mask_BT[:, -n:] | response_mask_BN
+  return jnp.max(jnp.where(used, jnp.arange(1, n + 1), 0))
+
+
+@functools.partial(jax.jit, static_argnames=("width",))
+def _cut(rollout: Rollout, width: int) -> Rollout:
+  def cut(name, x):
+    if x is None:
+      return None
+    if name.endswith("_BT"):
+      return x[:, :x.shape[1] - rollout.response_mask_BN.shape[1] + width]
+    if name.endswith("_BN"):
+      return x[:, :width]
+    return x
+  return rollout.replace(**{f.name: cut(f.name, getattr(rollout, f.name))
+                            for f in dataclasses.fields(rollout)})
+
+
+def trim_rollout(rollout: Rollout, widths: Sequence[int]) -> tuple[Rollout, int]:
+  """``rollout`` cut to the smallest of ``widths`` that holds every row's response (the
+  columns cut are masked in every row), and that width.  Every later phase reads a response
+  width from its arrays, so the step is the same up to float rounding; the sum-normalised
+  loss aggregation keeps ``max_new_tokens`` as its constant."""
+  need = int(jax.device_get(_extent(rollout.mask_BT, rollout.response_mask_BN)))
+  width = next((w for w in widths if w >= need), widths[-1])
+  if width == rollout.response_mask_BN.shape[1]:
+    return rollout, width
+  return _cut(rollout, width), width
+
+
 class PhasedProgram:
   """The step as several jitted programs: around a host reward, or each timing group timed.
 
   ``timed=False`` with a host reward gives two programs (``time/phase/generate_s`` for the
   first, ``score_and_update_s`` for the second, as before); ``timed=True`` one per group.
+  With ``rollout.length_buckets`` the step is cut after generation as around a host reward,
+  and the rollout trimmed there (:func:`trim_rollout`); jit compiles the later programs once
+  per width.
   """
 
   LABELS = {"before_host": "generate", "after_host": "score_and_update"}
@@ -116,8 +166,10 @@ class PhasedProgram:
     self.timed = timed
     self.host_fn = host_fn
     self.rollout_fn = rollout_fn
-    self.parts = split(phases, at_host=host_fn is not None or rollout_fn is not None,
-                       timed=timed)
+    rcfg = stage.cfg.rollout
+    self.widths = bucket_widths(rcfg.max_new_tokens, rcfg.length_buckets)
+    self.parts = split(phases, at_host=host_fn is not None or rollout_fn is not None
+                       or bool(self.widths), timed=timed)
     self.on_host = {label for label, ps in self.parts
                     if rollout_fn is not None and [p.name for p in ps] == ["generate"]}
     self.jitted = {label: jit_phases(stage, ps, state)
@@ -139,6 +191,10 @@ class PhasedProgram:
         host_metrics.update(got)
         continue
       if label == HOST:
+        if self.widths:
+          ro, width = trim_rollout(carry.rollout, self.widths)
+          carry = carry.replace(rollout=ro)
+          host_metrics["rollout/update_width"] = float(width)
         if self.host_fn is None:
           continue
         with timer.phase(HOST):

@@ -155,8 +155,10 @@ class RLStage(Stage):
     return program.step_fn(self, self.phases())(state, frozen, batch)
 
   def make_step_fn(self, state, frozen, batch):
-    """One jitted program, unless phases must be separate (phase timing or a host reward)."""
-    if not self.host_sources and not self.episodes and not self.cfg.logging.phase_timing:
+    """One jitted program, unless phases must be separate (phase timing, a host reward,
+    episodes, or length buckets)."""
+    if not (self.host_sources or self.episodes or self.cfg.logging.phase_timing
+            or self.cfg.rollout.length_buckets):
       return super().make_step_fn(state, frozen, batch)
     return program.PhasedProgram(self, self.phases(), state, timed=self.cfg.logging.phase_timing,
                                  host_fn=self.host_scores if self.host_sources else None,
