@@ -132,6 +132,82 @@ def test_groups_stay_together_in_completion_order(params, prompts):
   assert list(np.asarray(got.prompt_index)[:2]) == [2, 0]
 
 
+# ------------------------------------------------------------------------- carry-over
+
+LONG_TAIL = (N, 2, 3, 2, 1, 3, 2, 2)  # prompt 0 runs to the limit: unfinished at the quota
+
+
+def _refill_carry(params, queue, count, key):
+  return R.generate_refill(params, queue["prompt"], queue["prompt_mask"], key, queue["stop_at"],
+                           count, cfg=CFG, rollout=_ro(), eos_id=EOS, num_samples=n,
+                           num_groups=G)
+
+
+def _queue(tokens, mask, stop_at):
+  return {"prompt": tokens, "prompt_mask": mask, "stop_at": jnp.asarray(stop_at, jnp.int32)}
+
+
+def test_carry_over_restarts_unfinished_groups_first_in_the_next_queue(params, prompts):
+  """Step 1 stops at the quota with prompt 0 unfinished; its prompt (and every other started,
+  untrained one) leads step 2's queue, is trained in step 2, and each of its responses equals
+  a plain decode of step 2's queue under step 2's key: restarted, on-policy."""
+  q1 = _queue(*prompts, LONG_TAIL)
+  ro1 = _refill_carry(params, q1, jnp.int32(0), jax.random.key(3))
+  st1 = {k: int(v) for k, v in ro1.stats.items()}
+  assert st1["carried_in"] == 0 and st1["trained"] == G
+  assert st1["steps"] < N // 2, st1  # the quota stopped the loop before prompt 0 ended
+  index1 = set(np.asarray(ro1.prompt_index).tolist())
+  left = [q for q in range(st1["started"]) if q not in index1]
+  assert 0 in left and st1["carried_out"] == len(left) <= G
+  assert st1["started"] == st1["trained"] + st1["carried_out"]  # nothing dropped
+  np.testing.assert_array_equal(np.asarray(ro1.leftover_index)[:len(left)], left)
+
+  # Step 2: the carried prompts first, then a new batch with short responses.
+  count = ro1.stats["carried_out"]
+  carried = R.carry_take(q1, ro1.leftover_index, count)
+  new = _queue(*ragged_batch(jax.random.key(7), Q, P, CFG.vocab_size), (2, 1, 3, 2, 1, 2, 1, 3))
+  q2 = R.carry_queue(carried, count, new)
+  c = len(left)
+  for k in q2:
+    np.testing.assert_array_equal(q2[k][:c], np.asarray(q1[k])[left], err_msg=k)
+    np.testing.assert_array_equal(q2[k][c:], np.asarray(new[k])[:Q - c], err_msg=k)
+  ro2 = _refill_carry(params, q2, count, jax.random.key(4))
+  st2 = {k: int(v) for k, v in ro2.stats.items()}
+  index2 = np.asarray(ro2.prompt_index)
+  assert st2["carried_in"] == c and set(range(c)) <= set(index2.tolist())
+  assert st2["steps"] == N  # the loop waits for the carried long group
+  assert st2["started"] == st2["trained"] + st2["carried_out"]
+  ref, _ = jax.jit(lambda p, t, m, k, s: R._generate(
+      p, t, m, k, s, cfg=CFG, rollout=_ro(), eos_id=EOS, pad_id=0, num_samples=n,
+      kernels=KernelsConfig()))(params, q2["prompt"], q2["prompt_mask"], jax.random.key(4),
+                                q2["stop_at"])
+  ptok = np.asarray(prompts[0])
+  for g, q in enumerate(index2):
+    a, b = slice(g * n, (g + 1) * n), slice(q * n, (q + 1) * n)
+    np.testing.assert_array_equal(ro2.tokens[a], ref.tokens[b])
+    np.testing.assert_array_equal(ro2.mask[a], ref.mask[b])
+    np.testing.assert_array_equal(ro2.finished[a], ref.finished[b])
+    np.testing.assert_allclose(ro2.logprobs[a], ref.logprobs[b], atol=2e-5)
+    if q < c:  # a carried group: step 1's prompt, its response run to the end this time
+      pm = np.asarray(prompts[1])[left[q]]
+      np.testing.assert_array_equal(np.asarray(ro2.tokens)[a, :P],
+                                    np.broadcast_to(np.where(pm, ptok[left[q]], 0), (n, P)))
+  g0 = list(index2).index(left.index(0))
+  assert int(ro2.lengths[g0 * n]) == N  # prompt 0's response, whole
+
+
+def test_carry_over_with_nothing_carried_trains_what_drop_trains(params, prompts):
+  """Carry mode with an empty carry trains the same groups as drop mode (only the leftovers
+  are kept instead of thrown away)."""
+  stop_at = jnp.asarray(STOP_AT)
+  drop = _refill(params, prompts, stop_at)
+  carry = _refill_carry(params, _queue(*prompts, STOP_AT), jnp.int32(0), jax.random.key(3))
+  np.testing.assert_array_equal(carry.prompt_index, drop.prompt_index)
+  np.testing.assert_array_equal(carry.tokens, drop.tokens)
+  assert int(carry.stats["steps"]) == int(drop.stats["steps"])
+  assert int(carry.stats["carried_out"]) == int(drop.stats["started"]) - G
+
+
 def test_refill_queue_shorter_than_the_groups_is_refused(params, prompts):
   with pytest.raises(ConfigError, match="num_groups"):
     _refill(params, (prompts[0][:2], prompts[1][:2]), jnp.asarray(STOP_AT[:2]), groups=3)
