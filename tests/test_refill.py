@@ -222,9 +222,10 @@ OPT = OptimizerConfig(lr=1e-3, warmup_steps=0, schedule="constant", eps=1e-3)
 TRAIN_STOP_AT = np.asarray([1, 4, 2, 1, 3, 1, 2, 1], np.int32)  # one per queued prompt
 
 
-def config(sources=("rule:exact_match",), **grpo):
+def config(sources=("rule:exact_match",), leftover="drop", **grpo):
   return ExperimentConfig(
-      model=MODEL, data=DATA, rollout=RolloutConfig(max_new_tokens=4, refill=True),
+      model=MODEL, data=DATA,
+      rollout=RolloutConfig(max_new_tokens=4, refill=True, refill_leftover=leftover),
       grpo=GRPOConfig(steps=2, batch_size=4, num_samples=4, optim=OPT, eval_every=0,
                       reward=RewardConfig(sources=sources), **grpo))
 
@@ -299,12 +300,68 @@ def test_answers_and_host_examples_follow_their_groups(tmp_path, monkeypatch):
                              rtol=1e-6)
 
 
+def test_grpo_steps_with_carry_over_count_every_started_group():
+  """Every prompt started is trained this step or carried to the next: started = trained +
+  carried_out (+ dropped, 0), and what one step carries out the next carries in."""
+  _, state, _, ms = run_steps(config(leftover="carry"), mesh(), steps=3)
+  assert ms[0]["rollout/carried_in"] == 0 and ms[0]["rollout/carried_out"] > 0
+  for k, m in enumerate(ms):
+    assert m["rollout/dropped"] == 0, (k, m)
+    assert m["rollout/started"] == 4 + m["rollout/carried_out"] + m["rollout/dropped"], (k, m)
+    assert m["rollout/carried_out"] <= 4 and m["rollout/completed"] >= 4
+    if k:
+      assert m["rollout/carried_in"] == ms[k - 1]["rollout/carried_out"], k
+  assert int(state.extras["carry"]["count"]) == ms[-1]["rollout/carried_out"]
+
+
+def test_carried_prompts_bring_their_answers(monkeypatch):
+  """Step 2's queue starts with step 1's leftovers: each row's answer (the rule reads it) and
+  prompt are those of the prompt the row answers, carried or new."""
+  monkeypatch.setitem(RW.RULES, "answer_token",
+                      lambda r, rm, a, am, *, eos_id: a[:, 0].astype(jnp.float32))
+  cfg = config(sources=("rule:answer_token",), leftover="carry")
+  m = mesh()
+  stage = build_stage("grpo", cfg, m, DataSource(cfg.data, cfg.seed))
+  state, frozen = stage.init(jax.random.key(0), {})
+  gen = jax.jit(lambda st, fr, b: phases.reward(stage, fr, b, phases.generate(
+      stage, fr, b, StepCarry(state=st))))
+  c1 = gen(state, frozen, _batch(stage, m, 0))
+  carry = jax.device_get(c1.state.extras["carry"])
+  count = int(carry["count"])
+  assert count == c1.metrics["rollout/carried_out"] > 0
+  host0, host1 = stage.batch(0), stage.batch(1)
+  index1 = set(np.asarray(c1.rollout.prompt_index_B).tolist())
+  left = [q for q in range(int(c1.metrics["rollout/started"])) if q not in index1]
+  np.testing.assert_array_equal(carry["answer"][:count], host0["answer"][left])
+  np.testing.assert_array_equal(carry["prompt"][:count], host0["prompt"][left])
+  np.testing.assert_array_equal(carry["stop_at"][:count], TRAIN_STOP_AT[left])
+
+  c2 = gen(c1.state, frozen, _batch(stage, m, 1))
+  queue = {k: np.concatenate([carry[k][:count], host1[k][:8 - count]])
+           for k in ("prompt", "prompt_mask", "answer")}
+  index2 = np.asarray(c2.rollout.prompt_index_B)
+  assert set(range(count)) <= set(index2.tolist())  # every carried group trained
+  np.testing.assert_array_equal(c2.scored.score_B, queue["answer"][index2, 0])
+  np.testing.assert_array_equal(np.asarray(c2.rollout.answer_BR), queue["answer"][index2])
+  np.testing.assert_array_equal(np.asarray(c2.rollout.tokens_BT)[:, :stage.P],
+                                np.where(queue["prompt_mask"], queue["prompt"],
+                                         stage.tok.pad_id)[index2])
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(ppo=PPOConfig(steps=1, batch_size=4), stages=("ppo",)), "grpo only"),
     (dict(env=EnvConfig(name="calculator")), "env.name"),
     (dict(grpo=GRPOConfig(steps=1, batch_size=4, dynamic_sampling=True)), "dynamic_sampling"),
     (dict(rollout=RolloutConfig(max_new_tokens=4, refill=True, refill_queue=0.5)),
      "refill_queue"),
+    (dict(rollout=RolloutConfig(max_new_tokens=4, refill=True, refill_leftover="carry"),
+          grpo=GRPOConfig(steps=1, batch_size=4,
+                          reward=RewardConfig(sources=("rule:exact_match", "host:math_verify"),
+                                              weights=(1.0, 1.0)))),
+     r"refill_leftover=carry with host reward sources \['host:math_verify'\].*"
+     r"refill_leftover=drop"),
+    (dict(rollout=RolloutConfig(max_new_tokens=4, refill_leftover="carry")),
+     "refill_leftover='carry' applies to in-flight refill only"),
 ])
 def test_settings_refill_cannot_honour_are_refused_with_the_fix(change, match):
   cfg = dataclasses.replace(config(), stages=("grpo",))
