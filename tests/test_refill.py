@@ -1,7 +1,9 @@
 """In-flight refill (rollout.refill, issue 25): each refilled response equals the same prompt
 decoded without refill under per-response keys; the quota stops the loop early; groups stay
 together and their prompts' answers and host examples follow them; a GRPO step with refill on
-a dp=2 x tp=2 mesh equals one device; the settings it cannot honour are refused."""
+a dp=2 x tp=2 mesh equals one device; the settings it cannot honour are refused.  Carry-over
+(rollout.refill_leftover=carry): the groups left unfinished lead the next queue, are trained
+there and equal a plain decode of it; the trainer's counts add up and answers follow."""
 
 import dataclasses
 import json
