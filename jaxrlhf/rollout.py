@@ -47,6 +47,9 @@ class Rollout:
   # In-flight refill only (:func:`generate_refill`):
   prompt_index: Optional[jax.Array] = None  # [B] int32: each group's prompt in the queue
   stats: Optional[dict] = None  # scalar counts: started, completed, decode steps, busy slots
+  # Carry-over only (``num_carried`` given): the queue index of each group started but not
+  # trained, in queue order ([B] int32; the first ``stats["carried_out"]`` are valid, 0 after).
+  leftover_index: Optional[jax.Array] = None
 
 
 # -------------------------------------------------------------------------------- sampling
@@ -352,9 +355,10 @@ def _check_refill(prompt_tokens_QP, num_groups: int):
                       f"queue's prompts); queue at least as many prompts as groups train")
 
 
-def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=None, *,
-                     cfg: ModelConfig, rollout: RolloutConfig, eos_id: int, pad_id: int,
-                     num_samples: int, num_groups: int, kernels: KernelsConfig) -> Rollout:
+def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=None,
+                     num_carried=None, *, cfg: ModelConfig, rollout: RolloutConfig, eos_id: int,
+                     pad_id: int, num_samples: int, num_groups: int,
+                     kernels: KernelsConfig) -> Rollout:
   """:func:`generate_refill` (docs/rollout.md, "In-flight refill").
 
   Layout: ``G = num_groups`` groups of ``n`` rows, a cache of ``P + N - 1`` slots with one
@@ -365,6 +369,14 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
   group's logits are those of a fresh decode of that prompt.  The loop ends when ``G``
   groups have completed, at the latest at step ``N`` (the first ``G`` groups all end by
   then), so ``P + N - 1`` slots always suffice.
+
+  Carry-over (``num_carried`` = ``c``, a traced count): queue prompts ``[0, c)`` are carried
+  from the previous step; they sit in the first groups from step 0 and are always harvested.
+  Other groups are harvested while fewer than ``G - c`` of them are (the rest of the batch),
+  and no prompt starts once that many have been; the loop ends when all ``G`` are harvested
+  (still by step ``N``: the carried groups and the first ``G - c`` others started at step 0).
+  ``leftover_index`` names the started groups not harvested (at most ``G``: each held a slot
+  when the last prompt started).
   """
   _check(prompt_tokens_QP, prompt_mask_QP, cfg, rollout, eos_id, pad_id, num_samples)
   _check_refill(prompt_tokens_QP, num_groups)
@@ -381,6 +393,9 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
   row_R = jnp.arange(rows, dtype=jnp.int32)
 
   prefill = functools.partial(_prefill, params, cfg=cfg, kernels=kernels)
+  carry = num_carried is not None
+  if carry:
+    n_carried = jnp.clip(jnp.asarray(num_carried, jnp.int32), 0, g_n)
 
   # The first G prompts, prefilled together as generate does, then the slots decoding writes.
   first_logits, cache = prefill(_rows(tokens_QP[:g_n]), _rows(mask_QP[:g_n]))
@@ -399,6 +414,8 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
              stopped=slots["stopped"], prompt=jnp.zeros((g_n,), jnp.int32))
   group = dict(prompt=jnp.arange(g_n, dtype=jnp.int32),  # -1: idle (harvested)
                next=jnp.int32(g_n), completed=jnp.int32(0), busy=jnp.int32(0))
+  if carry:  # groups harvested: all, and those not carried; which queue prompts trained
+    group.update(kept=jnp.int32(0), others=jnp.int32(0), trained=jnp.zeros((q_len,), bool))
 
   def record(slots, logits_RV, live_R):
     """Samples token ``j`` of each live row's response and writes it at column ``j``."""
@@ -421,8 +438,18 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
     """Copies every group whose rows have all ended into the batch (in completion order, up
     to G of them) and marks its slots idle."""
     done_G = jnp.all(slots["done"].reshape(g_n, n), axis=1) & (group["prompt"] >= 0)
-    rank_G = jnp.cumsum(done_G.astype(jnp.int32)) - done_G
-    dest_G = jnp.where(done_G, group["completed"] + rank_G, g_n)  # >= G: not kept
+    if carry:
+      # Carried groups always; the others (in slot order) up to the G - c places left.
+      prompt_G = group["prompt"]
+      carried_G = (prompt_G >= 0) & (prompt_G < n_carried)
+      other_G = done_G & ~carried_G
+      other_rank_G = jnp.cumsum(other_G.astype(jnp.int32)) - other_G
+      keep_G = done_G & (carried_G | (group["others"] + other_rank_G < g_n - n_carried))
+      rank_G = jnp.cumsum(keep_G.astype(jnp.int32)) - keep_G
+      dest_G = jnp.where(keep_G, group["kept"] + rank_G, g_n)
+    else:
+      rank_G = jnp.cumsum(done_G.astype(jnp.int32)) - done_G
+      dest_G = jnp.where(done_G, group["completed"] + rank_G, g_n)  # >= G: not kept
     dest_R = (dest_G[:, None] * n + sample_n[None, :]).reshape(rows)
     take = lambda buf, x: buf.at[dest_R].set(x, mode="drop")
     out = {"resp": take(out["resp"], slots["resp"]), "rmask": take(out["rmask"], slots["rmask"]),
@@ -431,13 +458,21 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
            "prompt": out["prompt"].at[dest_G].set(group["prompt"], mode="drop")}
     group = {**group, "prompt": jnp.where(done_G, -1, group["prompt"]),
              "completed": group["completed"] + jnp.sum(done_G, dtype=jnp.int32)}
+    if carry:
+      group = {**group, "kept": group["kept"] + jnp.sum(keep_G, dtype=jnp.int32),
+               "others": group["others"] + jnp.sum(keep_G & ~carried_G, dtype=jnp.int32),
+               "trained": group["trained"].at[jnp.where(keep_G, prompt_G, q_len)].set(
+                   True, mode="drop")}
     return out, group
 
   def refill(cache, slots, tok_R, live_R, group):
     """The next queued prompt into the first idle group's rows, if any and the quota is not
     met: its [1, P] prefill written at slots [index - P, index), its token 0 sampled."""
     idle_G = group["prompt"] < 0
-    go = jnp.any(idle_G) & (group["next"] < q_len) & (group["completed"] < g_n)
+    if carry:  # no start once the others' places are all taken
+      go = jnp.any(idle_G) & (group["next"] < q_len) & (group["others"] < g_n - n_carried)
+    else:
+      go = jnp.any(idle_G) & (group["next"] < q_len) & (group["completed"] < g_n)
 
     def fill(args):
       cache, slots, tok_R, live_R, group = args
@@ -480,7 +515,7 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
 
   def cond(state):
     i, _, _, _, _, _, group = state
-    return (i < n_new) & (group["completed"] < g_n)
+    return (i < n_new) & (group["kept" if carry else "completed"] < g_n)
 
   def body(state):
     i, cache, slots, tok_R, live_R, out, group = state
@@ -504,17 +539,26 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
   rmask = out["rmask"]
   stats = {"started": group["next"], "completed": group["completed"], "steps": steps,
            "busy": group["busy"]}
+  leftover_G = None
+  if carry:
+    # Started, not trained: in queue order into the first places (at most G of them).
+    left_Q = (jnp.arange(q_len) < group["next"]) & ~group["trained"]
+    dest_Q = jnp.where(left_Q, jnp.cumsum(left_Q.astype(jnp.int32)) - left_Q, g_n)
+    leftover_G = jnp.zeros((g_n,), jnp.int32).at[dest_Q].set(
+        jnp.arange(q_len, dtype=jnp.int32), mode="drop")
+    stats.update(carried_in=n_carried, trained=group["kept"],
+                 carried_out=jnp.minimum(jnp.sum(left_Q, dtype=jnp.int32), g_n))
   return Rollout(tokens=jnp.concatenate([prompt, out["resp"]], axis=1),
                  mask=jnp.concatenate([pmask, rmask], axis=1), response_mask=rmask,
                  logprobs=out["lp"], sample_logprobs=out["slp"],
                  lengths=jnp.sum(rmask, axis=1, dtype=jnp.int32), finished=out["stopped"],
-                 prompt_index=prompt_G, stats=stats)
+                 prompt_index=prompt_G, stats=stats, leftover_index=leftover_G)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("num_groups",))
-def generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=None, *,
-                    cfg: ModelConfig, rollout: RolloutConfig, eos_id: int, pad_id: int = 0,
-                    num_samples: int = 1, num_groups: int = 1,
+def generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=None,
+                    num_carried=None, *, cfg: ModelConfig, rollout: RolloutConfig, eos_id: int,
+                    pad_id: int = 0, num_samples: int = 1, num_groups: int = 1,
                     kernels: KernelsConfig = KernelsConfig()) -> Rollout:
   """Continuous batching on fixed shapes: ``num_groups`` groups of ``num_samples`` rows
   decode the queue of ``Q`` prompts ``prompt_tokens_QP``; when every row of a group has
@@ -524,10 +568,48 @@ def generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=Non
   :func:`generate` of its prompt with ``rollout.row_keys``.  ``stats``: prompts started,
   groups completed (past the quota too), sampling steps (the decode loop ran ``steps - 1``
   forward passes), and ``busy``: row-steps of those passes that fed a running response's
-  token (the rest were idle slots)."""
-  return _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q, cfg=cfg,
-                          rollout=rollout, eos_id=eos_id, pad_id=pad_id,
+  token (the rest were idle slots).
+
+  ``num_carried`` (an int32 scalar, or None for drop semantics): carry-over.  The queue's
+  first ``num_carried`` prompts were started but not trained last step (:func:`carry_queue`
+  puts them there); they are trained this step, whatever their length, beside the first
+  ``num_groups - num_carried`` others to complete.  ``leftover_index`` and
+  ``stats["carried_out"]`` then name the groups started but not trained, for
+  :func:`carry_take`; ``stats`` also holds ``carried_in`` and ``trained``."""
+  return _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q,
+                          num_carried, cfg=cfg, rollout=rollout, eos_id=eos_id, pad_id=pad_id,
                           num_samples=num_samples, num_groups=num_groups, kernels=kernels)
+
+
+def carry_queue(carried: dict, count, new: dict) -> dict:
+  """The queue of a step with carry-over: the ``count`` carried prompts first (``carried``:
+  ``[G, ...]`` arrays, the first ``count`` valid), then the new ones (``new``: ``[Q, ...]``
+  arrays with the same keys), ``Q`` in all: the last ``count`` new prompts are left out (as
+  unstarted queued prompts are)."""
+  q_len = jax.tree.leaves(new)[0].shape[0]
+  g_n = jax.tree.leaves(carried)[0].shape[0]
+  j = jnp.arange(q_len, dtype=jnp.int32)
+  from_carry_Q = j < count
+  ci, ni = jnp.minimum(j, g_n - 1), jnp.maximum(j - count, 0)
+
+  def pick(c, x):
+    sel = from_carry_Q.reshape((q_len,) + (1,) * (x.ndim - 1))
+    return jnp.where(sel, c[ci].astype(x.dtype), x[ni])
+
+  return {k: pick(carried[k], new[k]) for k in new}
+
+
+def carry_take(queue: dict, leftover_index, count) -> dict:
+  """The carry buffers for the next step: the queue's rows at ``leftover_index``
+  (``[G]``, from :func:`generate_refill`), zero past ``count``."""
+  g_n = leftover_index.shape[0]
+  valid_G = jnp.arange(g_n) < count
+
+  def take(x):
+    return jnp.where(valid_G.reshape((g_n,) + (1,) * (x.ndim - 1)), x[leftover_index],
+                     jnp.zeros((), x.dtype))
+
+  return {k: take(v) for k, v in queue.items()}
 
 
 # ------------------------------------------------------------- recompute-everything decoding

@@ -1,7 +1,9 @@
 """In-flight refill (rollout.refill, issue 25): each refilled response equals the same prompt
 decoded without refill under per-response keys; the quota stops the loop early; groups stay
 together and their prompts' answers and host examples follow them; a GRPO step with refill on
-a dp=2 x tp=2 mesh equals one device; the settings it cannot honour are refused."""
+a dp=2 x tp=2 mesh equals one device; the settings it cannot honour are refused.  Carry-over
+(rollout.refill_leftover=carry): the groups left unfinished lead the next queue, are trained
+there and equal a plain decode of it; the trainer's counts add up and answers follow."""
 
 import dataclasses
 import json
@@ -132,6 +134,82 @@ def test_groups_stay_together_in_completion_order(params, prompts):
   assert list(np.asarray(got.prompt_index)[:2]) == [2, 0]
 
 
+# ------------------------------------------------------------------------- carry-over
+
+LONG_TAIL = (N, 2, 3, 2, 1, 3, 2, 2)  # prompt 0 runs to the limit: unfinished at the quota
+
+
+def _refill_carry(params, queue, count, key):
+  return R.generate_refill(params, queue["prompt"], queue["prompt_mask"], key, queue["stop_at"],
+                           count, cfg=CFG, rollout=_ro(), eos_id=EOS, num_samples=n,
+                           num_groups=G)
+
+
+def _queue(tokens, mask, stop_at):
+  return {"prompt": tokens, "prompt_mask": mask, "stop_at": jnp.asarray(stop_at, jnp.int32)}
+
+
+def test_carry_over_restarts_unfinished_groups_first_in_the_next_queue(params, prompts):
+  """Step 1 stops at the quota with prompt 0 unfinished; its prompt (and every other started,
+  untrained one) leads step 2's queue, is trained in step 2, and each of its responses equals
+  a plain decode of step 2's queue under step 2's key: restarted, on-policy."""
+  q1 = _queue(*prompts, LONG_TAIL)
+  ro1 = _refill_carry(params, q1, jnp.int32(0), jax.random.key(3))
+  st1 = {k: int(v) for k, v in ro1.stats.items()}
+  assert st1["carried_in"] == 0 and st1["trained"] == G
+  assert st1["steps"] < N // 2, st1  # the quota stopped the loop before prompt 0 ended
+  index1 = set(np.asarray(ro1.prompt_index).tolist())
+  left = [q for q in range(st1["started"]) if q not in index1]
+  assert 0 in left and st1["carried_out"] == len(left) <= G
+  assert st1["started"] == st1["trained"] + st1["carried_out"]  # nothing dropped
+  np.testing.assert_array_equal(np.asarray(ro1.leftover_index)[:len(left)], left)
+
+  # Step 2: the carried prompts first, then a new batch with short responses.
+  count = ro1.stats["carried_out"]
+  carried = R.carry_take(q1, ro1.leftover_index, count)
+  new = _queue(*ragged_batch(jax.random.key(7), Q, P, CFG.vocab_size), (2, 1, 3, 2, 1, 2, 1, 3))
+  q2 = R.carry_queue(carried, count, new)
+  c = len(left)
+  for k in q2:
+    np.testing.assert_array_equal(q2[k][:c], np.asarray(q1[k])[left], err_msg=k)
+    np.testing.assert_array_equal(q2[k][c:], np.asarray(new[k])[:Q - c], err_msg=k)
+  ro2 = _refill_carry(params, q2, count, jax.random.key(4))
+  st2 = {k: int(v) for k, v in ro2.stats.items()}
+  index2 = np.asarray(ro2.prompt_index)
+  assert st2["carried_in"] == c and set(range(c)) <= set(index2.tolist())
+  assert st2["steps"] == N  # the loop waits for the carried long group
+  assert st2["started"] == st2["trained"] + st2["carried_out"]
+  ref, _ = jax.jit(lambda p, t, m, k, s: R._generate(
+      p, t, m, k, s, cfg=CFG, rollout=_ro(), eos_id=EOS, pad_id=0, num_samples=n,
+      kernels=KernelsConfig()))(params, q2["prompt"], q2["prompt_mask"], jax.random.key(4),
+                                q2["stop_at"])
+  ptok = np.asarray(prompts[0])
+  for g, q in enumerate(index2):
+    a, b = slice(g * n, (g + 1) * n), slice(q * n, (q + 1) * n)
+    np.testing.assert_array_equal(ro2.tokens[a], ref.tokens[b])
+    np.testing.assert_array_equal(ro2.mask[a], ref.mask[b])
+    np.testing.assert_array_equal(ro2.finished[a], ref.finished[b])
+    np.testing.assert_allclose(ro2.logprobs[a], ref.logprobs[b], atol=2e-5)
+    if q < c:  # a carried group: step 1's prompt, its response run to the end this time
+      pm = np.asarray(prompts[1])[left[q]]
+      np.testing.assert_array_equal(np.asarray(ro2.tokens)[a, :P],
+                                    np.broadcast_to(np.where(pm, ptok[left[q]], 0), (n, P)))
+  g0 = list(index2).index(left.index(0))
+  assert int(ro2.lengths[g0 * n]) == N  # prompt 0's response, whole
+
+
+def test_carry_over_with_nothing_carried_trains_what_drop_trains(params, prompts):
+  """Carry mode with an empty carry trains the same groups as drop mode (only the leftovers
+  are kept instead of thrown away)."""
+  stop_at = jnp.asarray(STOP_AT)
+  drop = _refill(params, prompts, stop_at)
+  carry = _refill_carry(params, _queue(*prompts, STOP_AT), jnp.int32(0), jax.random.key(3))
+  np.testing.assert_array_equal(carry.prompt_index, drop.prompt_index)
+  np.testing.assert_array_equal(carry.tokens, drop.tokens)
+  assert int(carry.stats["steps"]) == int(drop.stats["steps"])
+  assert int(carry.stats["carried_out"]) == int(drop.stats["started"]) - G
+
+
 def test_refill_queue_shorter_than_the_groups_is_refused(params, prompts):
   with pytest.raises(ConfigError, match="num_groups"):
     _refill(params, (prompts[0][:2], prompts[1][:2]), jnp.asarray(STOP_AT[:2]), groups=3)
@@ -146,9 +224,10 @@ OPT = OptimizerConfig(lr=1e-3, warmup_steps=0, schedule="constant", eps=1e-3)
 TRAIN_STOP_AT = np.asarray([1, 4, 2, 1, 3, 1, 2, 1], np.int32)  # one per queued prompt
 
 
-def config(sources=("rule:exact_match",), **grpo):
+def config(sources=("rule:exact_match",), leftover="drop", **grpo):
   return ExperimentConfig(
-      model=MODEL, data=DATA, rollout=RolloutConfig(max_new_tokens=4, refill=True),
+      model=MODEL, data=DATA,
+      rollout=RolloutConfig(max_new_tokens=4, refill=True, refill_leftover=leftover),
       grpo=GRPOConfig(steps=2, batch_size=4, num_samples=4, optim=OPT, eval_every=0,
                       reward=RewardConfig(sources=sources), **grpo))
 
@@ -223,12 +302,68 @@ def test_answers_and_host_examples_follow_their_groups(tmp_path, monkeypatch):
                              rtol=1e-6)
 
 
+def test_grpo_steps_with_carry_over_count_every_started_group():
+  """Every prompt started is trained this step or carried to the next: started = trained +
+  carried_out (+ dropped, 0), and what one step carries out the next carries in."""
+  _, state, _, ms = run_steps(config(leftover="carry"), mesh(), steps=3)
+  assert ms[0]["rollout/carried_in"] == 0 and ms[0]["rollout/carried_out"] > 0
+  for k, m in enumerate(ms):
+    assert m["rollout/dropped"] == 0, (k, m)
+    assert m["rollout/started"] == 4 + m["rollout/carried_out"] + m["rollout/dropped"], (k, m)
+    assert m["rollout/carried_out"] <= 4 and m["rollout/completed"] >= 4
+    if k:
+      assert m["rollout/carried_in"] == ms[k - 1]["rollout/carried_out"], k
+  assert int(state.extras["carry"]["count"]) == ms[-1]["rollout/carried_out"]
+
+
+def test_carried_prompts_bring_their_answers(monkeypatch):
+  """Step 2's queue starts with step 1's leftovers: each row's answer (the rule reads it) and
+  prompt are those of the prompt the row answers, carried or new."""
+  monkeypatch.setitem(RW.RULES, "answer_token",
+                      lambda r, rm, a, am, *, eos_id: a[:, 0].astype(jnp.float32))
+  cfg = config(sources=("rule:answer_token",), leftover="carry")
+  m = mesh()
+  stage = build_stage("grpo", cfg, m, DataSource(cfg.data, cfg.seed))
+  state, frozen = stage.init(jax.random.key(0), {})
+  gen = jax.jit(lambda st, fr, b: phases.reward(stage, fr, b, phases.generate(
+      stage, fr, b, StepCarry(state=st))))
+  c1 = gen(state, frozen, _batch(stage, m, 0))
+  carry = jax.device_get(c1.state.extras["carry"])
+  count = int(carry["count"])
+  assert count == c1.metrics["rollout/carried_out"] > 0
+  host0, host1 = stage.batch(0), stage.batch(1)
+  index1 = set(np.asarray(c1.rollout.prompt_index_B).tolist())
+  left = [q for q in range(int(c1.metrics["rollout/started"])) if q not in index1]
+  np.testing.assert_array_equal(carry["answer"][:count], host0["answer"][left])
+  np.testing.assert_array_equal(carry["prompt"][:count], host0["prompt"][left])
+  np.testing.assert_array_equal(carry["stop_at"][:count], TRAIN_STOP_AT[left])
+
+  c2 = gen(c1.state, frozen, _batch(stage, m, 1))
+  queue = {k: np.concatenate([carry[k][:count], host1[k][:8 - count]])
+           for k in ("prompt", "prompt_mask", "answer")}
+  index2 = np.asarray(c2.rollout.prompt_index_B)
+  assert set(range(count)) <= set(index2.tolist())  # every carried group trained
+  np.testing.assert_array_equal(c2.scored.score_B, queue["answer"][index2, 0])
+  np.testing.assert_array_equal(np.asarray(c2.rollout.answer_BR), queue["answer"][index2])
+  np.testing.assert_array_equal(np.asarray(c2.rollout.tokens_BT)[:, :stage.P],
+                                np.where(queue["prompt_mask"], queue["prompt"],
+                                         stage.tok.pad_id)[index2])
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(ppo=PPOConfig(steps=1, batch_size=4), stages=("ppo",)), "grpo only"),
     (dict(env=EnvConfig(name="calculator")), "env.name"),
     (dict(grpo=GRPOConfig(steps=1, batch_size=4, dynamic_sampling=True)), "dynamic_sampling"),
     (dict(rollout=RolloutConfig(max_new_tokens=4, refill=True, refill_queue=0.5)),
      "refill_queue"),
+    (dict(rollout=RolloutConfig(max_new_tokens=4, refill=True, refill_leftover="carry"),
+          grpo=GRPOConfig(steps=1, batch_size=4,
+                          reward=RewardConfig(sources=("rule:exact_match", "host:math_verify"),
+                                              weights=(1.0, 1.0)))),
+     r"refill_leftover=carry with host reward sources \['host:math_verify'\].*"
+     r"refill_leftover=drop"),
+    (dict(rollout=RolloutConfig(max_new_tokens=4, refill_leftover="carry")),
+     "refill_leftover='carry' applies to in-flight refill only"),
 ])
 def test_settings_refill_cannot_honour_are_refused_with_the_fix(change, match):
   cfg = dataclasses.replace(config(), stages=("grpo",))

@@ -172,6 +172,15 @@ class RolloutConfig:
   refill: bool = False
   # Prompts queued per step with refill, per trained prompt (ceil(batch_size x this)).
   refill_queue: float = 2.0
+  # What refill does with the groups started but not trained (still decoding at the stop, or
+  # finished past the quota): "drop" them (counted in rollout/dropped; the batch favours
+  # short responses), or "carry" their prompts (tokens, answers; kept in the checkpointed
+  # state) to the front of the next step's queue, where they restart from scratch under the
+  # current policy and are trained first (the next step's loop runs until every carried
+  # group has finished).  Every started prompt is then trained within two steps, at the
+  # price of the discarded partial decodes (docs/rollout.md, "Carry-over").  GRPO with
+  # device rewards only (no host: reward sources).
+  refill_leftover: Literal["drop", "carry"] = "drop"
   # Length buckets for the phases after generation (RL steps, docs/rollout.md): 0 (off) runs
   # the reference, reward, values and update on all max_new_tokens response slots; k > 0 cuts
   # the rollout after the batch's longest response, rounded up to one of k widths

@@ -193,6 +193,10 @@ class RLConfig(StageConfig):
            "(0 is off; e.g. 4: the update runs on a quarter, half, ... of the slots)")
     if ro.refill:
       _check_refill(self, name, cfg, c)
+    elif ro.refill_leftover != "drop":
+      c.problems.append(f"rollout.refill_leftover={ro.refill_leftover!r} applies to in-flight "
+                        "refill only, which is off; set rollout.refill=true or "
+                        "rollout.refill_leftover=drop")
 
 
 def _check_refill(scfg, name, cfg, c):
@@ -210,6 +214,14 @@ def _check_refill(scfg, name, cfg, c):
   if getattr(scfg, "dynamic_sampling", False):
     c.problems.append(f"rollout.refill=true with {name}.dynamic_sampling=true: both choose "
                       f"which groups of an over-sized queue train; set one of them to false")
+  host = [s for s in scfg.reward.sources if s.partition(":")[0] == "host"]
+  if ro.refill_leftover == "carry" and host:
+    # A host reward's examples follow the queue on the host (HostInputs.take); carried
+    # prompts live in the device state (and its checkpoint), which has no place for them.
+    c.problems.append(f"rollout.refill_leftover=carry with host reward sources {host} "
+                      f"({name}.reward.sources): the examples a host reward reads cannot be "
+                      f"carried to the next step (nor through a checkpoint); set "
+                      f"rollout.refill_leftover=drop, or use device rewards (rule:NAME, model)")
 
 
 @dataclasses.dataclass(frozen=True)

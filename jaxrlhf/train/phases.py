@@ -22,6 +22,7 @@ from jaxrlhf.algorithms import (POLICY_LOSSES, aggregate, entropy_bonus, kl_esti
                                 kl_penalty_loss, off_policy_weights, overlong_penalty,
                                 select_groups, update_kl_controller)
 from jaxrlhf.config import KLConfig
+from jaxrlhf.rollout import carry_queue, carry_take
 from jaxrlhf.rollout import generate as sample
 from jaxrlhf.rollout import generate_refill as sample_refill
 from jaxrlhf.train.common import accumulate_grads, apply_update, count_skip
@@ -59,6 +60,9 @@ def generate(stage, frozen, batch, c: StepCarry) -> StepCarry:
             pad_id=tok.pad_id, num_samples=stage.n, kernels=stage.cfg.kernels)
   # "stop_at": a benchmark's length oracle (benchmarks/suite.py, grpo_longtail); absent
   # from the trainer's batches.
+  if stage.cfg.rollout.refill and stage.cfg.rollout.refill_leftover == "carry":
+    return _refill_carry(stage, batch, c.replace(state=c.state.replace(rng=rng)), policy, k,
+                         kw)
   if stage.cfg.rollout.refill:
     return _refill(stage, batch, c.replace(state=c.state.replace(rng=rng)),
                    sample_refill(policy, batch["prompt"], batch["prompt_mask"], k,
@@ -74,8 +78,9 @@ def _refill(stage, batch, c: StepCarry, ro) -> StepCarry:
   """The refilled rollout (``rollout.refill``): the first ``batch_size`` groups to complete,
   each row with its prompt's index in the step's queue (answers and host examples follow
   it), and the counts: prompts started, groups completed, groups dropped (started but not
-  trained: unfinished, or finished past the quota), sampling steps, and the share of the
-  decode passes' row-slots that fed a running response's token."""
+  trained: unfinished, or finished past the quota; :func:`_refill_carry` counts them as
+  carried instead), sampling steps, and the share of the decode passes' row-slots that fed a
+  running response's token."""
   rows = stage.scfg.batch_size * stage.n
   st = {k: v.astype(jnp.float32) for k, v in ro.stats.items()}
   metrics = {"rollout/started": st["started"], "rollout/completed": st["completed"],
@@ -86,6 +91,48 @@ def _refill(stage, batch, c: StepCarry, ro) -> StepCarry:
   rollout = Rollout(tokens_BT=ro.tokens, mask_BT=ro.mask, response_mask_BN=ro.response_mask,
                     behaviour_logp_BN=ro.logprobs, lengths_B=ro.lengths,
                     finished_B=ro.finished, prompt_index_B=jnp.repeat(ro.prompt_index, stage.n))
+  return c.replace(rollout=rollout, metrics={**c.metrics, **metrics})
+
+
+# What a carried prompt brings to the next step's queue (``stop_at``: 0 where the batch has no
+# length oracle, which is no forced stop).
+CARRIED = ("prompt", "prompt_mask", "answer", "answer_mask", "stop_at")
+
+
+def initial_carry(batch_size: int, prompt_len: int, answer_len: int) -> dict:
+  """The empty carry-over buffers kept in ``state.extras["carry"]`` (and so checkpointed)."""
+  b = batch_size
+  return {"prompt": jnp.zeros((b, prompt_len), jnp.int32),
+          "prompt_mask": jnp.zeros((b, prompt_len), bool),
+          "answer": jnp.zeros((b, answer_len), jnp.int32),
+          "answer_mask": jnp.zeros((b, answer_len), bool),
+          "stop_at": jnp.zeros((b,), jnp.int32), "count": jnp.zeros((), jnp.int32)}
+
+
+def _refill_carry(stage, batch, c: StepCarry, policy, key, kw) -> StepCarry:
+  """Refill with carry-over (``rollout.refill_leftover=carry``): the queue is last step's
+  carried prompts, then this batch's; the groups started but not trained go into
+  ``state.extras["carry"]`` for the next step.  Each row's answer travels in the rollout."""
+  carried = c.state.extras["carry"]
+  q_len = batch["prompt"].shape[0]
+  new = {"prompt": batch["prompt"].astype(jnp.int32),
+         "prompt_mask": batch["prompt_mask"].astype(bool),
+         "answer": batch["answer"].astype(jnp.int32),
+         "answer_mask": batch["answer_mask"].astype(bool),
+         "stop_at": (batch["stop_at"].astype(jnp.int32) if "stop_at" in batch
+                     else jnp.zeros((q_len,), jnp.int32))}
+  queue = carry_queue({k: carried[k] for k in CARRIED}, carried["count"], new)
+  ro = sample_refill(policy, queue["prompt"], queue["prompt_mask"], key, queue["stop_at"],
+                     carried["count"], num_groups=stage.scfg.batch_size, **kw)
+  left = carry_take(queue, ro.leftover_index, ro.stats["carried_out"])
+  extras = {**c.state.extras, "carry": {**left, "count": ro.stats["carried_out"]}}
+  c = _refill(stage, queue, c.replace(state=c.state.replace(extras=extras)), ro)
+  st = {k: v.astype(jnp.float32) for k, v in ro.stats.items()}
+  per_row = lambda x: jnp.repeat(x[ro.prompt_index], stage.n, axis=0)
+  rollout = c.rollout.replace(answer_BR=per_row(queue["answer"]),
+                              answer_mask_BR=per_row(queue["answer_mask"]))
+  metrics = {"rollout/carried_in": st["carried_in"], "rollout/carried_out": st["carried_out"],
+             "rollout/dropped": st["started"] - st["trained"] - st["carried_out"]}
   return c.replace(rollout=rollout, metrics={**c.metrics, **metrics})
 
 
@@ -116,7 +163,9 @@ def reward(stage, frozen, batch, c: StepCarry) -> StepCarry:
                             cfg=stage.model_cfg("reward"), kernels=stage.cfg.kernels,
                             start=stage.P)
     else:
-      if ro.prompt_index_B is None:
+      if ro.answer_BR is not None:  # refill with carry-over: the answers came with the rows
+        answer, answer_mask = ro.answer_BR, ro.answer_mask_BR
+      elif ro.prompt_index_B is None:
         answer = jnp.repeat(batch["answer"], stage.n, 0)
         answer_mask = jnp.repeat(batch["answer_mask"], stage.n, 0)
       else:  # refill: each row's prompt in the queue

@@ -18,7 +18,7 @@ from jaxrlhf.train.common import skip_counters
 from jaxrlhf.envs import resolve_env
 from jaxrlhf.train.episodes import EpisodeRunner, episode_rollout
 from jaxrlhf.train.evaluate import make_evaluator
-from jaxrlhf.train.phases import rl_phases
+from jaxrlhf.train.phases import initial_carry, rl_phases
 from jaxrlhf.train.spec import Role
 from jaxrlhf.train.types import HostInputs
 from jaxrlhf.train.stage import Stage
@@ -96,8 +96,12 @@ class RLStage(Stage):
 
   # ----------------------------------------------------------------------------- set-up
   def initial_extras(self):
-    return {**skip_counters(), "kl": init_kl_controller(self.scfg.kl.coef),
-            "reward_stats": RW.init_running_stats()}
+    extras = {**skip_counters(), "kl": init_kl_controller(self.scfg.kl.coef),
+              "reward_stats": RW.init_running_stats()}
+    if self.cfg.rollout.refill and self.cfg.rollout.refill_leftover == "carry":
+      # The prompts started but not trained, for the next step's queue (docs/rollout.md).
+      extras["carry"] = initial_carry(self.scfg.batch_size, self.P, self.R)
+    return extras
 
   def init(self, key, roles):
     if "reward" in self.frozen() and "reward" not in roles and not self.cfg.role_model(

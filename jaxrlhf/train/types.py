@@ -26,7 +26,9 @@ class TrainState:
 
   ``params``/``opt_state`` map each *trainable* role to its parameters / optax state; frozen
   roles (reference, reward model during RL) live outside the state and are never donated.
-  ``extras`` holds algorithm state: KL controller, running reward statistics, skip counters.
+  ``extras`` holds algorithm state: KL controller, running reward statistics, skip counters,
+  and with refill carry-over the carried prompts (``"carry"``: fixed ``[batch_size, ...]``
+  buffers and a count).
   """
 
   step: jax.Array
@@ -51,6 +53,10 @@ class Rollout:
   turn_rewards_BN: Optional[jax.Array] = None
   # In-flight refill (rollout.refill): each row's prompt in the step's queue (int32).
   prompt_index_B: Optional[jax.Array] = None
+  # Refill with carry-over (rollout.refill_leftover=carry): the queue is not the batch (the
+  # carried prompts come first), so each row's answer travels with it (``R`` answer slots).
+  answer_BR: Optional[jax.Array] = None  # int32
+  answer_mask_BR: Optional[jax.Array] = None  # bool
   # Filled by the reference phase:
   ref_logp_BN: Optional[jax.Array] = None  # f32 under the frozen reference
   kl_BN: Optional[jax.Array] = None  # f32 per-token KL(behaviour || reference), 0 where masked
