@@ -255,12 +255,14 @@ def longtail_lengths(prompt_BP, limit: int = LONGTAIL_LIMIT):
   return np.minimum(limit, np.ceil(limit / 16 / u)).astype(np.int32)
 
 
-# The arms of the long-tail workload: name -> (rollout.refill, rollout.length_buckets).
-LONGTAIL_ARMS = {"no_refill": (False, 0), "no_refill_buckets": (False, 8),
-                 "refill": (True, 0), "refill_buckets": (True, 8)}
+# The arms of the long-tail workload: name -> (rollout.refill, rollout.length_buckets,
+# rollout.refill_leftover).
+LONGTAIL_ARMS = {"no_refill": (False, 0, "drop"), "no_refill_buckets": (False, 8, "drop"),
+                 "refill": (True, 0, "drop"), "refill_buckets": (True, 8, "drop"),
+                 "refill_carry_buckets": (True, 8, "carry")}
 
 
-def longtail_config(refill: bool, steps: int = 1000, buckets: int = 0):
+def longtail_config(refill: bool, steps: int = 1000, buckets: int = 0, leftover: str = "drop"):
   """GRPO on the 4,458,752-parameter policy: 16 prompts x 4 samples trained per step, up to
   :data:`LONGTAIL_LIMIT` new tokens; with refill, 32 prompts queued for 16 groups; with
   ``buckets``, the phases after generation cut to the batch's longest response."""
@@ -272,7 +274,8 @@ def longtail_config(refill: bool, steps: int = 1000, buckets: int = 0):
       data=DataConfig(task="addition", digits=2, max_prompt_len=8,
                       max_response_len=32),
       rollout=RolloutConfig(max_new_tokens=LONGTAIL_LIMIT, temperature=1.0, refill=refill,
-                            refill_queue=2.0, length_buckets=buckets),
+                            refill_queue=2.0, length_buckets=buckets,
+                            refill_leftover=leftover),
       grpo=dataclasses.replace(cfg.grpo, batch_size=16, num_samples=4))
 
 
@@ -492,8 +495,9 @@ def worker_longtail(name: str, steps: int) -> dict:
   from jaxrlhf.train.common import metrics_to_host, put_batch
   from jaxrlhf.train.loop import prepare_step
   runs = {}
-  for arm, (refill, buckets) in LONGTAIL_ARMS.items():
-    runs[arm] = _workload_run("grpo", longtail_config(refill, buckets=buckets))
+  for arm, (refill, buckets, leftover) in LONGTAIL_ARMS.items():
+    runs[arm] = _workload_run("grpo", longtail_config(refill, buckets=buckets,
+                                                      leftover=leftover))
     runs[arm]["widths"] = set()
 
   def step(r, s):
@@ -538,12 +542,12 @@ def worker_longtail(name: str, steps: int) -> dict:
     for arm, r in runs.items():
       rec[arm].append(step(r, s))
     for arm, r in runs.items():
-      if not LONGTAIL_ARMS[arm][1]:  # the same generate program with or without buckets
+      if arm in ("no_refill", "refill"):  # the same generate program with buckets
         gen[arm].append(generate(r, s))
   rows = 16 * 4
   out = {"workload": name, "params": PARAM_COUNT, "steps": steps, "limit": LONGTAIL_LIMIT,
          "rows": rows}
-  for arm, (refill, buckets) in LONGTAIL_ARMS.items():
+  for arm, (refill, buckets, leftover) in LONGTAIL_ARMS.items():
     clean = [x for x in rec[arm] if not x[3]] or rec[arm]
     times = [t for t, _, _, _ in clean]
     tokens = [m["rollout/tokens"] for _, m, _, _ in clean]
@@ -553,7 +557,7 @@ def worker_longtail(name: str, steps: int) -> dict:
       loop = [float(lens.max()) for _, _, lens, _ in clean]
     queued = [lens for _, _, lens, _ in clean]
     x = {"step_s": _median_min_max(times), "median_step_s": statistics.median(times),
-         "generate_s": statistics.median(gen[arm] or gen[arm.replace("_buckets", "")]),
+         "generate_s": statistics.median(gen[arm]) if gen[arm] else None,
          "useful_tokens_per_s": sum(tokens) / sum(times),
          "useful_tokens_per_step": statistics.median(tokens),
          "decode_steps": statistics.median(loop),
@@ -568,8 +572,9 @@ def worker_longtail(name: str, steps: int) -> dict:
       x["update_width_mean"] = statistics.mean(widths)
       x["update_slot_fraction"] = sum(tokens) / (rows * sum(widths))
     if refill:
-      for k in ("started", "completed", "dropped"):
-        x[k] = statistics.mean(m[f"rollout/{k}"] for _, m, _, _ in clean)
+      for k in ("started", "completed", "dropped", "carried_in", "carried_out"):
+        if f"rollout/{k}" in clean[0][1]:
+          x[k] = statistics.mean(m[f"rollout/{k}"] for _, m, _, _ in clean)
       x["busy_frac"] = statistics.mean(m["rollout/busy_frac"] for _, m, _, _ in clean)
     out[arm] = x
   base = out["no_refill"]
@@ -582,6 +587,9 @@ def worker_longtail(name: str, steps: int) -> dict:
                                 / base["useful_tokens_per_s"])
   out["useful_tokens_ratio_buckets"] = (out["refill_buckets"]["useful_tokens_per_s"]
                                         / base["useful_tokens_per_s"])
+  carry = out["refill_carry_buckets"]
+  out["speedup_carry"] = base["median_step_s"] / carry["median_step_s"]
+  out["useful_tokens_ratio_carry"] = carry["useful_tokens_per_s"] / base["useful_tokens_per_s"]
   out["loadavg_1min"] = os.getloadavg()[0]
   return out
 
@@ -595,11 +603,14 @@ def report_longtail(r: dict) -> str:
     x = r[key]
     extra = (f"  started {x['started']:.1f} completed {x['completed']:.1f} dropped "
              f"{x['dropped']:.1f} groups/step" if "started" in x else "")
+    if "carried_out" in x:
+      extra += f" carried {x['carried_out']:.1f}"
     if "update_width_mean" in x:
       extra += f"  update width {x['update_width_mean']:.0f}"
-    lines.append(f"  {key:17s} step {x['step_s']['median']:7.3f} s (min "
+    lines.append(f"  {key:20s} step {x['step_s']['median']:7.3f} s (min "
                  f"{x['step_s']['min']:.3f})  useful tokens/s {x['useful_tokens_per_s']:7.0f}  "
-                 f"decode steps {x['decode_steps']:5.0f}  generate {x['generate_s']:6.3f} s  "
+                 f"decode steps {x['decode_steps']:5.0f}  generate "
+                 + (f"{x['generate_s']:6.3f} s  " if x.get("generate_s") else "(as above)  ") +
                  f"useful decode slots {100 * x['useful_slot_fraction']:5.1f}%  useful update "
                  f"slots {100 * x['update_slot_fraction']:5.1f}%  mean length "
                  f"{x['response_length_mean']:5.1f}" + extra)
@@ -610,6 +621,9 @@ def report_longtail(r: dict) -> str:
     lines.append(f"  refill + length buckets: step {r['speedup_buckets']:.2f}x faster than no "
                  f"refill ({r['speedup_vs_buckets']:.2f}x than no refill with buckets), useful "
                  f"tokens/s {r['useful_tokens_ratio_buckets']:.2f}x")
+  if "speedup_carry" in r:
+    lines.append(f"  refill carry-over + length buckets: step {r['speedup_carry']:.2f}x faster "
+                 f"than no refill, useful tokens/s {r['useful_tokens_ratio_carry']:.2f}x")
   return "\n".join(lines)
 
 
