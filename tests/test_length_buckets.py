@@ -29,8 +29,9 @@ STOP_AT = [np.asarray([1, 5, 2, 3], np.int32), np.asarray([9, 2, 4, 1], np.int32
            np.asarray([2, 2, 6, 1], np.int32)]
 
 
-def config(algo="grpo", buckets=0, refill=False, **kw):
-  rollout = RolloutConfig(max_new_tokens=N, length_buckets=buckets, refill=refill)
+def config(algo="grpo", buckets=0, refill=False, leftover="drop", **kw):
+  rollout = RolloutConfig(max_new_tokens=N, length_buckets=buckets, refill=refill,
+                          refill_leftover=leftover)
   if algo == "grpo":
     section = GRPOConfig(steps=3, batch_size=2 if refill else 4, num_samples=4, optim=OPT,
                          eval_every=0, reward=RewardConfig(sources=("rule:exact_match",)), **kw)
@@ -89,11 +90,13 @@ def test_bucketed_steps_equal_full_width_and_compile_once_per_width(algo):
   assert cut[0].jitted["after_host"]._cache_size() == 2
 
 
-def test_bucketed_refill_step_on_dp2_tp2_equals_full_width_on_one_device():
+@pytest.mark.parametrize("leftover", ["drop", "carry"])
+def test_bucketed_refill_step_on_dp2_tp2_equals_full_width_on_one_device(leftover):
   """Refill's batches are the short groups: cut to their width on a dp=2 x tp=2 mesh, the
-  step equals the full-width step on one device."""
-  full = run_steps(config(refill=True), mesh(), steps=2)
-  cut = run_steps(config(buckets=4, refill=True), mesh(dp=2, tp=2), steps=2)
+  step equals the full-width step on one device (with carry-over too: the carried answers
+  travel in the rollout uncut)."""
+  full = run_steps(config(refill=True, leftover=leftover), mesh(), steps=2)
+  cut = run_steps(config(buckets=4, refill=True, leftover=leftover), mesh(dp=2, tp=2), steps=2)
   assert all(m["rollout/update_width"] < N for m in cut[2])
   _same(full, cut, rtol=2e-4, atol=2e-5)
 
