@@ -90,7 +90,7 @@ def test_bucketed_steps_equal_full_width_and_compile_once_per_width(algo):
   assert cut[0].jitted["after_host"]._cache_size() == 2
 
 
-@pytest.mark.parametrize("leftover", ["drop", "carry"])
+@pytest.mark.parametrize("leftover", ["drop", pytest.param("carry", marks=pytest.mark.slow)])
 def test_bucketed_refill_step_on_dp2_tp2_equals_full_width_on_one_device(leftover):
   """Refill's batches are the short groups: cut to their width on a dp=2 x tp=2 mesh, the
   step equals the full-width step on one device (with carry-over too: the carried answers
