@@ -77,6 +77,31 @@ def test_bucket_widths():
   assert program.bucket_widths(5, 5) == (1, 2, 3, 4, 5)
 
 
+def test_trim_keeps_every_real_token_an_episode_row_holds():
+  """The width holds the last real token of any row, an observation after the last action
+  included (an episode's mask covers observations, its response mask the actions only)."""
+  import jax.numpy as jnp
+  from jaxrlhf.train.types import Rollout
+  P_, N_ = 3, 16
+  mask = np.zeros((2, P_ + N_), bool)
+  mask[:, :P_] = True
+  mask[0, P_:P_ + 4] = True  # row 0: a 4-token response
+  mask[1, P_:P_ + 9] = True  # row 1: an action (2 tokens) and an observation (7)
+  resp = mask[:, P_:].copy()
+  resp[1, 2:] = False
+  ro = Rollout(tokens_BT=jnp.arange(2 * (P_ + N_)).reshape(2, -1), mask_BT=jnp.asarray(mask),
+               response_mask_BN=jnp.asarray(resp), behaviour_logp_BN=jnp.ones((2, N_)),
+               lengths_B=jnp.asarray([4, 9]), finished_B=jnp.ones((2,), bool))
+  cut, width = program.trim_rollout(ro, program.bucket_widths(N_, 4))
+  assert width == 12  # 9 used slots: the third bucket of 4
+  assert cut.tokens_BT.shape == (2, P_ + 12) and cut.behaviour_logp_BN.shape == (2, 12)
+  np.testing.assert_array_equal(cut.tokens_BT, np.asarray(ro.tokens_BT)[:, :P_ + 12])
+  np.testing.assert_array_equal(cut.mask_BT, mask[:, :P_ + 12])
+  np.testing.assert_array_equal(cut.lengths_B, [4, 9])  # per-row fields stay whole
+  same, width = program.trim_rollout(ro, program.bucket_widths(N_, 2))
+  assert width == 16 and same is ro  # the full width: nothing to cut
+
+
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_bucketed_steps_equal_full_width_and_compile_once_per_width(algo):
   """Three steps (GRPO: group advantages and the KL in the loss; PPO: values, GAE, two

@@ -88,9 +88,12 @@ def _refill(stage, batch, c: StepCarry, ro) -> StepCarry:
              "rollout/queued": jnp.float32(batch["prompt"].shape[0]),
              "rollout/decode_steps": st["steps"],
              "rollout/busy_frac": st["busy"] / (rows * jnp.maximum(st["steps"] - 1, 1))}
+  index_B = jnp.repeat(ro.prompt_index, stage.n)
   rollout = Rollout(tokens_BT=ro.tokens, mask_BT=ro.mask, response_mask_BN=ro.response_mask,
                     behaviour_logp_BN=ro.logprobs, lengths_B=ro.lengths,
-                    finished_B=ro.finished, prompt_index_B=jnp.repeat(ro.prompt_index, stage.n))
+                    finished_B=ro.finished, prompt_index_B=index_B,
+                    answer_BR=batch["answer"][index_B],
+                    answer_mask_BR=batch["answer_mask"][index_B])
   return c.replace(rollout=rollout, metrics={**c.metrics, **metrics})
 
 
@@ -112,7 +115,8 @@ def initial_carry(batch_size: int, prompt_len: int, answer_len: int) -> dict:
 def _refill_carry(stage, batch, c: StepCarry, policy, key, kw) -> StepCarry:
   """Refill with carry-over (``rollout.refill_leftover=carry``): the queue is last step's
   carried prompts, then this batch's; the groups started but not trained go into
-  ``state.extras["carry"]`` for the next step.  Each row's answer travels in the rollout."""
+  ``state.extras["carry"]`` for the next step.  :func:`_refill` takes each row's answer from
+  the queue."""
   carried = c.state.extras["carry"]
   q_len = batch["prompt"].shape[0]
   new = {"prompt": batch["prompt"].astype(jnp.int32),
@@ -128,12 +132,9 @@ def _refill_carry(stage, batch, c: StepCarry, policy, key, kw) -> StepCarry:
   extras = {**c.state.extras, "carry": {**left, "count": ro.stats["carried_out"]}}
   c = _refill(stage, queue, c.replace(state=c.state.replace(extras=extras)), ro)
   st = {k: v.astype(jnp.float32) for k, v in ro.stats.items()}
-  per_row = lambda x: jnp.repeat(x[ro.prompt_index], stage.n, axis=0)
-  rollout = c.rollout.replace(answer_BR=per_row(queue["answer"]),
-                              answer_mask_BR=per_row(queue["answer_mask"]))
   metrics = {"rollout/carried_in": st["carried_in"], "rollout/carried_out": st["carried_out"],
              "rollout/dropped": st["started"] - st["trained"] - st["carried_out"]}
-  return c.replace(rollout=rollout, metrics={**c.metrics, **metrics})
+  return c.replace(metrics={**c.metrics, **metrics})
 
 
 def reference(stage, frozen, batch, c: StepCarry) -> StepCarry:
@@ -163,14 +164,11 @@ def reward(stage, frozen, batch, c: StepCarry) -> StepCarry:
                             cfg=stage.model_cfg("reward"), kernels=stage.cfg.kernels,
                             start=stage.P)
     else:
-      if ro.answer_BR is not None:  # refill with carry-over: the answers came with the rows
+      if ro.answer_BR is not None:  # refill: the answers came with the rows
         answer, answer_mask = ro.answer_BR, ro.answer_mask_BR
-      elif ro.prompt_index_B is None:
+      else:
         answer = jnp.repeat(batch["answer"], stage.n, 0)
         answer_mask = jnp.repeat(batch["answer_mask"], stage.n, 0)
-      else:  # refill: each row's prompt in the queue
-        answer = batch["answer"][ro.prompt_index_B]
-        answer_mask = batch["answer_mask"][ro.prompt_index_B]
       s = RW.RULES[name](response, ro.response_mask_BN, answer, answer_mask,
                          eos_id=stage.tok.eos_id)
     parts.append((s.astype(jnp.float32), w))

@@ -112,12 +112,11 @@ def bucket_widths(n: int, buckets: int) -> tuple[int, ...]:
   return tuple(sorted({min(n, step * i) for i in range(1, buckets + 1)}))
 
 
-@jax.jit
-def _extent(mask_BT, response_mask_BN):
-  """The slots after the prompt that any row still uses (its last real token's column + 1)."""
-  n = response_mask_BN.shape[1]
-  used = mask_BT[:, -n:] | response_mask_BN
-  return jnp.max(jnp.where(used, jnp.arange(1, n + 1), 0))
+@functools.partial(jax.jit, static_argnames=("n",))
+def _extent(mask_BT, n: int):
+  """The response slots any row still uses: its last real token's column after the prompt,
+  + 1 (``mask_BT`` covers the actions and, in an episode, the observations between them)."""
+  return jnp.max(jnp.where(mask_BT[:, -n:], jnp.arange(1, n + 1), 0))
 
 
 @functools.partial(jax.jit, static_argnames=("width",))
@@ -139,7 +138,7 @@ def trim_rollout(rollout: Rollout, widths: Sequence[int]) -> tuple[Rollout, int]
   columns cut are masked in every row), and that width.  Every later phase reads a response
   width from its arrays, so the step is the same up to float rounding; the sum-normalised
   loss aggregation keeps ``max_new_tokens`` as its constant."""
-  need = int(jax.device_get(_extent(rollout.mask_BT, rollout.response_mask_BN)))
+  need = int(jax.device_get(_extent(rollout.mask_BT, rollout.response_mask_BN.shape[1])))
   width = next((w for w in widths if w >= need), widths[-1])
   if width == rollout.response_mask_BN.shape[1]:
     return rollout, width

@@ -53,8 +53,8 @@ class Rollout:
   turn_rewards_BN: Optional[jax.Array] = None
   # In-flight refill (rollout.refill): each row's prompt in the step's queue (int32).
   prompt_index_B: Optional[jax.Array] = None
-  # Refill with carry-over (rollout.refill_leftover=carry): the queue is not the batch (the
-  # carried prompts come first), so each row's answer travels with it (``R`` answer slots).
+  # Refill: each row's answer, from the step's queue (with carry-over the queue is not the
+  # batch: the carried prompts come first) (``R`` answer slots).
   answer_BR: Optional[jax.Array] = None  # int32
   answer_mask_BR: Optional[jax.Array] = None  # bool
   # Filled by the reference phase:
