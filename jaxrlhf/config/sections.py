@@ -187,6 +187,17 @@ class RolloutConfig:
   # (ceil(max_new_tokens / k) x 1..k), each compiled once: the same losses and gradients up
   # to float rounding, cheaper when every response of a step is short (refill's batches).
   length_buckets: int = 0
+  # Packing for the phases after generation (RL steps, docs/rollout.md, "Packed forwards"):
+  # the reference, reward, values and the update's forward and backward run on packed rows,
+  # each sequence's real tokens placed first-fit into rows of max_prompt_len +
+  # max_new_tokens slots (of the length bucket's width with length_buckets), several
+  # sequences per row, attention and positions per sequence; every result is gathered back
+  # to the rollout's rows, so KL, advantages and losses are unchanged (the same step up to
+  # float rounding).  Cheaper when most responses are shorter than the limit.
+  pack: bool = False
+  # Distinct packed row counts per layout (each compiled once): the rows come in multiples
+  # of ceil(sequences / pack_buckets).
+  pack_buckets: int = 8
 
 
 @dataclasses.dataclass(frozen=True)

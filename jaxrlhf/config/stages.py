@@ -191,6 +191,16 @@ class RLConfig(StageConfig):
     c.need(0 <= ro.length_buckets <= ro.max_new_tokens, "rollout.length_buckets",
            ro.length_buckets, f"must be in [0, rollout.max_new_tokens={ro.max_new_tokens}] "
            "(0 is off; e.g. 4: the update runs on a quarter, half, ... of the slots)")
+    c.at_least(ro, "rollout", ("pack_buckets",), 1)
+    if ro.pack and getattr(self, "dynamic_sampling", False):
+      # The layout is made from the generated rows; the selection then replaces them.
+      c.problems.append(f"rollout.pack=true with {name}.dynamic_sampling=true: the packed "
+                        "layout is made before the selection changes the batch's rows; set "
+                        "one of them to false")
+    if ro.pack and cfg.kernels.attention == "cudnn":
+      c.problems.append("rollout.pack=true with kernels.attention=cudnn: cuDNN's attention "
+                        "takes no segment ids (packed rows); set kernels.attention=auto (or "
+                        "xla, pallas), or rollout.pack=false")
     if ro.refill:
       _check_refill(self, name, cfg, c)
     elif ro.refill_leftover != "drop":

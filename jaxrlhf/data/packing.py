@@ -54,15 +54,15 @@ class Packer:
     top = self.max_rows(n_sequences) // self.groups
     return tuple(self.groups * r for r in range(step, top + 1, step))
 
-  def pack(self, tokens, mask, loss_mask) -> dict:
-    """The packed batch of ``S`` padded sequences ``[S, L]`` (see the module doc)."""
-    tokens, mask, loss_mask = (np.asarray(x) for x in (tokens, mask, loss_mask))
-    mask = mask.astype(bool)
-    n = tokens.shape[0]
+  def place(self, lengths) -> tuple[list[list[list[int]]], int]:
+    """Where ``S`` sequences of ``lengths`` go: each group's rows (the group-local indices of
+    its sequences, in slot order) and the rows every group gets (bucketed).  The padded
+    batches here and the RL rollout's packed forwards (:mod:`jaxrlhf.train.packed`) share it."""
+    lengths = np.asarray(lengths)
+    n = lengths.shape[0]
     if n % self.groups:
       raise ValueError(f"{n} sequences do not split into {self.groups} micro-batches; make the "
                        f"batch size a multiple of optim.grad_accum")
-    lengths = mask.sum(axis=1)
     if lengths.max(initial=0) > self.row_len:
       raise ValueError(f"a sequence of {lengths.max()} tokens does not fit a packed row of "
                        f"{self.row_len}; raise data.pack_length")
@@ -71,7 +71,16 @@ class Packer:
                for g in range(self.groups)]
     step = self.step(n)
     rows = max(len(rows) for rows in layouts)
-    rows = max(-(-rows // step) * step, step)
+    return layouts, max(-(-rows // step) * step, step)
+
+  def pack(self, tokens, mask, loss_mask) -> dict:
+    """The packed batch of ``S`` padded sequences ``[S, L]`` (see the module doc)."""
+    tokens, mask, loss_mask = (np.asarray(x) for x in (tokens, mask, loss_mask))
+    mask = mask.astype(bool)
+    n = tokens.shape[0]
+    lengths = mask.sum(axis=1)
+    layouts, rows = self.place(lengths)
+    per_group = n // self.groups
     shape = (self.groups * rows, self.row_len)
     out = {"tokens": np.full(shape, self.pad_id, np.int32), "mask": np.zeros(shape, bool),
            "loss_mask": np.zeros(shape, bool), "segment_ids": np.zeros(shape, np.int32),

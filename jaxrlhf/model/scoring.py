@@ -51,7 +51,13 @@ def sequence_scores(params: dict, tokens_BL: jax.Array, mask_BL: jax.Array, *, c
   """One float32 score per row ``[B]`` (reward models): the scalar head at the row's last real
   token (``cfg.score_pool="last"``), or its mean over the real tokens from column ``start``
   on, i.e. the response (``"mean"``)."""
-  scores_BL = token_scores(params, tokens_BL, mask_BL, cfg=cfg, kernels=kernels)
+  return pool_scores(token_scores(params, tokens_BL, mask_BL, cfg=cfg, kernels=kernels),
+                     mask_BL, cfg=cfg, start=start)
+
+
+def pool_scores(scores_BL: jax.Array, mask_BL: jax.Array, *, cfg: ModelConfig,
+                start: int = 0) -> jax.Array:
+  """Per-token scalar-head scores ``[B, L]`` pooled as :func:`sequence_scores` does."""
   if cfg.score_pool == "mean":
     pool_BL = mask_BL.astype(bool) & (jnp.arange(mask_BL.shape[1]) >= start)
     return jnp.sum(jnp.where(pool_BL, scores_BL, 0.0), axis=1) / jnp.maximum(

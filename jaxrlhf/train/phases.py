@@ -16,7 +16,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf import model as M
 from jaxrlhf import rewards as RW
 from jaxrlhf.algorithms import (POLICY_LOSSES, aggregate, entropy_bonus, kl_estimate,
                                 kl_penalty_loss, off_policy_weights, overlong_penalty,
@@ -25,6 +24,7 @@ from jaxrlhf.config import KLConfig
 from jaxrlhf.rollout import carry_queue, carry_take
 from jaxrlhf.rollout import generate as sample
 from jaxrlhf.rollout import generate_refill as sample_refill
+from jaxrlhf.train import packed as PK
 from jaxrlhf.train.common import accumulate_grads, apply_update, count_skip
 from jaxrlhf.train.program import HOST, Phase
 from jaxrlhf.train.types import Rollout, Scored, Shaped, StepCarry, UpdateBatch
@@ -45,6 +45,12 @@ def kl_coef_of(carry: StepCarry):
 
 
 # ------------------------------------------------------------------------------ phases
+
+
+def packed_rows(c: StepCarry):
+  """The whole batch's packed layout (``rollout.pack``), or None: the forwards then run on the
+  rollout's own rows."""
+  return None if c.packing is None else c.packing.rows
 
 
 def generate(stage, frozen, batch, c: StepCarry) -> StepCarry:
@@ -145,9 +151,8 @@ def reference(stage, frozen, batch, c: StepCarry) -> StepCarry:
   if "reference" not in frozen:
     ref = ro.behaviour_logp_BN
   else:
-    ref, _ = M.token_logprobs(frozen["reference"], ro.tokens_BT, ro.mask_BT,
-                              cfg=stage.model_cfg("reference"), start=stage.P,
-                              kernels=stage.cfg.kernels)
+    ref, _ = PK.token_logprobs(stage, frozen["reference"], ro.tokens_BT, ro.mask_BT,
+                               packed_rows(c), role="reference", start=stage.P)
   kl = jnp.where(ro.response_mask_BN, kl_of(stage.scfg.kl, ro.behaviour_logp_BN, ref), 0.0)
   return c.replace(rollout=ro.replace(ref_logp_BN=ref, kl_BN=kl))
 
@@ -160,9 +165,8 @@ def reward(stage, frozen, batch, c: StepCarry) -> StepCarry:
   response = ro.tokens_BT[:, stage.P:]
   for kind, name, w in stage.device_sources:
     if kind == "model":
-      s = M.sequence_scores(frozen["reward"], ro.tokens_BT, ro.mask_BT,
-                            cfg=stage.model_cfg("reward"), kernels=stage.cfg.kernels,
-                            start=stage.P)
+      s = PK.sequence_scores(stage, frozen["reward"], ro.tokens_BT, ro.mask_BT,
+                             packed_rows(c), role="reward", start=stage.P)
     else:
       if ro.answer_BR is not None:  # refill: the answers came with the rows
         answer, answer_mask = ro.answer_BR, ro.answer_mask_BR
@@ -185,9 +189,8 @@ def reward(stage, frozen, batch, c: StepCarry) -> StepCarry:
     score = score + overlong_penalty(ro.lengths_B, max_len=stage.N, buffer=rcfg.overlong_buffer,
                                      penalty=rcfg.overlong_penalty)
   if rcfg.guard:
-    g = M.sequence_scores(frozen["guard"], ro.tokens_BT, ro.mask_BT,
-                          cfg=stage.model_cfg("guard"), kernels=stage.cfg.kernels,
-                          start=stage.P)
+    g = PK.sequence_scores(stage, frozen["guard"], ro.tokens_BT, ro.mask_BT, packed_rows(c),
+                           role="guard", start=stage.P)
     score, keep_guard, gm = RW.apply_guard(score, jax.nn.sigmoid(g),
                                            threshold=rcfg.guard_threshold,
                                            action=rcfg.guard_action, penalty=rcfg.guard_penalty)
@@ -200,9 +203,8 @@ def values(stage, frozen, batch, c: StepCarry) -> StepCarry:
   """The value of the state *before* each response token (algorithms with a value role)."""
   del batch
   ro = c.rollout
-  v = M.token_scores(stage.value_params(stage.views(c.state.params, frozen)), ro.tokens_BT,
-                     ro.mask_BT,
-                     cfg=stage.model_cfg("value"), kernels=stage.cfg.kernels)
+  v = PK.token_scores(stage, stage.value_params(stage.views(c.state.params, frozen)),
+                      ro.tokens_BT, ro.mask_BT, packed_rows(c), role="value")
   n = ro.response_mask_BN.shape[1]  # max_new_tokens, or the length bucket's width
   return c.replace(scored=c.scored.replace(values_BN=v[:, stage.P - 1:stage.P - 1 + n]))
 
@@ -249,7 +251,8 @@ def train(stage, frozen, batch, c: StepCarry, *, roles, terms) -> StepCarry:
                    adv_BN=sh.adv_BN if policy else None,
                    values_BN=c.scored.values_BN if "value" in terms else None,
                    returns_BN=sh.returns_BN if "value" in terms else None)
-  state, metrics = epochs(stage, frozen, c.state, ub, kl_coef_of(c), roles=roles, terms=terms)
+  state, metrics = epochs(stage, frozen, c.state, ub, kl_coef_of(c), roles=roles, terms=terms,
+                          packing=c.packing)
   return c.replace(state=state, metrics={**c.metrics, **metrics})
 
 
@@ -296,10 +299,9 @@ def off_policy(stage, frozen, batch, c: StepCarry) -> StepCarry:
   (or masked) importance weight pi_trainer / pi_behaviour."""
   del batch
   ro, sh = c.rollout, c.shaped
-  trainer, _ = M.token_logprobs(stage.view(c.state.params, frozen, "policy"), ro.tokens_BT,
-                                ro.mask_BT,
-                                cfg=stage.model_cfg("policy"), start=stage.P,
-                                kernels=stage.cfg.kernels)
+  trainer, _ = PK.token_logprobs(stage, stage.view(c.state.params, frozen, "policy"),
+                                 ro.tokens_BT, ro.mask_BT, packed_rows(c), role="policy",
+                                 start=stage.P)
   trainer = jax.lax.stop_gradient(trainer)
   w, keep, m = off_policy_weights(trainer, ro.behaviour_logp_BN, sh.update_mask_BN,
                                   mode=stage.scfg.off_policy, cap=stage.scfg.off_policy_cap)
@@ -334,25 +336,27 @@ def rl_phases(roles, terms, scfg=None) -> tuple[Phase, ...]:
 # ----------------------------------------------------------------------------- updating
 
 
-def epochs(stage, frozen, state, ub: UpdateBatch, kl_coef, *, roles, terms):
+def epochs(stage, frozen, state, ub: UpdateBatch, kl_coef, *, roles, terms, packing=None):
   """``ppo_epochs`` passes over the batch in ``num_minibatches`` shuffled minibatches (one
-  ``lax.scan`` over (epoch, minibatch)), training ``roles`` on the sum of the loss ``terms``.  All roles skip a non-finite step together: a half-applied update
-  would desynchronise them."""
+  ``lax.scan`` over (epoch, minibatch)), training ``roles`` on the sum of the loss ``terms``.
+  All roles skip a non-finite step together: a half-applied update would desynchronise them.
+  With ``packing`` (``rollout.pack``) the shuffles are the ones the host drew with the same
+  key and packed each minibatch for (:mod:`jaxrlhf.train.packed`)."""
   scfg = stage.scfg
   rows = ub.tokens_BT.shape[0]
   n_mb = scfg.num_minibatches
   rng, k = jax.random.split(state.rng)
-  if n_mb == 1 and scfg.ppo_epochs == 1:
-    perms = jnp.arange(rows)[None]  # one pass over the whole batch: no shuffle, no gather
-  else:
-    perms = jnp.stack([jax.random.permutation(jax.random.fold_in(k, e), rows)
-                       for e in range(scfg.ppo_epochs)])
+  # One pass over the whole batch: no shuffle (the identity order).
+  perms = (PK.minibatch_perms(k, rows, n_mb, scfg.ppo_epochs) if packing is None
+           else packing.perms)
 
   def minibatches(perm):
     return jax.tree.map(lambda x: x[perm].reshape((n_mb, rows // n_mb) + x.shape[1:]), ub)
 
   mbs = jax.vmap(minibatches)(perms)
   mbs = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), mbs)
+  if packing is not None:
+    mbs = mbs.replace(packed=packing.update)  # already one per (epoch, minibatch)
   first = jnp.arange(scfg.ppo_epochs * n_mb) == 0
   params0 = {r: state.params[r] for r in roles}
   opt0 = {r: state.opt_state[r] for r in roles}
@@ -405,9 +409,8 @@ def policy_term(stage, params, mb: UpdateBatch, *, denom, n_seq, kl_coef):
   entropy bonus and (``kl.placement=loss``) the KL to the reference, each aggregated as
   ``loss_agg`` says; reads ``params["policy"]`` only."""
   scfg = stage.scfg
-  logp, ent = M.token_logprobs(params["policy"], mb.tokens_BT, mb.mask_BT,
-                               cfg=stage.model_cfg("policy"), start=stage.P,
-                               kernels=stage.cfg.kernels)
+  logp, ent = PK.token_logprobs(stage, params["policy"], mb.tokens_BT, mb.mask_BT, mb.packed,
+                                role="policy", start=stage.P)
   mask = mb.update_mask_BN
   agg = dict(agg=scfg.loss_agg, denom=denom if scfg.loss_agg == "token_mean" else n_seq,
              max_len=stage.N)

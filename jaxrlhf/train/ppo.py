@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxrlhf import model as M
 from jaxrlhf.algorithms import gae, kl_shaped_rewards, value_loss, whiten
 from jaxrlhf.config import PPOConfig
+from jaxrlhf.train import packed as PK
 from jaxrlhf.train import spec
 from jaxrlhf.train.phases import policy_term
 from jaxrlhf.train.rl import RLStage, rl_roles, rl_validate
@@ -40,10 +40,8 @@ def value_term(stage, params, mb, *, denom, n_seq, kl_coef):
   policy's with a shared backbone)."""
   del n_seq, kl_coef
   scfg = stage.scfg
-  v = M.token_scores(stage.value_params(params), mb.tokens_BT, mb.mask_BT,
-                     cfg=stage.model_cfg("value"),
-                     kernels=stage.cfg.kernels)[:, stage.P - 1:stage.P - 1
-                                                + mb.update_mask_BN.shape[1]]
+  v = PK.token_scores(stage, stage.value_params(params), mb.tokens_BT, mb.mask_BT, mb.packed,
+                      role="value")[:, stage.P - 1:stage.P - 1 + mb.update_mask_BN.shape[1]]
   vl, vm = value_loss(v, mb.values_BN, mb.returns_BN, mb.update_mask_BN, clip=scfg.value_clip,
                       agg="token_mean", denom=denom)
   return scfg.vf_coef * vl, {"value/loss": vl,

@@ -14,6 +14,8 @@ the pools and the planner run is such a slice:
 - ``rollout.length_buckets``: the programs before and after :data:`HOST` too, the rollout cut
   in between to its longest response rounded up to a bucket (:func:`trim_rollout`), so the
   phases after generation run (and are compiled once per bucket) on fewer response slots;
+- ``rollout.pack``: the same cut, the packed layouts of the model passes after generation
+  made in between from the rollout's mask (:func:`jaxrlhf.train.packed.plan`);
 - the disaggregated pools: the actor's and the critic's phases (:func:`pool_phases`), with the
   pool's own exchange phases added around them;
 - ``--plan``: the same programs lowered on abstract arrays (:func:`programs`).
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.perf import PhaseTimer
+from jaxrlhf.train import packed
 from jaxrlhf.train.common import shardings_of
 from jaxrlhf.train.types import Rollout, StepCarry
 
@@ -152,7 +155,8 @@ class PhasedProgram:
   first, ``score_and_update_s`` for the second, as before); ``timed=True`` one per group.
   With ``rollout.length_buckets`` the step is cut after generation as around a host reward,
   and the rollout trimmed there (:func:`trim_rollout`); jit compiles the later programs once
-  per width.
+  per width.  With ``rollout.pack`` the packed layouts are made there (after any trim), and
+  the later programs compiled once per (width, row counts).
   """
 
   LABELS = {"before_host": "generate", "after_host": "score_and_update"}
@@ -167,8 +171,9 @@ class PhasedProgram:
     self.rollout_fn = rollout_fn
     rcfg = stage.cfg.rollout
     self.widths = bucket_widths(rcfg.max_new_tokens, rcfg.length_buckets)
+    self.pack = rcfg.pack
     self.parts = split(phases, at_host=host_fn is not None or rollout_fn is not None
-                       or bool(self.widths), timed=timed)
+                       or bool(self.widths) or self.pack, timed=timed)
     self.on_host = {label for label, ps in self.parts
                     if rollout_fn is not None and [p.name for p in ps] == ["generate"]}
     self.jitted = {label: jit_phases(stage, ps, state)
@@ -194,6 +199,11 @@ class PhasedProgram:
           ro, width = trim_rollout(carry.rollout, self.widths)
           carry = carry.replace(rollout=ro)
           host_metrics["rollout/update_width"] = float(width)
+        if self.pack:
+          packing, got = packed.plan(self.stage, jax.device_get(carry.rollout.mask_BT),
+                                     carry.state.rng)
+          carry = carry.replace(packing=packing)
+          host_metrics.update(got)
         if self.host_fn is None:
           continue
         with timer.phase(HOST):

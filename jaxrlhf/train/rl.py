@@ -160,9 +160,9 @@ class RLStage(Stage):
 
   def make_step_fn(self, state, frozen, batch):
     """One jitted program, unless phases must be separate (phase timing, a host reward,
-    episodes, or length buckets)."""
+    episodes, length buckets or packing)."""
     if not (self.host_sources or self.episodes or self.cfg.logging.phase_timing
-            or self.cfg.rollout.length_buckets):
+            or self.cfg.rollout.length_buckets or self.cfg.rollout.pack):
       return super().make_step_fn(state, frozen, batch)
     return program.PhasedProgram(self, self.phases(), state, timed=self.cfg.logging.phase_timing,
                                  host_fn=self.host_scores if self.host_sources else None,

@@ -14,7 +14,7 @@ carry and returns it, so any cut of the phase list is a valid program.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import flax.struct
 import jax
@@ -96,6 +96,9 @@ class UpdateBatch:
   adv_BN: Optional[jax.Array] = None
   values_BN: Optional[jax.Array] = None
   returns_BN: Optional[jax.Array] = None
+  # rollout.pack: where the minibatch's rows sit in its packed rows (a
+  # jaxrlhf.train.packed.PackedRows; the forwards read it, the losses never).
+  packed: Optional[Any] = None
 
 
 @flax.struct.dataclass
@@ -108,6 +111,8 @@ class StepCarry:
   shaped: Optional[Shaped] = None
   host_score_B: Optional[jax.Array] = None  # f32 weighted host rewards (the split point)
   kl_coef: Optional[jax.Array] = None  # set by a critic pool (the actor's controller owns it)
+  # rollout.pack: the step's packed layouts (a jaxrlhf.train.packed.Packing, from the host).
+  packing: Optional[Any] = None
   metrics: dict = flax.struct.field(default_factory=dict)
 
 

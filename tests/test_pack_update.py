@@ -1,0 +1,220 @@
+"""Packed forwards after generation (rollout.pack, issue 25): the reference, reward, values and
+the update's forward and backward run on packed rows, several sequences per row, and give the
+same step as the rollout's own rows, for any minibatching, gradient accumulation and
+algorithm; each distinct row count is compiled once; what cannot be packed is refused."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import mesh
+from jaxrlhf import model as M
+from jaxrlhf.config import ConfigError, validate
+from jaxrlhf.data.packing import Packer
+from jaxrlhf.train import packed as PK
+from test_length_buckets import MODEL, N, _same, config, run_steps
+
+
+def _layout(mask, order=None, groups=1, row_len=None):
+  mask = np.asarray(mask, bool)
+  order = np.arange(mask.shape[0]) if order is None else order
+  return PK.layout(mask, order, Packer(row_len=row_len or mask.shape[1], groups=groups))
+
+
+def test_layout_places_each_real_token_once_and_maps_it_back():
+  """Every real token of every row (an episode row's hole included) sits in exactly one slot,
+  in order, one segment per sequence; slot_BT points each back; micro-batch groups hold only
+  their own sequences and index locally."""
+  rng = np.random.default_rng(0)
+  b, t = 8, 12
+  mask = np.zeros((b, t), bool)
+  for i in range(b):
+    p = rng.integers(1, 5)
+    mask[i, 4 - p:4 + rng.integers(0, 9)] = True
+  mask[3, 7] = False  # a hole (an episode's padding between turns)
+  order = rng.permutation(b)
+  got = _layout(mask, order, groups=2)
+  src, seg, slot = got["src_RL"], got["segment_ids_RL"], got["slot_BT"]
+  rows = src.shape[0] // 2
+  per = b // 2
+  for g in range(2):
+    for j in range(per):
+      i = order[g * per + j]
+      cols = np.flatnonzero(mask[i])
+      s = slot[g * per + j, cols]
+      r, l = s // t, s % t
+      assert np.all(r < rows)  # local rows of the group
+      np.testing.assert_array_equal(src[g * rows + r, l], j * t + cols)
+      assert np.all(np.diff(s) == 1)  # contiguous, in order
+      assert len(set(seg[g * rows + r, l])) == 1 and seg[g * rows + r[0], l[0]] >= 1
+  assert (src >= 0).sum() == mask.sum()  # nothing twice, nothing lost
+  np.testing.assert_array_equal(seg > 0, src >= 0)
+
+
+def test_packed_forwards_equal_the_rollout_rows():
+  """Log-probs, entropies, per-token and pooled scores of a packed layout, gathered back,
+  equal the unpacked forward's at every real position (start=P and start=1)."""
+  from jaxrlhf.config import KernelsConfig
+
+  class Stage:
+    mesh_ = mesh()
+    cfg = type("C", (), {"kernels": KernelsConfig()})()
+    mesh = mesh_
+
+    def model_cfg(self, role):
+      return MODEL
+
+  stage = Stage()
+  params = M.init_params(MODEL, jax.random.key(1), head="lm+scalar")
+  rng = np.random.default_rng(2)
+  b, p, n = 6, 5, 10
+  mask = np.zeros((b, p + n), bool)
+  for i in range(b):
+    mask[i, p - rng.integers(1, p + 1):p + rng.integers(1, n + 1)] = True
+  tokens = jnp.asarray(np.where(mask, rng.integers(3, MODEL.vocab_size, mask.shape), 0))
+  mask_j = jnp.asarray(mask)
+  rows = PK.PackedRows(**{k: jnp.asarray(v) for k, v in _layout(mask).items()})
+  assert rows.src_RL.shape[0] < b  # several sequences per row
+  for start in (p, 1):
+    want = PK.token_logprobs(stage, params, tokens, mask_j, None, role="policy", start=start)
+    got = PK.token_logprobs(stage, params, tokens, mask_j, rows, role="policy", start=start)
+    # Predicted positions: the token and the one before it real.
+    real = mask[:, start:] & mask[:, start - 1:-1]
+    for w, g in zip(want, got):
+      np.testing.assert_allclose(np.asarray(g)[real], np.asarray(w)[real], rtol=2e-5,
+                                 atol=2e-5)
+  want = PK.token_scores(stage, params, tokens, mask_j, None, role="value")
+  got = PK.token_scores(stage, params, tokens, mask_j, rows, role="value")
+  np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(want)[mask], rtol=2e-5,
+                             atol=2e-5)
+  for pool in ("last", "mean"):
+    cfg = dataclasses.replace(MODEL, score_pool=pool)
+    stage.model_cfg = lambda role, cfg=cfg: cfg
+    want = PK.sequence_scores(stage, params, tokens, mask_j, None, role="reward", start=p)
+    got = PK.sequence_scores(stage, params, tokens, mask_j, rows, role="reward", start=p)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_packed_gradients_equal_the_rollout_rows():
+  """The gradient of a masked log-prob loss through the packed layout equals the unpacked
+  one (the gather back scatters the cotangents to the right slots)."""
+  from jaxrlhf.config import KernelsConfig
+
+  class Stage:
+    mesh = mesh()
+    cfg = type("C", (), {"kernels": KernelsConfig()})()
+
+    def model_cfg(self, role):
+      return MODEL
+
+  stage = Stage()
+  params = M.init_params(MODEL, jax.random.key(3))
+  rng = np.random.default_rng(4)
+  b, p, n = 8, 5, 10
+  mask = np.zeros((b, p + n), bool)
+  for i in range(b):
+    mask[i, p - rng.integers(1, p + 1):p + rng.integers(1, n + 1)] = True
+  tokens = jnp.asarray(np.where(mask, rng.integers(3, MODEL.vocab_size, mask.shape), 0))
+  weights = jnp.asarray(rng.normal(size=(b, n)).astype(np.float32))
+  resp = jnp.asarray(mask[:, p:])
+  rows = PK.PackedRows(**{k: jnp.asarray(v) for k, v in _layout(mask).items()})
+
+  def loss(params, packed):
+    lp, ent = PK.token_logprobs(stage, params, tokens, jnp.asarray(mask), packed,
+                                role="policy", start=p)
+    return jnp.sum(jnp.where(resp, weights * lp + 0.1 * ent, 0.0))
+
+  want = jax.grad(loss)(params, None)
+  got = jax.grad(loss)(params, rows)
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5), got, want)
+
+
+@pytest.mark.parametrize("algo,kw", [
+    ("grpo", {}),
+    ("grpo", {"grad_accum": 2, "loss_agg": "seq_mean_token_mean"}),
+    ("ppo", {}),
+])
+def test_packed_steps_equal_the_rollout_rows_and_compile_per_row_count(algo, kw):
+  """Three steps with packing equal three without: GRPO (group advantages, KL in the loss;
+  with gradient accumulation and per-sequence aggregation too) and PPO (values, GAE, two
+  epochs of two shuffled minibatches).  Metrics and parameters to float rounding; the
+  packed rows are fewer than the rollout's."""
+  base = config(algo, **{k: v for k, v in kw.items() if k != "grad_accum"})
+  if kw.get("grad_accum"):
+    section = getattr(base, algo)
+    base = dataclasses.replace(base, **{algo: dataclasses.replace(
+        section, optim=dataclasses.replace(section.optim, grad_accum=kw["grad_accum"]))})
+  packed = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, pack=True))
+  full = run_steps(base, mesh(), algo)
+  got = run_steps(packed, mesh(), algo)
+  _same(full, got, rtol=5e-5, atol=2e-6)
+  rows = 16 if algo == "grpo" else 8
+  for m in got[2]:
+    assert 1 <= m["pack/rows"] < rows and 0 < m["pack/useful_fraction"] <= 1
+    assert m["pack/useful_fraction"] > 0.5
+  distinct = {(m["pack/rows"], m["pack/update_rows"]) for m in got[2]}
+  assert got[0].jitted["after_host"]._cache_size() == len(distinct)
+
+
+def test_packed_refill_and_buckets_on_dp2_equal_the_rollout_rows_on_one_device():
+  """Refill's short groups, cut to their bucket and packed into rows of that width, on a
+  dp=2 x tp=2 mesh, equal the rollout's own rows on one device."""
+  base = config(buckets=4, refill=True)
+  packed = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, pack=True))
+  full = run_steps(base, mesh(), steps=2)
+  got = run_steps(packed, mesh(dp=2, tp=2), steps=2)
+  assert all(m["pack/rows"] % 2 == 0 for m in got[2])  # rows split over dp
+  _same(full, got, rtol=2e-4, atol=2e-5)
+
+
+def test_packing_with_dynamic_sampling_and_the_pools_is_refused_with_the_fix():
+  from jaxrlhf.pools import common
+  base = config("grpo", dynamic_sampling=True)
+  cfg = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, pack=True))
+  with pytest.raises(ConfigError, match="rollout.pack=true with grpo.dynamic_sampling"):
+    validate(cfg)
+  ppo = config("ppo")
+  ppo = dataclasses.replace(ppo, rollout=dataclasses.replace(ppo.rollout, pack=True))
+  with pytest.raises(ConfigError, match="rollout.pack=true: the pools"):
+    common.check_config(ppo)
+  bad = dataclasses.replace(ppo, rollout=dataclasses.replace(ppo.rollout, pack_buckets=0))
+  with pytest.raises(ConfigError, match="rollout.pack_buckets"):
+    validate(bad)
+  from jaxrlhf.config import KernelsConfig
+  bad = dataclasses.replace(ppo, kernels=KernelsConfig(attention="cudnn"))
+  with pytest.raises(ConfigError, match="rollout.pack=true with kernels.attention=cudnn"):
+    validate(bad)
+
+
+def test_packed_episode_step_equals_the_rollout_rows(tmp_path):
+  """A multi-turn PPO step (actions and observations in one row, per-turn rewards, values
+  over the actions) packed equals the step on the episode's own rows."""
+  from jaxrlhf.config import PPOConfig, RewardConfig as RC
+  from jaxrlhf.data import DataSource
+  from jaxrlhf.train.common import put_batch
+  from jaxrlhf.train.spec import build_stage
+  from test_episodes import ECHO, OPT as EOPT, _cfg
+  base = _cfg(tmp_path, ECHO, "Echo")
+  base = dataclasses.replace(base, ppo=PPOConfig(
+      steps=2, batch_size=8, optim=EOPT, value_optim=EOPT, eval_every=0, num_minibatches=2,
+      reward=RC(sources=("env",))))
+  out = []
+  for pack in (False, True):
+    cfg = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, pack=pack))
+    m = mesh()
+    stage = build_stage("ppo", cfg, m, DataSource(cfg.data, cfg.seed))
+    state, frozen = stage.init(jax.random.key(0), {})
+    batch = put_batch(m, stage.batch(0))
+    with jax.set_mesh(m):
+      state, metrics = stage.make_step_fn(state, frozen, batch)(state, frozen, batch)
+    out.append(({k: float(v) for k, v in jax.device_get(metrics).items()},
+                jax.device_get(state.params)))
+  (m1, p1), (m2, p2) = out
+  assert m1["env/turns_mean"] > 1 and m2["pack/rows"] < 8
+  for k in m1:
+    if not k.startswith(("time/", "memory/", "perf/", "throughput/")):
+      np.testing.assert_allclose(m2[k], m1[k], rtol=5e-5, atol=2e-6, err_msg=k)
+  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=5e-5, atol=2e-6), p1, p2)
