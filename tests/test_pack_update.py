@@ -78,23 +78,27 @@ def test_packed_forwards_equal_the_rollout_rows():
   mask_j = jnp.asarray(mask)
   rows = PK.PackedRows(**{k: jnp.asarray(v) for k, v in _layout(mask).items()})
   assert rows.src_RL.shape[0] < b  # several sequences per row
+  # Jitted, as the step runs them (and op by op would be slow).
+  logprobs = jax.jit(lambda packed, start: PK.token_logprobs(
+      stage, params, tokens, mask_j, packed, role="policy", start=start), static_argnums=1)
+  scores = jax.jit(lambda packed: PK.token_scores(stage, params, tokens, mask_j, packed,
+                                                  role="value"))
   for start in (p, 1):
-    want = PK.token_logprobs(stage, params, tokens, mask_j, None, role="policy", start=start)
-    got = PK.token_logprobs(stage, params, tokens, mask_j, rows, role="policy", start=start)
+    want, got = logprobs(None, start), logprobs(rows, start)
     # Predicted positions: the token and the one before it real.
     real = mask[:, start:] & mask[:, start - 1:-1]
     for w, g in zip(want, got):
       np.testing.assert_allclose(np.asarray(g)[real], np.asarray(w)[real], rtol=2e-5,
                                  atol=2e-5)
-  want = PK.token_scores(stage, params, tokens, mask_j, None, role="value")
-  got = PK.token_scores(stage, params, tokens, mask_j, rows, role="value")
+  want, got = scores(None), scores(rows)
   np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(want)[mask], rtol=2e-5,
                              atol=2e-5)
   for pool in ("last", "mean"):
     cfg = dataclasses.replace(MODEL, score_pool=pool)
     stage.model_cfg = lambda role, cfg=cfg: cfg
-    want = PK.sequence_scores(stage, params, tokens, mask_j, None, role="reward", start=p)
-    got = PK.sequence_scores(stage, params, tokens, mask_j, rows, role="reward", start=p)
+    pooled = jax.jit(lambda packed: PK.sequence_scores(stage, params, tokens, mask_j, packed,
+                                                       role="reward", start=p))
+    want, got = pooled(None), pooled(rows)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
@@ -127,8 +131,8 @@ def test_packed_gradients_equal_the_rollout_rows():
                                 role="policy", start=p)
     return jnp.sum(jnp.where(resp, weights * lp + 0.1 * ent, 0.0))
 
-  want = jax.grad(loss)(params, None)
-  got = jax.grad(loss)(params, rows)
+  want = jax.jit(jax.grad(loss))(params, None)
+  got = jax.jit(jax.grad(loss))(params, rows)
   jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5), got, want)
 
 
@@ -189,6 +193,7 @@ def test_packing_with_dynamic_sampling_and_the_pools_is_refused_with_the_fix():
     validate(bad)
 
 
+@pytest.mark.slow
 def test_packed_episode_step_equals_the_rollout_rows(tmp_path):
   """A multi-turn PPO step (actions and observations in one row, per-turn rewards, values
   over the actions) packed equals the step on the episode's own rows."""
