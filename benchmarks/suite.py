@@ -257,15 +257,22 @@ def longtail_lengths(prompt_BP, limit: int = LONGTAIL_LIMIT):
 
 # The arms of the long-tail workload: name -> (rollout.refill, rollout.length_buckets,
 # rollout.refill_leftover).
-LONGTAIL_ARMS = {"no_refill": (False, 0, "drop"), "no_refill_buckets": (False, 8, "drop"),
-                 "refill": (True, 0, "drop"), "refill_buckets": (True, 8, "drop"),
-                 "refill_carry_buckets": (True, 8, "carry")}
+# arm: (refill, length buckets, leftover, packed forwards after generation)
+LONGTAIL_ARMS = {"no_refill": (False, 0, "drop", False),
+                 "no_refill_buckets": (False, 8, "drop", False),
+                 "no_refill_pack": (False, 0, "drop", True),
+                 "refill": (True, 0, "drop", False), "refill_buckets": (True, 8, "drop", False),
+                 "refill_buckets_pack": (True, 8, "drop", True),
+                 "refill_carry_buckets": (True, 8, "carry", False),
+                 "refill_carry_pack": (True, 8, "carry", True)}
 
 
-def longtail_config(refill: bool, steps: int = 1000, buckets: int = 0, leftover: str = "drop"):
+def longtail_config(refill: bool, steps: int = 1000, buckets: int = 0, leftover: str = "drop",
+                    pack: bool = False):
   """GRPO on the 4,458,752-parameter policy: 16 prompts x 4 samples trained per step, up to
   :data:`LONGTAIL_LIMIT` new tokens; with refill, 32 prompts queued for 16 groups; with
-  ``buckets``, the phases after generation cut to the batch's longest response."""
+  ``buckets``, the phases after generation cut to the batch's longest response; with
+  ``pack``, their model passes on packed rows (``rollout.pack``)."""
   from jaxrlhf.config import DataConfig, RolloutConfig
   cfg = workload_config("grpo", model=model_config(max_seq_len=8 + LONGTAIL_LIMIT),
                         steps=steps)
@@ -275,7 +282,7 @@ def longtail_config(refill: bool, steps: int = 1000, buckets: int = 0, leftover:
                       max_response_len=32),
       rollout=RolloutConfig(max_new_tokens=LONGTAIL_LIMIT, temperature=1.0, refill=refill,
                             refill_queue=2.0, length_buckets=buckets,
-                            refill_leftover=leftover),
+                            refill_leftover=leftover, pack=pack),
       grpo=dataclasses.replace(cfg.grpo, batch_size=16, num_samples=4))
 
 
@@ -495,9 +502,9 @@ def worker_longtail(name: str, steps: int) -> dict:
   from jaxrlhf.train.common import metrics_to_host, put_batch
   from jaxrlhf.train.loop import prepare_step
   runs = {}
-  for arm, (refill, buckets, leftover) in LONGTAIL_ARMS.items():
+  for arm, (refill, buckets, leftover, pack) in LONGTAIL_ARMS.items():
     runs[arm] = _workload_run("grpo", longtail_config(refill, buckets=buckets,
-                                                      leftover=leftover))
+                                                      leftover=leftover, pack=pack))
     runs[arm]["widths"] = set()
 
   def step(r, s):
@@ -511,8 +518,10 @@ def worker_longtail(name: str, steps: int) -> dict:
       t0 = time.perf_counter()
       r["state"], metrics = r["fn"](r["state"], r["frozen"], batch)
       metrics = metrics_to_host(metrics)
-    width = metrics.get("rollout/update_width")
-    new = width is not None and width not in r["widths"]
+    # A program's shape: its width and (packed) row counts; a new one compiled in this step.
+    width = tuple(metrics.get(k) for k in ("rollout/update_width", "pack/rows",
+                                           "pack/update_rows"))
+    new = any(w is not None for w in width) and width not in r["widths"]
     r["widths"].add(width)
     return time.perf_counter() - t0, metrics, np.asarray(jax.device_get(batch["stop_at"])), new
 
@@ -534,7 +543,7 @@ def worker_longtail(name: str, steps: int) -> dict:
     return time.perf_counter() - t0
 
   for arm, r in runs.items():  # compile, untimed (batches the timed steps do not use)
-    for s in range(3 if LONGTAIL_ARMS[arm][1] else 1):
+    for s in range(3 if LONGTAIL_ARMS[arm][1] or LONGTAIL_ARMS[arm][3] else 1):
       step(r, 10_000 + s)
   rec = {arm: [] for arm in runs}
   gen = {arm: [] for arm in runs}
@@ -547,7 +556,7 @@ def worker_longtail(name: str, steps: int) -> dict:
   rows = 16 * 4
   out = {"workload": name, "params": PARAM_COUNT, "steps": steps, "limit": LONGTAIL_LIMIT,
          "rows": rows}
-  for arm, (refill, buckets, leftover) in LONGTAIL_ARMS.items():
+  for arm, (refill, buckets, leftover, pack) in LONGTAIL_ARMS.items():
     clean = [x for x in rec[arm] if not x[3]] or rec[arm]
     times = [t for t, _, _, _ in clean]
     tokens = [m["rollout/tokens"] for _, m, _, _ in clean]
@@ -571,6 +580,12 @@ def worker_longtail(name: str, steps: int) -> dict:
       widths = [m["rollout/update_width"] for _, m, _, _ in clean]
       x["update_width_mean"] = statistics.mean(widths)
       x["update_slot_fraction"] = sum(tokens) / (rows * sum(widths))
+    if pack:
+      # Real (prompt and response) tokens over the packed rows' slots, and the rows.
+      x["pack_useful_fraction"] = statistics.mean(m["pack/useful_fraction"]
+                                                  for _, m, _, _ in clean)
+      x["pack_rows_mean"] = statistics.mean(m["pack/rows"] for _, m, _, _ in clean)
+      x["update_slot_fraction"] = None  # the rows are packed: see pack_useful_fraction
     if refill:
       for k in ("started", "completed", "dropped", "carried_in", "carried_out"):
         if f"rollout/{k}" in clean[0][1]:
@@ -587,9 +602,17 @@ def worker_longtail(name: str, steps: int) -> dict:
                                 / base["useful_tokens_per_s"])
   out["useful_tokens_ratio_buckets"] = (out["refill_buckets"]["useful_tokens_per_s"]
                                         / base["useful_tokens_per_s"])
+  for arm, over in (("no_refill_pack", "no_refill"), ("refill_buckets_pack", "refill_buckets")):
+    out[f"speedup_{arm}"] = out[over]["median_step_s"] / out[arm]["median_step_s"]
+  out["speedup_pack_vs_no_refill"] = (base["median_step_s"]
+                                      / out["refill_buckets_pack"]["median_step_s"])
   carry = out["refill_carry_buckets"]
   out["speedup_carry"] = base["median_step_s"] / carry["median_step_s"]
   out["useful_tokens_ratio_carry"] = carry["useful_tokens_per_s"] / base["useful_tokens_per_s"]
+  carry = out["refill_carry_pack"]
+  out["speedup_carry_pack"] = base["median_step_s"] / carry["median_step_s"]
+  out["useful_tokens_ratio_carry_pack"] = (carry["useful_tokens_per_s"]
+                                           / base["useful_tokens_per_s"])
   out["loadavg_1min"] = os.getloadavg()[0]
   return out
 
@@ -607,12 +630,17 @@ def report_longtail(r: dict) -> str:
       extra += f" carried {x['carried_out']:.1f}"
     if "update_width_mean" in x:
       extra += f"  update width {x['update_width_mean']:.0f}"
+    if "pack_rows_mean" in x:
+      extra += (f"  packed rows {x['pack_rows_mean']:.1f} of {r['rows']} "
+                f"({100 * x['pack_useful_fraction']:.1f}% of their slots real)")
+    update = (f"{100 * x['update_slot_fraction']:5.1f}%" if x.get("update_slot_fraction")
+              is not None else " (packed)")
     lines.append(f"  {key:20s} step {x['step_s']['median']:7.3f} s (min "
                  f"{x['step_s']['min']:.3f})  useful tokens/s {x['useful_tokens_per_s']:7.0f}  "
                  f"decode steps {x['decode_steps']:5.0f}  generate "
                  + (f"{x['generate_s']:6.3f} s  " if x.get("generate_s") else "(as above)  ") +
                  f"useful decode slots {100 * x['useful_slot_fraction']:5.1f}%  useful update "
-                 f"slots {100 * x['update_slot_fraction']:5.1f}%  mean length "
+                 f"slots {update}  mean length "
                  f"{x['response_length_mean']:5.1f}" + extra)
   lines.append(f"  refill: step {r['speedup']:.2f}x faster (generation alone "
                f"{r['generate_speedup']:.2f}x), useful tokens/s "
@@ -621,9 +649,17 @@ def report_longtail(r: dict) -> str:
     lines.append(f"  refill + length buckets: step {r['speedup_buckets']:.2f}x faster than no "
                  f"refill ({r['speedup_vs_buckets']:.2f}x than no refill with buckets), useful "
                  f"tokens/s {r['useful_tokens_ratio_buckets']:.2f}x")
+  if "speedup_no_refill_pack" in r:
+    lines.append(f"  packed forwards: no refill {r['speedup_no_refill_pack']:.2f}x faster than "
+                 f"unpacked; refill + buckets {r['speedup_refill_buckets_pack']:.2f}x faster "
+                 f"than unpacked ({r['speedup_pack_vs_no_refill']:.2f}x than no refill)")
   if "speedup_carry" in r:
     lines.append(f"  refill carry-over + length buckets: step {r['speedup_carry']:.2f}x faster "
                  f"than no refill, useful tokens/s {r['useful_tokens_ratio_carry']:.2f}x")
+  if "speedup_carry_pack" in r:
+    lines.append(f"  refill carry-over + buckets + packed forwards: step "
+                 f"{r['speedup_carry_pack']:.2f}x faster than no refill, useful tokens/s "
+                 f"{r['useful_tokens_ratio_carry_pack']:.2f}x")
   return "\n".join(lines)
 
 
