@@ -49,9 +49,10 @@ samples, up to 128 new tokens, each prompt's response length given by a length o
 from the prompt (:func:`longtail_lengths`: median 16, 1 in 16 at the limit); one process
 alternates steps with ``rollout.refill`` (32 prompts queued for 16 groups) and without, each
 with and without ``rollout.length_buckets=8`` (the phases after generation cut to the batch's
-longest response, in steps of 16 slots), reporting step time, useful (trained response)
-tokens per second and the share of the decode loop's and the update's slots that held a
-trained token.
+longest response, in steps of 16 slots) and ``rollout.pack`` (their model passes on packed
+rows), and with carry-over (:data:`LONGTAIL_ARMS`), reporting step time, useful (trained
+response) tokens per second and the share of the decode loop's and the update's slots that
+held a trained token (of a packed arm's rows, the share of real tokens).
 
 The multi-turn workload (``calc_turns``) is ``tiny_grpo_calc`` after a short SFT: GRPO against
 the calculator tool (:func:`worker_turns`), reporting turns and useful tokens per second of the
