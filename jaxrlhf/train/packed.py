@@ -86,9 +86,24 @@ def layout(mask_BT, order, packer: Packer) -> dict:
   return {"src_RL": src, "segment_ids_RL": seg, "slot_BT": slot}
 
 
+def to_host(x) -> np.ndarray:
+  """A device array's value on this host, whole: gathered from every process when its shards
+  live on several (a multi-process mesh's batch-sharded rollout)."""
+  if x.is_fully_addressable or x.is_fully_replicated:
+    return np.asarray(jax.device_get(x))
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _put(x: np.ndarray, sharding):
+  """Host ``x`` (the same on every process) as a global array of ``sharding``."""
+  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
 def plan(stage, mask_BT, rng) -> tuple[Packing, dict]:
-  """The step's :class:`Packing` for a rollout with real tokens ``mask_BT`` (host numpy) and
-  the state's key before the update (``rng``), placed on the stage's mesh; and its metrics."""
+  """The step's :class:`Packing` for a rollout with real tokens ``mask_BT`` (host numpy, the
+  whole batch) and the state's key before the update (``rng``), placed on the stage's mesh;
+  and its metrics.  Every process computes the same layout from the same mask and key."""
   scfg, mesh = stage.scfg, stage.mesh
   b, t = mask_BT.shape
   n_mb, epochs, ga = scfg.num_minibatches, scfg.ppo_epochs, scfg.optim.grad_accum
@@ -102,18 +117,17 @@ def plan(stage, mask_BT, rng) -> tuple[Packing, dict]:
 
   full = layout(mask_BT, np.arange(b), packer(1))
   _, key = jax.random.split(rng)
-  perms = np.asarray(jax.device_get(minibatch_perms(key, b, n_mb, epochs)), np.int32)
+  perms = to_host(minibatch_perms(key, b, n_mb, epochs)).astype(np.int32)
   per_epoch = [layout(mask_BT, perms[e], packer(n_mb * ga)) for e in range(epochs)]
   rows_mb = max(x["src_RL"].shape[0] for x in per_epoch)
   per_epoch = [_pad_rows(x, rows_mb, n_mb * ga) for x in per_epoch]
   update = {k: np.stack([x[k] for x in per_epoch]).reshape(
       (epochs * n_mb, -1) + per_epoch[0][k].shape[1:]) for k in per_epoch[0]}
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  put = lambda x, sh: jax.device_put(x, sh)
-  rows = PackedRows(**{k: put(v, batch_sharding(mesh, v.ndim, v.shape))
+  rows = PackedRows(**{k: _put(v, batch_sharding(mesh, v.ndim, v.shape))
                        for k, v in full.items()})
-  packing = Packing(rows=rows, update=PackedRows(**{k: put(v, rep) for k, v in update.items()}),
-                    perms=put(perms, rep))
+  packing = Packing(rows=rows, update=PackedRows(**{k: _put(v, rep) for k, v in update.items()}),
+                    perms=_put(perms, rep))
   real = float(mask_BT.sum())
   metrics = {"pack/rows": float(full["src_RL"].shape[0]),
              "pack/update_rows": float(rows_mb),

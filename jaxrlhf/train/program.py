@@ -200,7 +200,7 @@ class PhasedProgram:
           carry = carry.replace(rollout=ro)
           host_metrics["rollout/update_width"] = float(width)
         if self.pack:
-          packing, got = packed.plan(self.stage, jax.device_get(carry.rollout.mask_BT),
+          packing, got = packed.plan(self.stage, packed.to_host(carry.rollout.mask_BT),
                                      carry.state.rng)
           carry = carry.replace(packing=packing)
           host_metrics.update(got)
@@ -208,13 +208,17 @@ class PhasedProgram:
           continue
         with timer.phase(HOST):
           # Only the tokens come to the host: the functions score decoded text.
+          # (Gathered from every process on a multi-process mesh; each scores the whole
+          # batch, and the scores go back as one global array.)
           index = carry.rollout.prompt_index_B
           if index is not None:  # refill: the trained groups' prompts, in completion order
-            host = host.take(jax.device_get(index)[::self.stage.n])
-          scores, got = self.host_fn(jax.device_get(carry.rollout.tokens_BT), host)
+            host = host.take(packed.to_host(index)[::self.stage.n])
+          scores, got = self.host_fn(packed.to_host(carry.rollout.tokens_BT), host)
           if carry.host_score_B is not None:  # an environment's returns are host scores too
-            scores = np.asarray(jax.device_get(carry.host_score_B)) + scores
-          carry = carry.replace(host_score_B=jnp.asarray(scores))
+            scores = packed.to_host(carry.host_score_B) + scores
+          scores = np.asarray(scores, np.float32)
+          carry = carry.replace(host_score_B=jax.make_array_from_callback(
+              scores.shape, carry.rollout.lengths_B.sharding, lambda idx: scores[idx]))
         host_metrics.update(got)
         continue
       carry = timer.run(name, self.jitted[label], frozen, batch, carry)
