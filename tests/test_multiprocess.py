@@ -52,7 +52,7 @@ def test_two_processes_form_one_mesh_and_match_single_process(tmp_path):
                              np.where(mask[..., None], single, 0), atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["pack", "host"])
+@pytest.mark.parametrize("mode", ["pack", pytest.param("host", marks=pytest.mark.slow)])
 def test_grpo_steps_split_at_the_host_on_two_processes_match_one_process(tmp_path, mode):
   """The RL step cut at the host with the rollout's rows split between two processes: for
   packed forwards (rollout.pack) each host gathers the whole mask and makes the same layout;
