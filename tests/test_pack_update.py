@@ -223,3 +223,31 @@ def test_packed_episode_step_equals_the_rollout_rows(tmp_path):
     if not k.startswith(("time/", "memory/", "perf/", "throughput/")):
       np.testing.assert_allclose(m2[k], m1[k], rtol=5e-5, atol=2e-6, err_msg=k)
   jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=5e-5, atol=2e-6), p1, p2)
+
+
+def test_perf_flops_count_the_shapes_a_packed_or_bucketed_step_ran():
+  """perf/flops_per_step (and so perf/mfu) counts the phases after generation at the width and
+  packed rows a step reported, generation as before; a step without them keeps the full count."""
+  from jaxrlhf.data import DataSource
+  from jaxrlhf.hardware import ACCELERATORS
+  from jaxrlhf.train.spec import build_stage
+  from jaxrlhf.train.work import step_utilisation, step_work
+  base = config("ppo", buckets=4)
+  cfg = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, pack=True))
+  stage = build_stage("ppo", cfg, mesh(), DataSource(cfg.data, cfg.seed))
+  acc = next(iter(ACCELERATORS.values()))
+  work = step_work(stage, acc, tp=1, n_devices=1, n_processes=1)
+  full = work.flops
+  # 8 rollout rows (4 prompts x 2) packed into 4 rows at width 8 of 16; 2 minibatches of 2.
+  step = {"time/step_s": 1.0, "rollout/update_width": 8.0, "pack/rows": 4.0,
+          "pack/update_rows": 2.0}
+  shaped = work.of_step(step).flops
+  assert shaped["generate"] == full["generate"]
+  assert {"reference", "values", "update"} <= full.keys()
+  for phase in full.keys() - {"generate"}:
+    # Half the rows, 13 of 21 slots each (the head over every slot of a packed row).
+    assert 0.2 * full[phase] < shaped[phase] < 0.45 * full[phase], phase
+  got = step_utilisation(work, step)
+  assert got["perf/flops_per_step"] == pytest.approx(sum(shaped.values()))
+  assert step_utilisation(work, {"time/step_s": 1.0})["perf/flops_per_step"] == pytest.approx(
+      sum(full.values()))

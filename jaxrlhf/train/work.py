@@ -10,13 +10,17 @@ against the ceilings of the whole mesh (:func:`mesh_ceiling`).
 
 Counts are for the whole global batch (all devices together).  Generation is counted at its
 full length (``rollout.max_new_tokens``): decoding stops early when every row has ended, so the
-generation figures are upper bounds when responses are short.
+generation figures are upper bounds when responses are short.  The phases after generation are
+counted at the shapes each step ran (``rollout.length_buckets``' width, ``rollout.pack``'s
+rows: :func:`after_generation_shape`), the padding they still hold included.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -29,8 +33,10 @@ def step_flops(stage) -> dict[str, float]:
   return stage.spec.flops(stage)
 
 
-def rl_flops(stage) -> dict[str, float]:
-  """The phases of an RL step (train/phases.py)."""
+def rl_flops(stage, shape: dict | None = None) -> dict[str, float]:
+  """The phases of an RL step (train/phases.py), at the shapes after generation that a step
+  ran (``shape``, from its metrics: :func:`after_generation_shape`) or, by default, the
+  unpacked full width."""
   P, N, n = stage.P, stage.N, stage.n
   # Generation, the reference and the reward see every generated prompt (over-sampled for
   # dynamic sampling); the update the trained batch only.
@@ -44,25 +50,47 @@ def rl_flops(stage) -> dict[str, float]:
   gen = decoder_flops(policy, b, P, head_positions=1)
   gen += (N - 1) * decoder_flops(policy, rows, 1, P + N - 1, head_positions=1)
   out = {"generate": gen}
+  head = N  # positions whose log-probs a pass computes
+  if shape is not None:  # the phases after generation of a bucketed and/or packed step
+    width = shape.get("width", N)
+    T, head = P + width, width
+    if "rows" in shape:  # packed rows: every slot's log-prob is computed
+      rows = trained = shape["rows"]
+      head = T - 1
   if "reference" in frozen:
-    out["reference"] = decoder_flops(stage.model_cfg("reference"), rows, T, head_positions=N)
+    out["reference"] = decoder_flops(stage.model_cfg("reference"), rows, T, head_positions=head)
   reward = 0.0
   for role in ("reward", "guard"):
     if role in frozen:
       reward += decoder_flops(stage.model_cfg(role), rows, T, head="scalar")
   if reward:
     out["reward"] = reward
-  update = decoder_flops(policy, trained, T, head_positions=N, train=True,
+  # The update's rows per epoch (packed: each minibatch's own rows).
+  upd = trained if shape is None or "update_rows" not in shape else shape["update_rows"]
+  update = decoder_flops(policy, upd, T, head_positions=head, train=True,
                          lora=stage.lora.get("policy"))
   if "value" in stage.spec.terms:
     value = stage.model_cfg("value")
     out["values"] = decoder_flops(value, trained, T, head="scalar")
-    update += decoder_flops(value, trained, T, head="scalar", train=True,
+    update += decoder_flops(value, upd, T, head="scalar", train=True,
                             lora=stage.lora.get("value"))
   out["update"] = stage.scfg.ppo_epochs * update
   if stage.scfg.off_policy != "none":  # the trainer's log-probs of the rollout
-    out["update"] += decoder_flops(policy, trained, T, head_positions=N)
+    out["update"] += decoder_flops(policy, trained, T, head_positions=head)
   return out
+
+
+def after_generation_shape(stage, metrics: dict) -> dict | None:
+  """The shapes the phases after generation ran at, from a step's metrics: the length
+  bucket's width (``rollout/update_width``), the packed rows of the batch and of the update
+  per epoch (``pack/rows``, ``pack/update_rows`` x minibatches); None when neither is on."""
+  shape = {}
+  if "rollout/update_width" in metrics:
+    shape["width"] = int(metrics["rollout/update_width"])
+  if "pack/rows" in metrics:
+    shape["rows"] = int(metrics["pack/rows"])
+    shape["update_rows"] = int(metrics["pack/update_rows"]) * stage.scfg.num_minibatches
+  return shape or None
 
 
 def _itemsize(dtype_name: str) -> int:
@@ -107,15 +135,34 @@ class StepWork:
   flops: dict  # phase -> model FLOPs of the global batch
   gen_bytes: float  # memory read by decoding (NaN for stages that do not generate)
   ceiling: object  # hardware.Accelerator for the whole mesh
+  # metrics -> the FLOPs of the step that reported them, for stages whose shapes after
+  # generation vary from step to step (length buckets, packing); None: ``flops`` always.
+  shaped: Optional[Callable[[dict], dict]] = None
 
   @property
   def total_flops(self) -> float:
     return float(sum(self.flops.values()))
 
+  def of_step(self, metrics: dict) -> "StepWork":
+    """This work at the shapes one step reported (itself when they do not vary)."""
+    if self.shaped is None:
+      return self
+    flops = self.shaped(metrics)
+    return self if flops is None else dataclasses.replace(self, flops=flops, shaped=None)
+
 
 def step_work(stage, accelerator, *, tp: int, n_devices: int, n_processes: int) -> StepWork:
+  ro = stage.cfg.rollout
+  shaped = None
+  if stage.spec.flops is rl_flops and (ro.length_buckets or ro.pack):
+    shaped = functools.partial(_shaped_rl_flops, stage)
   return StepWork(flops=step_flops(stage), gen_bytes=generation_bytes(stage, tp, n_devices),
-                  ceiling=mesh_ceiling(accelerator, n_devices, n_processes))
+                  ceiling=mesh_ceiling(accelerator, n_devices, n_processes), shaped=shaped)
+
+
+def _shaped_rl_flops(stage, metrics: dict):
+  shape = after_generation_shape(stage, metrics)
+  return None if shape is None else rl_flops(stage, shape)
 
 
 def step_utilisation(work: StepWork, metrics: dict) -> dict[str, float]:
@@ -126,6 +173,7 @@ def step_utilisation(work: StepWork, metrics: dict) -> dict[str, float]:
   ``perf/<name>/mfu``, and generation gets ``perf/generate/bandwidth_util`` and
   ``perf/generate/bytes_per_s``: decoding is memory-bound, so that is its honest figure.
   """
+  work = work.of_step(metrics)  # a bucketed or packed step: the shapes it ran at
   out = {"perf/flops_per_step": work.total_flops}
   out.update(utilisation(metrics["time/step_s"], work.ceiling, flops=work.total_flops))
   for phase, flops in work.flops.items():
