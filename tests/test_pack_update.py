@@ -251,3 +251,23 @@ def test_perf_flops_count_the_shapes_a_packed_or_bucketed_step_ran():
   assert got["perf/flops_per_step"] == pytest.approx(sum(shaped.values()))
   assert step_utilisation(work, {"time/step_s": 1.0})["perf/flops_per_step"] == pytest.approx(
       sum(full.values()))
+
+
+def test_perf_flops_of_a_packed_sft_step_count_its_rows():
+  """data.pack: perf/flops_per_step counts the packed rows a step reported, not the padded
+  batch."""
+  from jaxrlhf.config import DataConfig, ExperimentConfig, SFTConfig
+  from jaxrlhf.data import DataSource
+  from jaxrlhf.hardware import ACCELERATORS
+  from jaxrlhf.train.spec import build_stage
+  from jaxrlhf.train.work import step_work
+  from test_length_buckets import OPT
+  cfg = ExperimentConfig(model=MODEL, data=DataConfig(task="addition", digits=1,
+                                                      max_prompt_len=5, max_response_len=3,
+                                                      eval_size=8, pack=True),
+                         stages=("sft",), sft=SFTConfig(steps=1, batch_size=8, optim=OPT))
+  stage = build_stage("sft", cfg, mesh(), DataSource(cfg.data, cfg.seed))
+  work = step_work(stage, next(iter(ACCELERATORS.values())), tp=1, n_devices=1, n_processes=1)
+  packed = work.of_step({"pack/rows": 2.0}).flops["update"]
+  assert packed == pytest.approx(work.flops["update"] / 4)  # 2 rows of 8 slots, not 8
+  assert work.of_step({}).flops is work.flops

@@ -133,13 +133,16 @@ def preference_loss(scfg, pc_B, pr_B, rc_B, rr_B, b):
   return loss, metrics
 
 
-def flops(stage) -> dict:
-  T = stage.P + stage.R
-  cfg, b = stage.model_cfg("policy"), stage.scfg.batch_size
-  out = {"update": decoder_flops(cfg, 2 * b, T, head_positions=T - 1, train=True,
+def flops(stage, shape=None) -> dict:
+  """Both sides of every pair, the reference's pass too when it runs in the step (``shape``:
+  a packed step's rows and row length)."""
+  cfg = stage.model_cfg("policy")
+  rows, T = (shape["rows"], shape["T"]) if shape else (2 * stage.scfg.batch_size,
+                                                       stage.P + stage.R)
+  out = {"update": decoder_flops(cfg, rows, T, head_positions=T - 1, train=True,
                                 lora=stage.lora.get("policy"))}
   if stage.scfg.reference == "step" and stage.scfg.needs_reference:
-    out["reference"] = decoder_flops(cfg, 2 * b, T, head_positions=T - 1)
+    out["reference"] = decoder_flops(cfg, rows, T, head_positions=T - 1)
   return out
 
 

@@ -65,9 +65,11 @@ class RMStage(Stage):
     return {"eval/pair_accuracy": float(m["accuracy"])}
 
 
-def flops(stage) -> dict:
-  T = stage.P + stage.R
-  return {"update": decoder_flops(stage.model_cfg("reward"), 2 * stage.scfg.batch_size, T,
+def flops(stage, shape=None) -> dict:
+  """Both sides of every pair (``shape``: a packed step's rows and row length)."""
+  rows, T = (shape["rows"], shape["T"]) if shape else (2 * stage.scfg.batch_size,
+                                                       stage.P + stage.R)
+  return {"update": decoder_flops(stage.model_cfg("reward"), rows, T,
                                   head="scalar", train=True, lora=stage.lora.get("reward"))}
 
 

@@ -96,9 +96,11 @@ def validate(cfg, data) -> None:
           "(or point data.eval_path at a file with them), or set sft.stop_accuracy=0")
 
 
-def flops(stage) -> dict:
-  T = stage.P + stage.R
-  return {"update": decoder_flops(stage.model_cfg("policy"), stage.scfg.batch_size, T,
+def flops(stage, shape=None) -> dict:
+  """The update's FLOPs over the batch's rows (``shape``: a packed step's rows and row
+  length, :func:`jaxrlhf.train.work.packed_shape`)."""
+  rows, T = (shape["rows"], shape["T"]) if shape else (stage.scfg.batch_size, stage.P + stage.R)
+  return {"update": decoder_flops(stage.model_cfg("policy"), rows, T,
                                   head_positions=T - 1, train=True,
                                   lora=stage.lora.get("policy"))}
 

@@ -12,7 +12,8 @@ Counts are for the whole global batch (all devices together).  Generation is cou
 full length (``rollout.max_new_tokens``): decoding stops early when every row has ended, so the
 generation figures are upper bounds when responses are short.  The phases after generation are
 counted at the shapes each step ran (``rollout.length_buckets``' width, ``rollout.pack``'s
-rows: :func:`after_generation_shape`), the padding they still hold included.
+rows: :func:`after_generation_shape`), the padding they still hold included; so are packed
+SFT, reward-model and DPO steps (``data.pack``: :func:`packed_shape`).
 """
 
 from __future__ import annotations
@@ -155,14 +156,23 @@ def step_work(stage, accelerator, *, tp: int, n_devices: int, n_processes: int) 
   ro = stage.cfg.rollout
   shaped = None
   if stage.spec.flops is rl_flops and (ro.length_buckets or ro.pack):
-    shaped = functools.partial(_shaped_rl_flops, stage)
+    shaped = functools.partial(_shaped_flops, stage, after_generation_shape)
+  elif stage.spec.packs and stage.cfg.data.pack:
+    shaped = functools.partial(_shaped_flops, stage, packed_shape)
   return StepWork(flops=step_flops(stage), gen_bytes=generation_bytes(stage, tp, n_devices),
                   ceiling=mesh_ceiling(accelerator, n_devices, n_processes), shaped=shaped)
 
 
-def _shaped_rl_flops(stage, metrics: dict):
-  shape = after_generation_shape(stage, metrics)
-  return None if shape is None else rl_flops(stage, shape)
+def packed_shape(stage, metrics: dict) -> dict | None:
+  """A packed SFT, reward-model or DPO step's rows (``pack/rows``) and row length."""
+  if "pack/rows" not in metrics or stage.packer is None:
+    return None
+  return {"rows": int(metrics["pack/rows"]), "T": stage.packer.row_len}
+
+
+def _shaped_flops(stage, shape_of, metrics: dict):
+  shape = shape_of(stage, metrics)
+  return None if shape is None else stage.spec.flops(stage, shape)
 
 
 def step_utilisation(work: StepWork, metrics: dict) -> dict[str, float]:
