@@ -376,3 +376,13 @@ def test_a_ppo_step_with_an_environment_trains_the_value_on_the_actions(tmp_path
   for role in ("policy", "value"):
     moved = jax.tree.map(lambda a, b: bool(np.any(a != b)), before[role], after[role])
     assert any(jax.tree.leaves(moved)), role
+
+
+def test_episodes_on_several_processes_are_refused_with_the_fix(tmp_path, monkeypatch):
+  """Each process would step every environment (repeated side effects, diverging answers):
+  refused by name instead of a crash reading the rows of another process."""
+  cfg = _cfg(tmp_path, ECHO, "Echo")
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(ConfigError, match=r"env.name=.* with 2 processes: .*run the stage as one "
+                                        r"process"):
+    _stage(cfg, mesh())

@@ -61,6 +61,14 @@ class EpisodeRunner:
 
   def __init__(self, stage, *, greedy: bool = False, role: str = "policy"):
     cfg = stage.cfg
+    if jax.process_count() > 1:
+      # The loop reads every row's tokens on the host and steps the environments there; on
+      # several processes each would step every environment (side effects repeated, and
+      # diverging answers would desynchronise the processes).
+      raise ConfigError(f"env.name={cfg.env.name!r} with {jax.process_count()} processes: "
+                        "multi-turn episodes run their environments on one host; run the "
+                        "stage as one process (any number of local devices), or set "
+                        "env.name=''")
     self.ecfg = ecfg = cfg.env
     self.stage = stage
     self.spec = resolve_env(ecfg.name, "env.name")
