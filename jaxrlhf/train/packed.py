@@ -119,8 +119,8 @@ def plan(stage, mask_BT, rng) -> tuple[Packing, dict]:
   _, key = jax.random.split(rng)
   perms = to_host(minibatch_perms(key, b, n_mb, epochs)).astype(np.int32)
   per_epoch = [layout(mask_BT, perms[e], packer(n_mb * ga)) for e in range(epochs)]
-  rows_mb = max(x["src_RL"].shape[0] for x in per_epoch)
-  per_epoch = [_pad_rows(x, rows_mb, n_mb * ga) for x in per_epoch]
+  rows_epoch = max(x["src_RL"].shape[0] for x in per_epoch)  # every minibatch's together
+  per_epoch = [_pad_rows(x, rows_epoch, n_mb * ga) for x in per_epoch]
   update = {k: np.stack([x[k] for x in per_epoch]).reshape(
       (epochs * n_mb, -1) + per_epoch[0][k].shape[1:]) for k in per_epoch[0]}
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -130,9 +130,10 @@ def plan(stage, mask_BT, rng) -> tuple[Packing, dict]:
                     perms=_put(perms, rep))
   real = float(mask_BT.sum())
   metrics = {"pack/rows": float(full["src_RL"].shape[0]),
-             "pack/update_rows": float(rows_mb),
+             "pack/update_rows": float(rows_epoch // n_mb),  # per minibatch
              "pack/useful_fraction": real / full["src_RL"].size,
-             "pack/update_useful_fraction": real / (epochs * n_mb * rows_mb * t)}
+             # (every epoch packs the same real tokens into its own rows)
+             "pack/update_useful_fraction": real / (rows_epoch * t)}
   return packing, metrics
 
 
