@@ -15,7 +15,7 @@ from jaxrlhf import model as M
 from jaxrlhf.config import ConfigError, validate
 from jaxrlhf.data.packing import Packer
 from jaxrlhf.train import packed as PK
-from test_length_buckets import MODEL, N, _same, config, run_steps
+from test_length_buckets import MODEL, _same, config, run_steps
 
 
 def _layout(mask, order=None, groups=1, row_len=None):

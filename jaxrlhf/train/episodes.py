@@ -23,7 +23,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf import turns
