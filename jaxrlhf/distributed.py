@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import jax
+import numpy as np
 
 from jaxrlhf.config import DistributedConfig
 
@@ -35,3 +36,12 @@ def initialize(cfg: DistributedConfig) -> None:
   if pid >= 0:
     kwargs["process_id"] = pid
   jax.distributed.initialize(**kwargs)
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+  """A device array's whole value on this host: gathered from every process when its shards
+  live on several (a sharded parameter, a rollout whose rows the processes split)."""
+  if x.is_fully_addressable or x.is_fully_replicated:
+    return np.asarray(jax.device_get(x))
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))

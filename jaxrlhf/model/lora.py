@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.config import ConfigError, LoraConfig, ModelConfig
-from jaxrlhf.model.hf.export import _to_host
+from jaxrlhf.distributed import to_host
 from jaxrlhf.model.transformer import param_axes
 
 # Short target name -> (our layer parameter, its number of input dimensions, the Hugging Face
@@ -161,7 +161,7 @@ def export_peft(trainable: dict, cfg: ModelConfig, lora: LoraConfig, out_dir: st
   for t in lora.targets:
     w, n_in, module = TARGETS[t]
     ab = trainable["layers"]["lora"][w]
-    a, b = (_to_host(jnp.asarray(ab[x])).astype(np.float32) for x in ("a", "b"))
+    a, b = (to_host(jnp.asarray(ab[x])).astype(np.float32) for x in ("a", "b"))
     for i in range(cfg.n_layers):
       # ours: a [*in, r], b [r, *out]; PEFT: lora_A [r, in], lora_B [out, r]
       tensors[_peft_name(i, module, "A")] = np.ascontiguousarray(

@@ -117,6 +117,16 @@ def update_role(state: "TrainState", role: str, loss_fn, batch: dict, n_micro: i
   return state, {"loss": loss, "grad_norm": gnorm, **aux, "skips/total": extras["skips/total"]}
 
 
+def minibatch_perms(key, rows: int, num_minibatches: int, epochs: int):
+  """An RL update's row order for each epoch ``[epochs, rows]``, split into minibatches by
+  :func:`jaxrlhf.train.phases.epochs`: shuffled by ``fold_in(key, epoch)``, or the identity
+  for one pass over the whole batch (no shuffle, no gather)."""
+  if num_minibatches == 1 and epochs == 1:
+    return jnp.arange(rows)[None]
+  return jnp.stack([jax.random.permutation(jax.random.fold_in(key, e), rows)
+                    for e in range(epochs)])
+
+
 def count_skip(extras: dict, finite: jax.Array) -> dict:
   """Updates the consecutive / total skipped-step counters in ``extras``."""
   consecutive = jnp.where(finite, 0, extras["skips/consecutive"] + 1)
@@ -131,6 +141,13 @@ def skip_counters() -> dict:
 # -------------------------------------------------------------------------------- placing
 
 
+def put_global(x, sharding) -> jax.Array:
+  """Host ``x`` (the same on every process) as one global array of ``sharding``: each process
+  supplies its own shards."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
 def put_batch(mesh, batch: dict) -> dict:
   """Host numpy batch -> device arrays, batch dimension over the data axes; host-side inputs
   (:class:`~jaxrlhf.train.types.HostInputs`) stay as they are."""
@@ -138,8 +155,7 @@ def put_batch(mesh, batch: dict) -> dict:
     if isinstance(x, HostInputs):
       return x
     x = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, batch_sharding(mesh, x.ndim, x.shape),
-                                        lambda idx: x[idx])
+    return put_global(x, batch_sharding(mesh, x.ndim, x.shape))
   return {k: put(v) for k, v in batch.items()}
 
 

@@ -15,11 +15,14 @@ The layout is computed on the host at the step's split point (train/program.py),
 rollout's mask: one :class:`PackedRows` for the whole batch (reference, reward, values,
 off-policy correction) and one per (epoch, minibatch) of the update, each minibatch's
 micro-batches packed into their own rows.  The update's shuffles are drawn there too, with
-the same key and function the unpacked update uses (:func:`minibatch_perms`).  Row counts are
+the same key and function the unpacked update uses
+(:func:`jaxrlhf.train.common.minibatch_perms`).  Row counts are
 bucketed (``rollout.pack_buckets``): each distinct count is compiled once.
 """
 
 from __future__ import annotations
+
+import functools
 
 import flax.struct
 import jax
@@ -28,7 +31,9 @@ import numpy as np
 
 from jaxrlhf import model as M
 from jaxrlhf.data.packing import Packer
+from jaxrlhf.distributed import to_host
 from jaxrlhf.mesh import batch_sharding
+from jaxrlhf.train.common import minibatch_perms, put_global
 
 
 @flax.struct.dataclass
@@ -49,15 +54,6 @@ class Packing:
   rows: PackedRows  # the whole batch, rows in rollout order
   update: PackedRows  # per (epoch, minibatch), stacked: [E * M, R_mb, L] and [E * M, b_mb, T]
   perms: jax.Array  # int32 [E, B]: the update's minibatch shuffles
-
-
-def minibatch_perms(key, rows: int, num_minibatches: int, epochs: int):
-  """The update's row order for each epoch ``[E, rows]`` (identity for one full-batch
-  pass): what :func:`jaxrlhf.train.phases.epochs` splits into minibatches."""
-  if num_minibatches == 1 and epochs == 1:
-    return jnp.arange(rows)[None]
-  return jnp.stack([jax.random.permutation(jax.random.fold_in(key, e), rows)
-                    for e in range(epochs)])
 
 
 def layout(mask_BT, order, packer: Packer) -> dict:
@@ -86,18 +82,11 @@ def layout(mask_BT, order, packer: Packer) -> dict:
   return {"src_RL": src, "segment_ids_RL": seg, "slot_BT": slot}
 
 
-def to_host(x) -> np.ndarray:
-  """A device array's value on this host, whole: gathered from every process when its shards
-  live on several (a multi-process mesh's batch-sharded rollout)."""
-  if x.is_fully_addressable or x.is_fully_replicated:
-    return np.asarray(jax.device_get(x))
-  from jax.experimental import multihost_utils
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def _put(x: np.ndarray, sharding):
-  """Host ``x`` (the same on every process) as a global array of ``sharding``."""
-  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _update_perms(rng, rows: int, num_minibatches: int, epochs: int):
+  """The shuffles :func:`jaxrlhf.train.phases.epochs` will draw from the state's key ``rng``
+  (the second half of its split), as one program."""
+  return minibatch_perms(jax.random.split(rng)[1], rows, num_minibatches, epochs)
 
 
 def plan(stage, mask_BT, rng) -> tuple[Packing, dict]:
@@ -116,18 +105,17 @@ def plan(stage, mask_BT, rng) -> tuple[Packing, dict]:
                   row_multiple=shards if (b // groups) % shards == 0 else 1)
 
   full = layout(mask_BT, np.arange(b), packer(1))
-  _, key = jax.random.split(rng)
-  perms = to_host(minibatch_perms(key, b, n_mb, epochs)).astype(np.int32)
+  perms = to_host(_update_perms(rng, b, n_mb, epochs)).astype(np.int32)
   per_epoch = [layout(mask_BT, perms[e], packer(n_mb * ga)) for e in range(epochs)]
   rows_epoch = max(x["src_RL"].shape[0] for x in per_epoch)  # every minibatch's together
   per_epoch = [_pad_rows(x, rows_epoch, n_mb * ga) for x in per_epoch]
   update = {k: np.stack([x[k] for x in per_epoch]).reshape(
       (epochs * n_mb, -1) + per_epoch[0][k].shape[1:]) for k in per_epoch[0]}
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  rows = PackedRows(**{k: _put(v, batch_sharding(mesh, v.ndim, v.shape))
+  rows = PackedRows(**{k: put_global(v, batch_sharding(mesh, v.ndim, v.shape))
                        for k, v in full.items()})
-  packing = Packing(rows=rows, update=PackedRows(**{k: _put(v, rep) for k, v in update.items()}),
-                    perms=_put(perms, rep))
+  update = PackedRows(**{k: put_global(v, rep) for k, v in update.items()})
+  packing = Packing(rows=rows, update=update, perms=put_global(perms, rep))
   real = float(mask_BT.sum())
   metrics = {"pack/rows": float(full["src_RL"].shape[0]),
              "pack/update_rows": float(rows_epoch // n_mb),  # per minibatch
@@ -174,6 +162,9 @@ def token_logprobs(stage, params, tokens_BT, mask_BT, packed, *, role: str, star
   if packed is None:
     return M.token_logprobs(params, tokens_BT, mask_BT, cfg=cfg, start=start, kernels=kernels)
   seg = packed.segment_ids_RL
+  # The LM head runs on every slot of the packed rows (prompts and padding too) and only the
+  # scalars travel back: gathering the hidden states to the response positions instead would
+  # move [b, N, D] between the data shards.
   lp, ent = M.token_logprobs(params, _tokens(stage, packed, tokens_BT), seg > 0, cfg=cfg,
                              start=1, kernels=kernels, segment_ids_BL=seg)
   # Slot l's token is predicted at l - 1: a leading column puts each at its own slot.

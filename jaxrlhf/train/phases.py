@@ -25,7 +25,7 @@ from jaxrlhf.rollout import carry_queue, carry_take
 from jaxrlhf.rollout import generate as sample
 from jaxrlhf.rollout import generate_refill as sample_refill
 from jaxrlhf.train import packed as PK
-from jaxrlhf.train.common import accumulate_grads, apply_update, count_skip
+from jaxrlhf.train.common import accumulate_grads, apply_update, count_skip, minibatch_perms
 from jaxrlhf.train.program import HOST, Phase
 from jaxrlhf.train.types import Rollout, Scored, Shaped, StepCarry, UpdateBatch
 
@@ -346,8 +346,7 @@ def epochs(stage, frozen, state, ub: UpdateBatch, kl_coef, *, roles, terms, pack
   rows = ub.tokens_BT.shape[0]
   n_mb = scfg.num_minibatches
   rng, k = jax.random.split(state.rng)
-  # One pass over the whole batch: no shuffle (the identity order).
-  perms = (PK.minibatch_perms(k, rows, n_mb, scfg.ppo_epochs) if packing is None
+  perms = (minibatch_perms(k, rows, n_mb, scfg.ppo_epochs) if packing is None
            else packing.perms)
 
   def minibatches(perm):

@@ -31,9 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf.distributed import to_host
 from jaxrlhf.perf import PhaseTimer
 from jaxrlhf.train import packed
-from jaxrlhf.train.common import shardings_of
+from jaxrlhf.train.common import put_global, shardings_of
 from jaxrlhf.train.types import Rollout, StepCarry
 
 # The split point of a step with host rewards: the phases before it form one program, the
@@ -200,7 +201,7 @@ class PhasedProgram:
           carry = carry.replace(rollout=ro)
           host_metrics["rollout/update_width"] = float(width)
         if self.pack:
-          packing, got = packed.plan(self.stage, packed.to_host(carry.rollout.mask_BT),
+          packing, got = packed.plan(self.stage, to_host(carry.rollout.mask_BT),
                                      carry.state.rng)
           carry = carry.replace(packing=packing)
           host_metrics.update(got)
@@ -212,13 +213,13 @@ class PhasedProgram:
           # batch, and the scores go back as one global array.)
           index = carry.rollout.prompt_index_B
           if index is not None:  # refill: the trained groups' prompts, in completion order
-            host = host.take(packed.to_host(index)[::self.stage.n])
-          scores, got = self.host_fn(packed.to_host(carry.rollout.tokens_BT), host)
+            host = host.take(to_host(index)[::self.stage.n])
+          scores, got = self.host_fn(to_host(carry.rollout.tokens_BT), host)
           if carry.host_score_B is not None:  # an environment's returns are host scores too
-            scores = packed.to_host(carry.host_score_B) + scores
+            scores = to_host(carry.host_score_B) + scores
           scores = np.asarray(scores, np.float32)
-          carry = carry.replace(host_score_B=jax.make_array_from_callback(
-              scores.shape, carry.rollout.lengths_B.sharding, lambda idx: scores[idx]))
+          carry = carry.replace(host_score_B=put_global(scores,
+                                                        carry.rollout.lengths_B.sharding))
         host_metrics.update(got)
         continue
       carry = timer.run(name, self.jitted[label], frozen, batch, carry)

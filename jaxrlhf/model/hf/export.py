@@ -15,17 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.config import ModelConfig
+from jaxrlhf.distributed import to_host
 from jaxrlhf.model.hf.mapping import (GEMMA, HFError, INDEX_FILE, SCORE_BIAS_KEY, SINGLE_FILE,
                                       TOKENIZER_FILES, _Entry, _class_name, _entries, _hf_shape,
                                       _leaf, _sizes)
 from jaxrlhf.model.hf.configs import _check_family, _raw_config
-
-
-def _to_host(x: jax.Array) -> np.ndarray:
-  if x.is_fully_addressable:
-    return np.asarray(jax.device_get(x))
-  from jax.experimental import multihost_utils
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _to_hf(block: np.ndarray, entry: _Entry, hf_sizes) -> np.ndarray:
@@ -48,9 +42,9 @@ def _export_tensors(params, entries, hf_sizes, dtype) -> Iterator[tuple[str, np.
     x = _leaf(params, e.path)
     if e.stacked:
       for i, name in enumerate(e.hf_names):
-        yield name, _to_hf(_to_host(x[i]), e, hf_sizes).astype(dtype)
+        yield name, _to_hf(to_host(x[i]), e, hf_sizes).astype(dtype)
     else:
-      yield e.hf_names[0], _to_hf(_to_host(x), e, hf_sizes).astype(dtype)
+      yield e.hf_names[0], _to_hf(to_host(x), e, hf_sizes).astype(dtype)
 
 
 # Gemma's fixed architecture: what a config needs to be written as Gemma 2 or 3.
@@ -204,7 +198,7 @@ def export_hf(params: dict, cfg: ModelConfig, out_dir: str, tokenizer_path: Opti
   np_dtype = np.dtype(jnp.dtype(dtype_name))
   hf_sizes = _sizes(cfg, hf=True)
   entries = _entries(cfg, head, "model.")
-  score_bias = float(_to_host(params["score"]["b"])) if head == "scalar" else 0.0
+  score_bias = float(to_host(params["score"]["b"])) if head == "scalar" else 0.0
   hf_config = _export_config(cfg, head, source, dtype_name, score_bias)
   writer = jax.process_index() == 0
 
