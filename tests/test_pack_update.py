@@ -18,6 +18,26 @@ from jaxrlhf.train import packed as PK
 from test_length_buckets import MODEL, _same, config, run_steps
 
 
+class _Stage:
+  """What the packed forwards read of a stage: its mesh, kernels and model configs."""
+
+  def __init__(self, cfg=MODEL):
+    from jaxrlhf.config import KernelsConfig
+    self.mesh, self.cfg, self.model = mesh(), type("C", (), {"kernels": KernelsConfig()})(), cfg
+
+  def model_cfg(self, role):
+    return self.model
+
+
+def _ragged(rng, b, p, n):
+  """Tokens ``[b, p + n]`` and their mask: each row a left-padded prompt of 1..p real tokens
+  and a response of 1..n."""
+  mask = np.zeros((b, p + n), bool)
+  for i in range(b):
+    mask[i, p - rng.integers(1, p + 1):p + rng.integers(1, n + 1)] = True
+  return jnp.asarray(np.where(mask, rng.integers(3, MODEL.vocab_size, mask.shape), 0)), mask
+
+
 def _layout(mask, order=None, groups=1, row_len=None):
   mask = np.asarray(mask, bool)
   order = np.arange(mask.shape[0]) if order is None else order
@@ -57,24 +77,10 @@ def test_layout_places_each_real_token_once_and_maps_it_back():
 def test_packed_forwards_equal_the_rollout_rows():
   """Log-probs, entropies, per-token and pooled scores of a packed layout, gathered back,
   equal the unpacked forward's at every real position (start=P and start=1)."""
-  from jaxrlhf.config import KernelsConfig
-
-  class Stage:
-    mesh_ = mesh()
-    cfg = type("C", (), {"kernels": KernelsConfig()})()
-    mesh = mesh_
-
-    def model_cfg(self, role):
-      return MODEL
-
-  stage = Stage()
+  stage = _Stage()
   params = M.init_params(MODEL, jax.random.key(1), head="lm+scalar")
-  rng = np.random.default_rng(2)
-  b, p, n = 6, 5, 10
-  mask = np.zeros((b, p + n), bool)
-  for i in range(b):
-    mask[i, p - rng.integers(1, p + 1):p + rng.integers(1, n + 1)] = True
-  tokens = jnp.asarray(np.where(mask, rng.integers(3, MODEL.vocab_size, mask.shape), 0))
+  b, p = 6, 5
+  tokens, mask = _ragged(np.random.default_rng(2), b, p, 10)
   mask_j = jnp.asarray(mask)
   rows = PK.PackedRows(**{k: jnp.asarray(v) for k, v in _layout(mask).items()})
   assert rows.src_RL.shape[0] < b  # several sequences per row
@@ -94,8 +100,7 @@ def test_packed_forwards_equal_the_rollout_rows():
   np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(want)[mask], rtol=2e-5,
                              atol=2e-5)
   for pool in ("last", "mean"):
-    cfg = dataclasses.replace(MODEL, score_pool=pool)
-    stage.model_cfg = lambda role, cfg=cfg: cfg
+    stage = _Stage(dataclasses.replace(MODEL, score_pool=pool))
     pooled = jax.jit(lambda packed: PK.sequence_scores(stage, params, tokens, mask_j, packed,
                                                        role="reward", start=p))
     want, got = pooled(None), pooled(rows)
@@ -105,23 +110,11 @@ def test_packed_forwards_equal_the_rollout_rows():
 def test_packed_gradients_equal_the_rollout_rows():
   """The gradient of a masked log-prob loss through the packed layout equals the unpacked
   one (the gather back scatters the cotangents to the right slots)."""
-  from jaxrlhf.config import KernelsConfig
-
-  class Stage:
-    mesh = mesh()
-    cfg = type("C", (), {"kernels": KernelsConfig()})()
-
-    def model_cfg(self, role):
-      return MODEL
-
-  stage = Stage()
+  stage = _Stage()
   params = M.init_params(MODEL, jax.random.key(3))
   rng = np.random.default_rng(4)
   b, p, n = 8, 5, 10
-  mask = np.zeros((b, p + n), bool)
-  for i in range(b):
-    mask[i, p - rng.integers(1, p + 1):p + rng.integers(1, n + 1)] = True
-  tokens = jnp.asarray(np.where(mask, rng.integers(3, MODEL.vocab_size, mask.shape), 0))
+  tokens, mask = _ragged(rng, b, p, n)
   weights = jnp.asarray(rng.normal(size=(b, n)).astype(np.float32))
   resp = jnp.asarray(mask[:, p:])
   rows = PK.PackedRows(**{k: jnp.asarray(v) for k, v in _layout(mask).items()})

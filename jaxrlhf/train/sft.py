@@ -98,7 +98,7 @@ def validate(cfg, data) -> None:
 
 def flops(stage, shape=None) -> dict:
   """The update's FLOPs over the batch's rows (``shape``: a packed step's rows and row
-  length, :func:`jaxrlhf.train.work.packed_shape`)."""
+  length, :func:`jaxrlhf.train.work.step_shape`)."""
   rows, T = (shape["rows"], shape["T"]) if shape else (stage.scfg.batch_size, stage.P + stage.R)
   return {"update": decoder_flops(stage.model_cfg("policy"), rows, T,
                                   head_positions=T - 1, train=True,

@@ -12,8 +12,8 @@ Counts are for the whole global batch (all devices together).  Generation is cou
 full length (``rollout.max_new_tokens``): decoding stops early when every row has ended, so the
 generation figures are upper bounds when responses are short.  The phases after generation are
 counted at the shapes each step ran (``rollout.length_buckets``' width, ``rollout.pack``'s
-rows: :func:`after_generation_shape`), the padding they still hold included; so are packed
-SFT, reward-model and DPO steps (``data.pack``: :func:`packed_shape`).
+rows), the padding they still hold included; so are packed SFT, reward-model and DPO steps
+(``data.pack``): :func:`step_shape`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def step_flops(stage) -> dict[str, float]:
 
 def rl_flops(stage, shape: dict | None = None) -> dict[str, float]:
   """The phases of an RL step (train/phases.py), at the shapes after generation that a step
-  ran (``shape``, from its metrics: :func:`after_generation_shape`) or, by default, the
+  ran (``shape``, from its metrics: :func:`step_shape`) or, by default, the
   unpacked full width."""
   P, N, n = stage.P, stage.N, stage.n
   # Generation, the reference and the reward see every generated prompt (over-sampled for
@@ -81,17 +81,28 @@ def rl_flops(stage, shape: dict | None = None) -> dict[str, float]:
   return out
 
 
-def after_generation_shape(stage, metrics: dict) -> dict | None:
-  """The shapes the phases after generation ran at, from a step's metrics: the length
-  bucket's width (``rollout/update_width``), the packed rows of the batch and of the update
-  per epoch (``pack/rows``, ``pack/update_rows`` x minibatches); None when neither is on."""
-  shape = {}
-  if "rollout/update_width" in metrics:
-    shape["width"] = int(metrics["rollout/update_width"])
-  if "pack/rows" in metrics:
-    shape["rows"] = int(metrics["pack/rows"])
-    shape["update_rows"] = int(metrics["pack/update_rows"]) * stage.scfg.num_minibatches
-  return shape or None
+def step_shape(stage, metrics: dict) -> dict | None:
+  """The shapes a step ran at where they vary from step to step, from its metrics; None when
+  they are the stage's fixed ones.  An RL step: the length bucket's width
+  (``rollout/update_width``) and the packed rows of the batch and of one epoch of the update
+  (``pack/rows``, ``pack/update_rows`` x minibatches).  A packed SFT, reward-model or DPO step:
+  its rows (``pack/rows``) of the packer's row length."""
+  if stage.spec.generates:
+    shape = {}
+    if "rollout/update_width" in metrics:
+      shape["width"] = int(metrics["rollout/update_width"])
+    if "pack/rows" in metrics:
+      shape["rows"] = int(metrics["pack/rows"])
+      shape["update_rows"] = int(metrics["pack/update_rows"]) * stage.scfg.num_minibatches
+    return shape or None
+  if stage.spec.packs and "pack/rows" in metrics:
+    return {"rows": int(metrics["pack/rows"]), "T": stage.packer.row_len}
+  return None
+
+
+def _flops_of_step(stage, metrics: dict):
+  shape = step_shape(stage, metrics)
+  return None if shape is None else stage.spec.flops(stage, shape)
 
 
 def _itemsize(dtype_name: str) -> int:
@@ -136,8 +147,8 @@ class StepWork:
   flops: dict  # phase -> model FLOPs of the global batch
   gen_bytes: float  # memory read by decoding (NaN for stages that do not generate)
   ceiling: object  # hardware.Accelerator for the whole mesh
-  # metrics -> the FLOPs of the step that reported them, for stages whose shapes after
-  # generation vary from step to step (length buckets, packing); None: ``flops`` always.
+  # metrics -> the FLOPs of the step that reported them, or None where its shapes are the
+  # fixed ones (:func:`step_shape`); None: ``flops`` always.
   shaped: Optional[Callable[[dict], dict]] = None
 
   @property
@@ -153,26 +164,9 @@ class StepWork:
 
 
 def step_work(stage, accelerator, *, tp: int, n_devices: int, n_processes: int) -> StepWork:
-  ro = stage.cfg.rollout
-  shaped = None
-  if stage.spec.flops is rl_flops and (ro.length_buckets or ro.pack):
-    shaped = functools.partial(_shaped_flops, stage, after_generation_shape)
-  elif stage.spec.packs and stage.cfg.data.pack:
-    shaped = functools.partial(_shaped_flops, stage, packed_shape)
   return StepWork(flops=step_flops(stage), gen_bytes=generation_bytes(stage, tp, n_devices),
-                  ceiling=mesh_ceiling(accelerator, n_devices, n_processes), shaped=shaped)
-
-
-def packed_shape(stage, metrics: dict) -> dict | None:
-  """A packed SFT, reward-model or DPO step's rows (``pack/rows``) and row length."""
-  if "pack/rows" not in metrics or stage.packer is None:
-    return None
-  return {"rows": int(metrics["pack/rows"]), "T": stage.packer.row_len}
-
-
-def _shaped_flops(stage, shape_of, metrics: dict):
-  shape = shape_of(stage, metrics)
-  return None if shape is None else stage.spec.flops(stage, shape)
+                  ceiling=mesh_ceiling(accelerator, n_devices, n_processes),
+                  shaped=functools.partial(_flops_of_step, stage))
 
 
 def step_utilisation(work: StepWork, metrics: dict) -> dict[str, float]:
