@@ -367,6 +367,21 @@ class DataConfig:
   # Column renames applied to every row before use, "SOURCE:TARGET" pairs, e.g.
   # ("question:prompt", "solution:answer"); other columns pass through to host rewards.
   fields: tuple[str, ...] = ()
+  # How each row's text is read, after the renames (docs/training.md, *Data*):
+  # "hh": prompts, responses and chosen/rejected written as Anthropic HH-RLHF transcripts
+  # ("\n\nHuman: ...\n\nAssistant: ...") are read as chat messages, so whole-conversation pairs
+  # share their prompt turns; "": plain text.
+  transcripts: Literal["", "hh"] = ""
+  # Plain-string prompts and responses as chat: the prompt one user message, each response one
+  # assistant message, rendered by data.tokenizer's chat template (an instruct model's format).
+  chat: bool = False
+  # Each plain prompt written into this text at "{prompt}", e.g. "{prompt}\nPut your final
+  # answer within \\boxed{}." (applied before data.chat); empty: the prompt as it is.
+  prompt_template: str = ""
+  # A regular expression searched in each row's answer (or, without one, its response) whose
+  # first group becomes the answer, e.g. GSM8K's "####\s*(\S+)\s*$"; a row it does not match
+  # is an error naming the file and line.  Empty: the answer as written.
+  answer_pattern: str = ""
   # Evaluation data per kind of file; empty: data.eval_path if set, else split off the training
   # file by data.eval_split, else the first data.eval_size training examples (said on the
   # console: they are not held out).

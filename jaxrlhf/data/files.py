@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 from typing import Optional, Sequence
 
 from jaxrlhf.config import ConfigError
@@ -178,6 +180,77 @@ def _last_assistant(msgs: list, where: str, name: str) -> int:
   return idx[-1]
 
 
+_HH_TURN = re.compile(r"\n\n(Human|Assistant): ?")
+
+
+def hh_messages(text: str, where: str, name: str) -> list[dict]:
+  """An Anthropic HH-RLHF transcript (``"\\n\\nHuman: ...\\n\\nAssistant: ..."``) as chat
+  messages, user and assistant turns in order; errors name ``where``."""
+  parts = _HH_TURN.split(text)
+  if parts[0].strip() or len(parts) < 3:
+    raise ConfigError(f"{where}: \"{name}\" is not an HH transcript (data.transcripts=hh): it "
+                      f"must start with \"\\n\\nHuman: \" and alternate \"\\n\\nHuman: \" / "
+                      f"\"\\n\\nAssistant: \" turns (got {text[:60]!r}); set data.transcripts= "
+                      f"for plain text")
+  roles = {"Human": "user", "Assistant": "assistant"}
+  return [{"role": roles[who], "content": body.strip()}
+          for who, body in zip(parts[1::2], parts[2::2])]
+
+
+class SkipRow(Exception):
+  """A row :class:`RowShape` leaves out (counted and reported, never silently)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RowShape:
+  """How each row's text is read before it becomes an :class:`Example` (``DataConfig``'s
+  ``transcripts``, ``chat``, ``prompt_template`` and ``answer_pattern``)."""
+
+  transcripts: str = ""
+  chat: bool = False
+  prompt_template: str = ""
+  answer_pattern: str = ""
+
+  @classmethod
+  def of(cls, cfg) -> "RowShape":
+    return cls(cfg.transcripts, cfg.chat, cfg.prompt_template, cfg.answer_pattern)
+
+  def __call__(self, obj: dict, kind: str, where: str) -> dict:
+    obj = dict(obj)
+    texts = ("prompt",) + _TEXT_FIELDS[kind]
+    if self.transcripts == "hh":
+      for name in texts:
+        if name != "answer" and isinstance(obj.get(name), str) and obj[name].strip():
+          obj[name] = hh_messages(obj[name], where, name)
+      if kind == "pairs" and "prompt" not in obj and all(
+          isinstance(obj.get(n), list) for n in ("chosen", "rejected")):
+        c, r = obj["chosen"], obj["rejected"]
+        n = 0
+        while n < min(len(c), len(r)) and c[n] == r[n]:
+          n += 1
+        if not (n and len(c) == len(r) == n + 1 and c[n]["role"] == r[n]["role"] == "assistant"):
+          # Scraped transcripts hold a few of these (a turn pasted into a reply, sides that
+          # part before the last reply): no pair to learn from, skipped and counted.
+          raise SkipRow("sides that differ before their last assistant reply")
+    if self.answer_pattern:
+      source = "answer" if isinstance(obj.get("answer"), str) else "response"
+      text = obj.get(source)
+      m = re.search(self.answer_pattern, text, re.MULTILINE) if isinstance(text, str) else None
+      if m is None:
+        raise ConfigError(f"{where}: data.answer_pattern={self.answer_pattern!r} finds no answer "
+                          f"in \"{source}\" ({str(text)[-60:]!r}); fix the pattern (its first "
+                          f"group is the answer) or the row")
+      obj["answer"] = (m.group(1) if m.groups() else m.group(0)).strip()
+    if self.prompt_template and isinstance(obj.get("prompt"), str):
+      obj["prompt"] = self.prompt_template.replace("{prompt}", obj["prompt"])
+    if self.chat:
+      for name in texts:
+        if name != "answer" and isinstance(obj.get(name), str):
+          obj[name] = [{"role": "user" if name == "prompt" else "assistant",
+                        "content": obj[name]}]
+    return obj
+
+
 def _to_example(obj: dict, kind: str, where: str, line: int) -> Example:
   """One row (after ``data.fields`` renames) as an :class:`Example`; errors name ``where``."""
   answer = obj.get("answer")  # optional in every kind; null is the same as absent
@@ -242,10 +315,11 @@ def _to_example(obj: dict, kind: str, where: str, line: int) -> Example:
 
 
 def read_examples(path: str, kind: str, field: str = "", fmt: str = "auto",
-                  fields: Sequence[str] = ()) -> list[Example]:
+                  fields: Sequence[str] = (), shape: RowShape = RowShape()) -> list[Example]:
   """Reads a user's file of ``kind`` (prompts, sft, pairs), given as ``data.<field>``, in
-  format ``fmt`` (see :func:`detect_format`), with the ``data.fields`` renames.  Errors name
-  the file and its line (JSONL, blank lines count) or row (tables, from 1); examples carry it."""
+  format ``fmt`` (see :func:`detect_format`), with the ``data.fields`` renames, then read as
+  ``shape`` says.  Errors name the file and its line (JSONL, blank lines count) or row (tables,
+  from 1); examples carry it."""
   field = field or _PATH_FIELD[kind]
   if not path:
     raise ConfigError(f"no {kind} file given; set data.{field}=FILE.jsonl (or a .parquet file, or a "
@@ -257,7 +331,7 @@ def read_examples(path: str, kind: str, field: str = "", fmt: str = "auto",
           "parquet": lambda: _parquet_rows(path, field),
           "hf_disk": lambda: _hf_disk_rows(path, field)}[fmt]()
   renames = _field_map(fields)
-  out = []
+  out, skipped = [], {}
   for line, obj in rows:
     where = f"{path}:{line}"
     if renames:
@@ -274,7 +348,16 @@ def read_examples(path: str, kind: str, field: str = "", fmt: str = "auto",
                           f"one too (e.g. data.fields={src}:{clash[0]},{clash[0]}:original_"
                           f"{clash[0]}) or drop the column")
       obj = {renames.get(k, k): v for k, v in obj.items()}
+    try:
+      obj = shape(obj, kind, where)
+    except SkipRow as e:
+      skipped.setdefault(str(e), []).append(line)
+      continue
     out.append(_to_example(obj, kind, where, line))
+  for why, lines in skipped.items():
+    print(f"{path}: {len(lines)} row(s) with {why} skipped (data.transcripts="
+          f"{shape.transcripts}; rows {', '.join(map(str, lines[:5]))}"
+          f"{', ...' if len(lines) > 5 else ''})")
   if not out:
     raise ConfigError(f"{path}: the file is empty; it needs one JSON object per line like "
                       f"{_example(kind)}" if fmt == "jsonl" else

@@ -11,7 +11,7 @@ from jaxrlhf.config import ConfigError, DataConfig
 from jaxrlhf.data.tokenizers import make_tokenizer
 from jaxrlhf.data.examples import AdditionTask, Example
 from jaxrlhf.data.tasks import CalculatorTask, GuessTask
-from jaxrlhf.data.files import _PATH_FIELD, read_examples
+from jaxrlhf.data.files import _PATH_FIELD, RowShape, read_examples
 from jaxrlhf.data.encoding import Encoder
 
 
@@ -46,7 +46,8 @@ class DataSource:
     with what ``data.overlong`` did reported; the same for training and evaluation files."""
     if (field, kind) not in self._files:
       path = getattr(self.cfg, field)
-      examples = read_examples(path, kind, field, self.cfg.format, self.cfg.fields)
+      examples = read_examples(path, kind, field, self.cfg.format, self.cfg.fields,
+                               RowShape.of(self.cfg))
       before = dict(self.encoder.counts)
       kept = [ex for ex in examples if self.encoder.check(ex, kind, f"{path}:{ex.line}")]
       if not kept:
