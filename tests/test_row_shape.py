@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jaxrlhf.config import ConfigError
+from jaxrlhf.config import ConfigError, DataConfig
 from jaxrlhf.data.files import RowShape, hh_messages, read_examples
 
 
@@ -91,10 +91,49 @@ def test_prompt_template_then_chat(tmp_path):
 
 
 def test_the_settings_reach_the_reader(tmp_path):
-  from jaxrlhf.config import DataConfig
   from jaxrlhf.data import DataSource
   path = write(tmp_path, [{"question": "what is 3+4?", "answer": "so 7\n#### 7"}] * 4)
   cfg = DataConfig(task="jsonl", prompts_path=path, fields=("question:prompt",),
                    answer_pattern=GSM_PATTERN, max_prompt_len=64, max_response_len=8)
   src = DataSource(cfg)
   assert src._file("prompts_path", "prompts")[0].answer == "7"
+
+
+def test_sft_on_files_reports_the_held_out_loss(tmp_path):
+  """``eval/loss`` is the training loss on the evaluation examples: batches of
+  ``sft.batch_size`` with the last one padded by masked rows give the token mean over all of
+  them, the same number one batch of all of them gives."""
+  import dataclasses
+
+  import jax
+  import numpy as np
+
+  from byo_helpers import family_model
+  from helpers import mesh
+  from jaxrlhf.config import ExperimentConfig, SFTConfig
+  from jaxrlhf.data import DataSource
+  from jaxrlhf.model import hf
+  from jaxrlhf.train import spec
+
+  model = family_model(tmp_path / "m", "qwen3")
+  rows = [{"prompt": f"{i}+{i}=", "response": str(2 * i)} for i in range(10, 30)]
+  path = write(tmp_path, rows)
+  data = DataConfig(task="jsonl", tokenizer=model, sft_path=path, eval_path=path, eval_size=5,
+                    max_prompt_len=8, max_response_len=4)
+  cfg = ExperimentConfig(name="t", stages=("sft",), data=data,
+                         model=dataclasses.replace(hf.config_from_hf(model), remat="none"),
+                         sft=SFTConfig(batch_size=2, steps=1))
+  m = mesh()
+  src = DataSource(cfg.data, cfg.seed)
+  stage = spec.build_stage("sft", cfg, m, src)
+  state, frozen = stage.init(jax.random.key(0), {})
+  params = stage.view(state.params, frozen, "policy")
+  got = stage.held_out_loss(params)["eval/loss"]
+  held = src.eval_examples("sft")
+  assert len(held) == 5  # three batches of two, the last padded
+  loss_fn, mb = stage.objective(src.encoder.sequences(held, "response"))
+  with jax.set_mesh(m):
+    want = float(jax.jit(loss_fn)(params, mb)[0])
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  assert "eval/loss" in stage.evaluate(state, frozen)
+
