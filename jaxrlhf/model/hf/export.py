@@ -96,6 +96,24 @@ def _rope_parameters(cfg: ModelConfig, local: bool = False) -> dict:
   return {"rope_type": "default", "rope_theta": cfg.rope_theta, **scaling}
 
 
+def rope_fields(cfg: ModelConfig, model_type: str) -> dict:
+  """The rotary settings of ``cfg`` in both transformers conventions, for a ``config.json``
+  that loads the same in 4.x and 5.x: 4.x reads ``rope_theta`` / ``rope_scaling`` (Gemma 3:
+  and ``rope_local_base_freq``) and ignores ``rope_parameters``; 5.x reads
+  ``rope_parameters``.  Either alone loads as rope theta 10000 in the other version."""
+  rope = _rope_parameters(cfg)
+  scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+  out = {"rope_theta": cfg.rope_theta,
+         "rope_scaling": scaling if cfg.rope_scaling != "none" else None}
+  if model_type == "gemma3_text":
+    out["rope_local_base_freq"] = cfg.rope_local_theta or cfg.rope_theta
+    out["rope_parameters"] = {"full_attention": rope,
+                              "sliding_attention": _rope_parameters(cfg, local=True)}
+  else:
+    out["rope_parameters"] = rope
+  return out
+
+
 def _export_config(cfg: ModelConfig, head: str, source: str, dtype: str, score_bias: float):
   import transformers
 
@@ -239,6 +257,16 @@ def export_hf(params: dict, cfg: ModelConfig, out_dir: str, tokenizer_path: Opti
     with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
       json.dump({"metadata": {"total_size": total}, "weight_map": file_of}, f, indent=2)
   hf_config.save_pretrained(out_dir)
+  # Whichever transformers wrote it, the file carries both rotary conventions and both dtype
+  # keys (4.x: torch_dtype, 5.x: dtype), so it loads the same in 4.x and 5.x.
+  path = os.path.join(out_dir, "config.json")
+  with open(path, encoding="utf-8") as f:
+    written = json.load(f)
+  written.update(rope_fields(cfg, hf_config.model_type), torch_dtype=dtype_name,
+                 dtype=dtype_name)
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(written, f, indent=2, sort_keys=True)
+    f.write("\n")
   _copy_tokenizer(tokenizer_path, source, out_dir)
   return out_dir
 
