@@ -24,10 +24,12 @@ MODEL = "smollm2-135m-instruct"
 
 
 def _model_dir() -> str:
+  """The prepared model's folder (jaxrlhf.model.hf.prepare, whose marker file it looks for
+  without importing jax), or "" where it has not been prepared."""
   root = os.environ.get("JAXRLHF_MODELS") or os.path.join(
       os.path.expanduser("~"), ".cache", "jaxrlhf", "models")
   path = os.path.join(root, MODEL)
-  return path if os.path.isfile(os.path.join(path, "config.json")) else ""
+  return path if os.path.isfile(os.path.join(path, "jaxrlhf_prepared.json")) else ""
 
 
 def _shared(*parts) -> str:

