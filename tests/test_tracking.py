@@ -205,8 +205,8 @@ def test_a_tracker_failing_mid_run_costs_no_step_and_no_checkpoint(tmp_path, cap
                    "the tracking server went away); it is off for the rest of this run") == 1
   assert C.stage_result_exists(wd, "sft")
   assert sorted(os.listdir(C.checkpoint_dir(wd, "sft"))) == ["1", "2", "3"]
-  # Every step in metrics.jsonl (the last twice: its record, then the final evaluation's).
-  assert [r["step"] for r in read_jsonl(os.path.join(wd, "metrics.jsonl"))] == [1, 2, 3, 3]
+  # Every step in metrics.jsonl (and no evaluation record: sft.eval_every=0 evaluates nothing).
+  assert [r["step"] for r in read_jsonl(os.path.join(wd, "metrics.jsonl"))] == [1, 2, 3]
 
 
 def test_sink_errors_stop_ends_the_run_keeping_the_checkpoints(tmp_path, failing_tensorboard):
