@@ -101,7 +101,15 @@ def test_mlflow_run_holds_params_metrics_and_artifacts_and_resume_continues_it(r
   assert [m.step for m in client.get_metric_history(run.info.run_id, "grpo/eval/accuracy")] \
       == [STEPS]
   artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-  assert artifacts == {"summary.json", "report"}
+  assert artifacts == {"summary.json", "report", "samples"}
+  # The evaluations' samples: before each stage trained (step 0) and at its last step.
+  samples = {os.path.basename(a.path)
+             for a in client.list_artifacts(run.info.run_id, "samples/grpo")}
+  assert samples == {"eval_step0000000.jsonl", f"eval_step{STEPS:07d}.jsonl"}
+  path = client.download_artifacts(run.info.run_id, f"samples/grpo/eval_step{STEPS:07d}.jsonl",
+                                   wd + "/dl")
+  rows = [json.loads(line) for line in open(path)]
+  assert len(rows) == 8 and all(r["prompt"].endswith("=") and r["answer"] for r in rows)
   report = {os.path.basename(a.path) for a in client.list_artifacts(run.info.run_id, "report")}
   assert {"grpo_reward.png", "grpo_kl.png", "sft_loss.png", "summary.txt"} <= report
   summary = client.download_artifacts(run.info.run_id, "summary.json", wd + "/dl")
@@ -143,6 +151,12 @@ def test_wandb_offline_runs_hold_config_metrics_and_summary_under_one_id(runs):
     if r["type"] == "summary":
       summary.update(r["summary"].get("update", {}))
   assert "summary/grpo/eval/accuracy" in summary and "summary/sft/time_s" in summary
+  # The evaluations' samples as tables, logged against the stage's step.
+  assert any("grpo/samples/eval" in i and i["grpo/step"] == STEPS for i in history)
+  tables = glob.glob(os.path.join(dirs[0], "files", "media", "table", "**", "*.table.json"),
+                     recursive=True)
+  assert tables and all(json.load(open(t))["columns"][:3] == ["kind", "prompt", "response"]
+                        for t in tables)
 
 
 def test_tensorboard_has_a_run_per_stage_and_each_step_once_after_the_resume(runs):
@@ -151,6 +165,9 @@ def test_tensorboard_has_a_run_per_stage_and_each_step_once_after_the_resume(run
   assert set(scalars) == {"sft", "grpo"}
   assert [s for s, _, _ in scalars["grpo"]["reward/mean"]] == list(range(1, STEPS + 1))
   assert "eval/accuracy" in scalars["grpo"] and "loss" in scalars["sft"]
+  from test_samples import _tb_texts
+  texts = _tb_texts(os.path.join(wd, "tensorboard"))
+  assert [s for s, _ in texts["grpo"]["samples/eval/text_summary"]] == [0, STEPS]
 
 
 def test_no_credential_reaches_any_tracker(runs):
