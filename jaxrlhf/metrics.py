@@ -10,6 +10,10 @@ the sinks:
   **metrics}``, appended, so a resumed run continues the same file.  JSON has no NaN or
   infinity, so non-finite values are written as the strings ``"nan"``, ``"inf"`` and
   ``"-inf"``; :func:`read_jsonl` turns them back into floats;
+* ``samples.jsonl``, always: what the model generates (``write_samples``: prompt, response,
+  reward, answer rows at each evaluation and from the RL rollout), one JSON object per row,
+  appended like metrics.jsonl; the console shows a few of each batch, shortened, and each
+  tracker keeps them its own way (TensorBoard text, a W&B table, an MLflow artifact);
 * the trackers named in ``logging.sinks``.  One that raises is reported once and left out for
   the rest of the run (``logging.sink_errors=disable``), or ends the run (``stop``):
   metrics.jsonl and the checkpoints never depend on a tracker.
@@ -142,6 +146,78 @@ def read_jsonl(path: str) -> list[dict]:
   return records
 
 
+# ------------------------------------------------------------------------------ samples
+
+# The columns a sample row may have, in the order they are shown; a row's other keys follow.
+SAMPLE_COLUMNS = ("kind", "prompt", "response", "reward", "answer")
+
+
+def sample_rows(rows: Sequence[Mapping]) -> list[dict]:
+  """Rows of samples as the sinks take them: each value a string, a float or None (numbers
+  fetched from device arrays), keys in :data:`SAMPLE_COLUMNS` order first."""
+  out = []
+  for row in rows:
+    clean = {}
+    for key in [k for k in SAMPLE_COLUMNS if k in row] + [k for k in row
+                                                         if k not in SAMPLE_COLUMNS]:
+      if key in RECORD_KEYS:
+        raise ValueError(f"sample field {key!r} is reserved for the record itself; rename it")
+      v = row[key]
+      if v is None or isinstance(v, str):
+        clean[key] = v
+      elif isinstance(v, bool):
+        clean[key] = float(v)
+      else:
+        try:
+          clean[key] = to_float(key, v)
+        except ValueError:
+          clean[key] = str(v)
+    out.append(clean)
+  return out
+
+
+def sample_columns(rows: Sequence[Mapping]) -> list[str]:
+  """Every key of ``rows``, in first-seen order."""
+  return list(dict.fromkeys(k for row in rows for k in row))
+
+
+def sample_text(value, width: int = 0) -> str:
+  """A sample value on one line: floats as ``%.4g``, newlines as ``\\n``, and at most
+  ``width`` characters (0: all) with "..." where it was cut."""
+  if value is None:
+    return ""
+  text = f"{value:.4g}" if isinstance(value, float) else str(value)
+  text = text.replace("\r", "").replace("\n", "\\n")
+  if width and len(text) > width:
+    text = text[:max(width - 3, 1)] + "..."
+  return text
+
+
+class JsonlSamplesSink:
+  """Appends each sample row to ``path`` as ``{"stage", "step", "wall_time", **row}``."""
+
+  def __init__(self, path: str):
+    self.path = path
+    _drop_cut_last_line(path)
+    self._f = open(path, "a", encoding="utf-8")
+
+  def write_samples(self, stage: str, step: int, rows: Sequence[Mapping], wall_time: float):
+    for row in rows:
+      record = {"stage": stage, "step": int(step), "wall_time": wall_time}
+      record.update((k, encode_value(v) if isinstance(v, float) else v) for k, v in row.items())
+      self._f.write(json.dumps(record, allow_nan=False, ensure_ascii=False) + "\n")
+    self._f.flush()
+
+  def close(self):
+    self._f.close()
+
+
+def read_samples(path: str) -> list[dict]:
+  """The rows of a samples.jsonl file (as :func:`read_jsonl` reads metrics: non-finite rewards
+  back as floats, a torn last line skipped)."""
+  return read_jsonl(path)
+
+
 # ------------------------------------------------------------------------------ console
 
 
@@ -174,6 +250,8 @@ class ConsoleSink:
   """
 
   BAR_WIDTH = 20
+  SAMPLES_SHOWN = 3  # sample rows printed per batch of samples
+  SAMPLE_WIDTH = 120  # characters of a response shown (a prompt: half)
 
   def __init__(self, total_steps: Mapping[str, int], keys=(), every_s: float = 10.0,
                stream: Optional[IO[str]] = None, tty: Optional[bool] = None,
@@ -244,6 +322,29 @@ class ConsoleSink:
       self.total_steps[stage] = p.step
       self._emit(stage)
 
+  def write_samples(self, stage: str, step: int, rows: Sequence[Mapping], path: str = ""):
+    """The first :attr:`SAMPLES_SHOWN` rows, one shortened line each: reward, prompt ->
+    response, and the answer when there is one."""
+    if not rows:
+      return
+    kind = rows[0].get("kind", "")
+    shown = rows[:self.SAMPLES_SHOWN]
+    lines = [f"{stage} step {step}: {kind + ' ' if kind else ''}samples ({len(shown)} of "
+             f"{len(rows)}" + (f"; all in {path})" if path else ")")]
+    for row in shown:
+      reward = row.get("reward")
+      head = f"  [{sample_text(reward)}] " if isinstance(reward, float) else "  "
+      if "response" in row:
+        body = (f"{sample_text(row.get('prompt'), self.SAMPLE_WIDTH // 2)} -> "
+                f"{sample_text(row['response'], self.SAMPLE_WIDTH)}")
+      else:  # e.g. a preference pair: its fields as they come
+        body = "  ".join(f"{k}: {sample_text(v, self.SAMPLE_WIDTH // 3)}"
+                         for k, v in row.items() if k not in ("kind", "reward"))
+      if row.get("answer"):
+        body += f"  (answer: {sample_text(row['answer'], self.SAMPLE_WIDTH // 3)})"
+      lines.append(head + body)
+    self.message("\n".join(lines))
+
   def message(self, text: str):
     """Prints a line of text without breaking the progress line."""
     if self.tty and self._open_line is not None:
@@ -274,7 +375,8 @@ class SinkError(RuntimeError):
 def run_files(workdir: str) -> list[str]:
   """What the writer keeps in ``workdir`` for one run: ``--resume=none`` moves these aside,
   so the new run's files and tracker runs hold only its own records."""
-  return [os.path.join(workdir, name) for name in ("metrics.jsonl", *tracking.RUN_FILES)]
+  return [os.path.join(workdir, name) for name in ("metrics.jsonl", "samples.jsonl",
+                                                    *tracking.RUN_FILES)]
 
 
 class MetricsWriter:
@@ -299,9 +401,10 @@ class MetricsWriter:
     self.primary = primary
     self.workdir = workdir
     self.jsonl_path = os.path.join(workdir, "metrics.jsonl")
+    self.samples_path = os.path.join(workdir, "samples.jsonl")
     self.tensorboard_dir = os.path.join(workdir, "tensorboard")
     self.sink_errors = cfg.sink_errors
-    self._jsonl = self._console = None
+    self._jsonl = self._console = self._samples = None
     self._sinks: list[tuple[str, object]] = []  # (name, tracker), in logging.sinks order
     if not primary:
       return
@@ -310,6 +413,7 @@ class MetricsWriter:
       raise ConfigError("; ".join(problems))
     os.makedirs(workdir, exist_ok=True)
     self._jsonl = JsonlSink(self.jsonl_path)
+    self._samples = JsonlSamplesSink(self.samples_path)
     if cfg.console:
       self._console = ConsoleSink(total_steps_by_stage or {}, cfg.console_keys,
                                   cfg.console_every_s, stream=stream, tty=tty)
@@ -367,6 +471,20 @@ class MetricsWriter:
     if self._console is not None:
       self._console.write(stage, step, values)
 
+  def write_samples(self, stage: str, step: int, rows: Sequence[Mapping]):
+    """Records rows of samples (``prompt``, ``response``, ``reward``, ``answer``, ``kind``
+    ("eval", "rollout", ...) and any other fields) of ``stage`` at ``step``: samples.jsonl, a
+    few on the console, and each tracker."""
+    if not self.primary or not rows:
+      return
+    rows = sample_rows(rows)
+    wall_time = time.time()
+    self._samples.write_samples(stage, step, rows, wall_time)
+    self._each(f"writing {stage} samples at step {step}",
+               lambda sink: sink.write_samples(stage, step, rows, wall_time))
+    if self._console is not None:
+      self._console.write_samples(stage, step, rows, self.samples_path)
+
   def finish(self, summary: Mapping, artifacts: Callable[[], Sequence[str]] = lambda: ()):
     """The run completed: the trackers record its summary, and MLflow the files
     ``artifacts()`` makes (the report's PNGs and summary.txt; the caller, above this module,
@@ -400,7 +518,9 @@ class MetricsWriter:
         print(f"warning: the {name} sink failed closing ({type(e).__name__}: {e})", flush=True)
     if self._jsonl is not None:
       self._jsonl.close()
-    self._jsonl = self._console = None
+    if self._samples is not None:
+      self._samples.close()
+    self._jsonl = self._console = self._samples = None
     self._sinks = []
     self.primary = False  # writes after close are no-ops rather than errors on closed files
 

@@ -2,7 +2,9 @@
 Weights & Biases and MLflow.
 
 Each sink has the interface of :class:`jaxrlhf.metrics.JsonlSink`: ``write(stage, step,
-metrics, wall_time)``, then ``finish(summary)`` when the run completed, and ``close()``.
+metrics, wall_time)``, ``write_samples(stage, step, rows, wall_time)`` (rows of generated
+samples: TensorBoard text, a W&B table, an MLflow JSONL artifact), then ``finish(summary)``
+when the run completed, and ``close()``.
 TensorBoard keeps one run (folder) per stage; W&B and MLflow keep one run per workdir (a pool
 process has its own workdir, so its own run) with each key prefixed by its stage
 (``grpo/reward/mean``).
@@ -119,6 +121,35 @@ def new_run_id() -> str:
   return secrets.token_hex(4)
 
 
+# -------------------------------------------------------------------------------- samples
+
+
+def samples_tag(rows) -> str:
+  """``samples/KIND`` (``samples/eval``, ``samples/rollout``): where a batch of samples goes."""
+  kind = next((r.get("kind") for r in rows if r.get("kind")), "") or "samples"
+  return f"samples/{kind}"
+
+
+def columns_of(rows) -> list[str]:
+  return list(dict.fromkeys(k for row in rows for k in row))
+
+
+def markdown_table(rows) -> str:
+  """Rows of samples as a Markdown table (TensorBoard's text tab renders it): one line per
+  row, newlines shown as ``\\n`` and ``|`` escaped."""
+  cols = columns_of(rows)
+
+  def cell(v):
+    if v is None:
+      return ""
+    text = f"{v:.4g}" if isinstance(v, float) else str(v)
+    return text.replace("\r", "").replace("\n", "\\n").replace("|", "\\|")
+
+  lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  lines += ["| " + " | ".join(cell(row.get(c)) for c in cols) + " |" for row in rows]
+  return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------- TensorBoard
 
 
@@ -132,6 +163,16 @@ class TensorBoardSink:
     self._writers: dict[str, tensorboardX.SummaryWriter] = {}
 
   def write(self, stage: str, step: int, metrics: Mapping[str, float], wall_time: float):
+    writer = self._writer(stage, step)
+    for key, value in metrics.items():
+      writer.add_scalar(key, value, step, walltime=wall_time)
+
+  def write_samples(self, stage: str, step: int, rows, wall_time: float):
+    """The rows as a Markdown table under the text tag ``samples/KIND``."""
+    self._writer(stage, step).add_text(samples_tag(rows), markdown_table(rows), step,
+                                       walltime=wall_time)
+
+  def _writer(self, stage: str, step: int):
     writer = self._writers.get(stage)
     if writer is None:
       logdir = os.path.join(self.root, stage)
@@ -145,8 +186,7 @@ class TensorBoardSink:
                                           flush_secs=TENSORBOARD_FLUSH_S,
                                           filename_suffix=f".{os.getpid()}.{self._files}")
       self._writers[stage] = writer
-    for key, value in metrics.items():
-      writer.add_scalar(key, value, step, walltime=wall_time)
+    return writer
 
   def finish(self, summary: Mapping, artifacts=lambda: ()):
     pass
@@ -192,11 +232,22 @@ class WandbSink:
     self._stages: set[str] = set()
     self._finished = False
 
-  def write(self, stage: str, step: int, metrics: Mapping[str, float], wall_time: float):
+  def _define(self, stage: str):
     if stage not in self._stages:
       self.run.define_metric(f"{stage}/step")
       self.run.define_metric(f"{stage}/*", step_metric=f"{stage}/step")
       self._stages.add(stage)
+
+  def write_samples(self, stage: str, step: int, rows, wall_time: float):
+    """The rows as a W&B table, ``STAGE/samples/KIND``, at the stage's step."""
+    import wandb
+    self._define(stage)
+    cols = columns_of(rows)
+    table = wandb.Table(columns=cols, data=[[row.get(c) for c in cols] for row in rows])
+    self.run.log({f"{stage}/step": step, f"{stage}/{samples_tag(rows)}": table})
+
+  def write(self, stage: str, step: int, metrics: Mapping[str, float], wall_time: float):
+    self._define(stage)
     unsent = self.state.unsent(stage, step, metrics)
     if not unsent:
       return
@@ -285,6 +336,13 @@ class MlflowSink:
       self.client.log_batch(self.run_id, metrics=batch[i:i + MLFLOW_MAX_METRICS])
     if unsent:
       self.state.sent(stage, step, unsent)
+
+  def write_samples(self, stage: str, step: int, rows, wall_time: float):
+    """The rows as one JSONL artifact per batch: ``samples/STAGE/KIND_stepSTEP.jsonl``."""
+    kind = samples_tag(rows).split("/", 1)[1]
+    text = "".join(json.dumps({"step": int(step), **row}, ensure_ascii=False) + "\n"
+                   for row in rows)
+    self.client.log_text(self.run_id, text, f"samples/{stage}/{kind}_step{int(step):07d}.jsonl")
 
   def finish(self, summary: Mapping, artifacts=lambda: ()):
     """``artifacts()``: the report's files (made only when a sink asks for them)."""

@@ -101,7 +101,15 @@ def test_mlflow_run_holds_params_metrics_and_artifacts_and_resume_continues_it(r
   assert [m.step for m in client.get_metric_history(run.info.run_id, "grpo/eval/accuracy")] \
       == [STEPS]
   artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-  assert artifacts == {"summary.json", "report"}
+  assert artifacts == {"summary.json", "report", "samples"}
+  # The evaluations' samples: before each stage trained (step 0) and at its last step.
+  samples = {os.path.basename(a.path)
+             for a in client.list_artifacts(run.info.run_id, "samples/grpo")}
+  assert samples == {"eval_step0000000.jsonl", f"eval_step{STEPS:07d}.jsonl"}
+  path = client.download_artifacts(run.info.run_id, f"samples/grpo/eval_step{STEPS:07d}.jsonl",
+                                   wd + "/dl")
+  rows = [json.loads(line) for line in open(path)]
+  assert len(rows) == 8 and all(r["prompt"].endswith("=") and r["answer"] for r in rows)
   report = {os.path.basename(a.path) for a in client.list_artifacts(run.info.run_id, "report")}
   assert {"grpo_reward.png", "grpo_kl.png", "sft_loss.png", "summary.txt"} <= report
   summary = client.download_artifacts(run.info.run_id, "summary.json", wd + "/dl")
@@ -143,6 +151,13 @@ def test_wandb_offline_runs_hold_config_metrics_and_summary_under_one_id(runs):
     if r["type"] == "summary":
       summary.update(r["summary"].get("update", {}))
   assert "summary/grpo/eval/accuracy" in summary and "summary/sft/time_s" in summary
+  # The evaluations' samples as tables, logged against the stage's step.
+  assert any(i.get("grpo/samples/eval._type") == "table-file" and i["grpo/step"] == STEPS
+             for i in history)
+  tables = glob.glob(os.path.join(dirs[0], "files", "media", "table", "**", "*.table.json"),
+                     recursive=True)
+  assert tables and all(json.load(open(t))["columns"][:3] == ["kind", "prompt", "response"]
+                        for t in tables)
 
 
 def test_tensorboard_has_a_run_per_stage_and_each_step_once_after_the_resume(runs):
@@ -151,6 +166,12 @@ def test_tensorboard_has_a_run_per_stage_and_each_step_once_after_the_resume(run
   assert set(scalars) == {"sft", "grpo"}
   assert [s for s, _, _ in scalars["grpo"]["reward/mean"]] == list(range(1, STEPS + 1))
   assert "eval/accuracy" in scalars["grpo"] and "loss" in scalars["sft"]
+  from test_samples import _tb_texts
+  texts = _tb_texts(os.path.join(wd, "tensorboard"))
+  # The evaluations' samples: before GRPO trained and at its last step (TensorBoard's purge of
+  # a resumed stage's later points covers scalars: the text of step 3, written by both runs,
+  # shows twice).
+  assert sorted({s for s, _ in texts["grpo"]["samples/eval/text_summary"]}) == [0, STEPS]
 
 
 def test_no_credential_reaches_any_tracker(runs):
@@ -205,8 +226,8 @@ def test_a_tracker_failing_mid_run_costs_no_step_and_no_checkpoint(tmp_path, cap
                    "the tracking server went away); it is off for the rest of this run") == 1
   assert C.stage_result_exists(wd, "sft")
   assert sorted(os.listdir(C.checkpoint_dir(wd, "sft"))) == ["1", "2", "3"]
-  # Every step in metrics.jsonl (the last twice: its record, then the final evaluation's).
-  assert [r["step"] for r in read_jsonl(os.path.join(wd, "metrics.jsonl"))] == [1, 2, 3, 3]
+  # Every step in metrics.jsonl (and no evaluation record: sft.eval_every=0 evaluates nothing).
+  assert [r["step"] for r in read_jsonl(os.path.join(wd, "metrics.jsonl"))] == [1, 2, 3]
 
 
 def test_sink_errors_stop_ends_the_run_keeping_the_checkpoints(tmp_path, failing_tensorboard):

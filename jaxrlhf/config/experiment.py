@@ -98,7 +98,9 @@ def validate(cfg: "ExperimentConfig", required: bool = True) -> "ExperimentConfi
                       f"{m.n_kv_heads}: each key/value head serves a whole group of query heads; "
                       f"pick n_kv_heads dividing n_heads")
     problems += m.architecture_problems(role)
-  c.at_least(cfg.data, "data", ("max_prompt_len", "max_response_len", "eval_size"), 1)
+  c.at_least(cfg.data, "data", ("max_prompt_len", "max_response_len", "eval_size",
+                                "eval_batch_size"), 1)
+  c.at_least(cfg.logging, "logging", ("samples", "samples_every"), 0)
   _validate_data(cfg, problems)
   if cfg.env.name:
     c.at_least(cfg.env, "env", ("max_turns", "max_turn_tokens"), 1)

@@ -345,6 +345,10 @@ class DataConfig:
   reverse_answer: bool = False
   seed: int = 0
   eval_size: int = 256
+  # Evaluation generates for this many prompts at a time (the last batch padded to it; a set
+  # that fits in one batch runs as one batch of its own size), printing progress when there are
+  # several batches.
+  eval_batch_size: int = 256
   # "char" or "char_tools" (built-ins for synthetic tasks; char_tools adds "<>/") or a local
   # transformers tokenizer directory.
   tokenizer: str = "char"
@@ -436,6 +440,12 @@ class LoggingConfig:
   # A sink other than jsonl that raises mid-run: "disable" reports it once and trains on
   # without it; "stop" ends the run (the checkpoints written so far are kept).
   sink_errors: Literal["disable", "stop"] = "disable"
+  # Samples (prompt, response, reward, answer) recorded at each evaluation, and from the RL
+  # rollout every ``samples_every`` steps (0: at evaluations only): this many rows each time to
+  # WORKDIR/samples.jsonl, the console (the first few, shortened) and the trackers of
+  # ``sinks`` (docs/observability.md); 0: no samples.
+  samples: int = 8
+  samples_every: int = 0
   # Run the step as separately-timed phases (generation, scoring, update) to see where the
   # time goes; the default one-program step reports total time only.
   phase_timing: bool = False

@@ -70,6 +70,14 @@ class StageConfig:
   batch_size: int = 32
   optim: OptimizerConfig = OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant")
   eval_every: int = 20
+  # What scores an evaluation's responses (docs/training.md): "auto" (the stage's correctness
+  # reward when it has one, host:math_verify or an exact match among its reward sources, else
+  # exact match), "exact_match", "reward" (an RL stage's own weighted reward sources),
+  # "rule:NAME" or "host:..." (any rule or host reward source).
+  eval_reward: str = "auto"
+  # > 0: also sample this many responses per evaluation prompt (rollout.temperature) and report
+  # their mean reward, pass@k and maj@k beside the greedy accuracy; 0: greedy only.
+  eval_samples_k: int = 0
   # Low-rank adapters for the roles this stage trains (rank 0: full fine-tuning).
   lora: LoraConfig = LoraConfig()
 
@@ -77,7 +85,9 @@ class StageConfig:
     """Adds the problems of this stage's settings to ``c``; ``cfg`` is the whole
     ExperimentConfig (for the sections a stage's settings depend on, e.g. the rollout)."""
     c.at_least(self, name, ("steps", "batch_size"), 1)
-    c.at_least(self, name, ("eval_every",), 0)
+    c.at_least(self, name, ("eval_every", "eval_samples_k"), 0)
+    c.need(isinstance(self.eval_reward, str) and bool(self.eval_reward), f"{name}.eval_reward",
+           self.eval_reward, "must be auto, exact_match, reward, rule:NAME or host:...")
     c.optimizer(self.optim, f"{name}.optim")
     c.lora(self.lora, f"{name}.lora")
 

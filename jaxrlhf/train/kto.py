@@ -14,7 +14,7 @@ from jaxrlhf.config import ConfigError, KTOConfig
 from jaxrlhf.perf import decoder_flops
 from jaxrlhf.train import spec
 from jaxrlhf.train.common import update_role
-from jaxrlhf.train.evaluate import ExactMatchEval, pair_batches
+from jaxrlhf.train.evaluate import GenerationEval, pair_batches
 from jaxrlhf.train.stage import Stage, stack_pairs
 
 
@@ -32,7 +32,7 @@ class KTOStage(Stage):
 
     self.seq_logps = seq_logps
     self._eval_pairs = None
-    self.evaluator = ExactMatchEval(self)
+    self.evaluator = GenerationEval(self)
 
     def eval_fn(policy, reference, b):
       tokens, mask, loss_mask = stack_pairs(b)

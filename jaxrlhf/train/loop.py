@@ -36,7 +36,8 @@ def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer
   (``target_reached`` in its JSON).
 
   Batches are a pure function of the step (``stage.batch(step)``), so ``start_step`` is also
-  the data position.  After each step: evaluation when due, one metrics record, a checkpoint
+  the data position.  After each step: evaluation when due, one metrics record, the samples of
+  the evaluation and (every ``logging.samples_every`` steps) of the rollout, a checkpoint
   when due (``checkpointer.maybe_save``, asynchronous), then ``should_stop()``; when it says
   stop, a checkpoint of this step is written (``save_now``) before returning with
   ``stopped_early=True``.  ``extra_fn(done)`` is the JSON saved beside the state; ``work``
@@ -47,10 +48,15 @@ def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer
   extra = extra_fn or (lambda done: {})
   max_skips = getattr(stage.scfg.optim, "max_consecutive_skips", 0)
   log_every = max(stage.cfg.logging.every_steps, 1)
+  n_samples = stage.cfg.logging.samples
+  samples_every = stage.cfg.logging.samples_every if n_samples else 0
   for step in range(start_step, stage.steps):
     done = step + 1
     if profiler is not None:
       profiler.before_step(stage.name, done)
+    # Rows of this step's rollout to record as samples (an RL stage keeps them; others
+    # have no rollout and ignore it).
+    stage.samples_wanted = n_samples if samples_every and done % samples_every == 0 else 0
     batch = put_batch(stage.mesh, stage.batch(step))
     with jax.set_mesh(stage.mesh):
       compile_s = None
@@ -95,6 +101,7 @@ def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer
       evaluated = True
     if evaluated or done % log_every == 0 or done == stage.steps:
       writer.write(stage.name, done, metrics)
+    writer.write_samples(stage.name, done, stage.take_samples())
     last = metrics
     reason = stage.target_reached(metrics) if evaluated and done < stage.steps else ""
     extra_now = {**extra(done), "target_reached": reason} if reason else extra(done)

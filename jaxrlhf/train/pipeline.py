@@ -194,8 +194,9 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
       start_eval = point.extra.get("start_eval", {})
       print(f"{name}: continuing after step {start} of {stage.steps} "
             f"(set up and restored in {time.perf_counter() - t0:.1f}s)")
-    elif stage.spec.eval_at_start:
+    elif stage.spec.eval_at_start and stage.eval_every:  # eval_every=0: no evaluation at all
       start_eval = stage.evaluate(state, frozen)
+      writer.write_samples(name, 0, stage.take_samples())
 
     def extra_fn(done: int) -> dict:
       # Batches are a pure function of the step, so the data position is the step.
@@ -224,10 +225,11 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
         return StageOutcome({}, {}, None, stopped=True)
     ck.save_now(end, state, extra_fn(end), last)  # no-op if already saved
     final = {k: v for k, v in last.items() if k.startswith("eval/")}
-    if not final:
+    if not final and stage.eval_every:
       final = stage.evaluate(state, frozen)
       if final:
         writer.write(name, end, final)
+      writer.write_samples(name, end, stage.take_samples())
   summary = {name: {**final, "time_s": time.perf_counter() - t0, "steps": end,
                     # only for a stage that ended at its target (stop rule), before its steps
                     **({"target_reached": stage.stop_rule()} if end < stage.steps else {}),

@@ -184,7 +184,7 @@ class PhasedProgram:
   def __call__(self, state, frozen, batch):
     timer = self.timer
     timer.start_step()
-    host = batch.get("host")
+    host = given = batch.get("host")
     batch = {k: v for k, v in batch.items() if k != "host"}  # the device arrays only
     carry = StepCarry(state=state)
     host_metrics: dict = {}
@@ -223,6 +223,8 @@ class PhasedProgram:
         host_metrics.update(got)
         continue
       carry = timer.run(name, self.jitted[label], frozen, batch, carry)
+    if getattr(self.stage, "samples_wanted", 0):  # logging.samples_every: this step's rows
+      self.stage.record_rollout(carry, given)
     return carry.state, {**carry.metrics, **host_metrics, **timer.end_step()}
 
   def programs(self):

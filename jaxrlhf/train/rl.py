@@ -78,6 +78,9 @@ class RLStage(Stage):
     self.n = self.scfg.num_samples
     self.N = cfg.rollout.max_new_tokens
     self.decode_shardings = self.decode_layout_shardings("policy")
+    # logging.samples_every: the rollout's rows come to the host on those steps (the step
+    # then runs as a PhasedProgram, which hands them over).
+    self.rollout_samples = bool(cfg.logging.samples and cfg.logging.samples_every)
     rcfg = self.scfg.reward
     self.host_sources = []
     self.device_sources = []
@@ -131,7 +134,7 @@ class RLStage(Stage):
   def batch(self, step):
     examples = self.data.examples("prompts", step, self.prompts_per_step)
     batch = self.data.encoder.prompts(examples)
-    if self.host_sources or self.episodes:
+    if self.host_sources or self.episodes or self.rollout_samples:
       batch["host"] = HostInputs(tuple(examples))
     return batch
 
@@ -162,11 +165,37 @@ class RLStage(Stage):
     """One jitted program, unless phases must be separate (phase timing, a host reward,
     episodes, length buckets or packing)."""
     if not (self.host_sources or self.episodes or self.cfg.logging.phase_timing
-            or self.cfg.rollout.length_buckets or self.cfg.rollout.pack):
+            or self.cfg.rollout.length_buckets or self.cfg.rollout.pack
+            or self.rollout_samples):
       return super().make_step_fn(state, frozen, batch)
     return program.PhasedProgram(self, self.phases(), state, timed=self.cfg.logging.phase_timing,
                                  host_fn=self.host_scores if self.host_sources else None,
                                  rollout_fn=self.episodes)
+
+  def record_rollout(self, carry, host: HostInputs) -> None:
+    """Keeps ``samples_wanted`` rows of the step's rollout as samples (kind "rollout"): the
+    first response of each prompt first, then the others; the reward is the row's raw
+    sequence score (weighted sources, missing-EOS handling, guard)."""
+    from jaxrlhf.distributed import to_host
+    from jaxrlhf.train.evaluate import prompt_text
+    want, self.samples_wanted = self.samples_wanted, 0
+    ro = carry.rollout
+    if not want or ro is None or host is None:
+      return
+    if ro.prompt_index_B is not None:  # refill: the trained groups' prompts, in their order
+      host = host.take(to_host(ro.prompt_index_B)[::self.n])
+    tokens = np.asarray(to_host(ro.tokens_BT))
+    scores = (np.asarray(to_host(carry.scored.score_B), np.float32)
+              if carry.scored is not None else np.full(len(tokens), np.nan, np.float32))
+    P = tokens.shape[1] - ro.response_mask_BN.shape[1]
+    order = sorted(range(len(tokens)), key=lambda i: (i % self.n, i))[:want]
+    rows = []
+    for i in order:
+      ex = host.examples[i // self.n]
+      rows.append({"kind": "rollout", "prompt": prompt_text(ex),
+                   "response": self.tok.decode(tokens[i, P:]), "reward": float(scores[i]),
+                   **({"answer": ex.answer} if ex.answer else {})})
+    self._samples = list(getattr(self, "_samples", ())) + rows
 
   def host_scores(self, tokens_BT, host: HostInputs) -> tuple[np.ndarray, dict]:
     """The host reward functions on the decoded responses (the split point of the step): the

@@ -99,6 +99,20 @@ class Stage:
   def evaluate(self, state: TrainState, frozen: dict) -> dict:
     return {}
 
+  # Rows of the next step's rollout to keep as samples (set by the loop; RL stages read it).
+  samples_wanted: int = 0
+
+  def take_samples(self) -> list[dict]:
+    """The sample rows gathered since the last call (``prompt``, ``response``, ``reward``,
+    ``answer``, ``kind``...): the rollout's, then the latest evaluation's; empty when none."""
+    rows = list(getattr(self, "_samples", ()))
+    self._samples = []
+    evaluator = getattr(self, "evaluator", None)
+    if evaluator is not None and getattr(evaluator, "samples", None):
+      rows += evaluator.samples
+      evaluator.samples = []
+    return rows
+
   # -- shared machinery ---------------------------------------------------------------------
   def init(self, key: jax.Array, roles: dict) -> tuple[TrainState, dict]:
     """Parameters of every role (from earlier stages, a Hugging Face directory, or fresh) on
