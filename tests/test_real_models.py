@@ -131,3 +131,27 @@ def test_print_config_on_the_prepared_smollm2():
   assert (m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.tie_embeddings) == (
       49152, 576, 30, 9, 3, True)
 
+
+def test_pretrained_defaults_and_a_warm_up_whose_first_step_trains():
+  """The templates' learning rates are the published recipes' (experiments/jsonl_templates.py),
+  and warm-up over W steps runs step k at lr * k / W: step 1 moves the weights."""
+  import jax.numpy as jnp
+  import optax
+  from jaxrlhf import registry
+  from jaxrlhf.config import OptimizerConfig
+  from jaxrlhf.train.common import learning_rate, make_optimizer
+  lrs = {n: getattr(registry.get(n), s).optim.lr for n, s in (
+      ("grpo_jsonl", "grpo"), ("grpo_math", "grpo"), ("ppo_jsonl", "ppo"), ("dpo_jsonl", "dpo"),
+      ("sft_jsonl", "sft"))}
+  assert lrs == {"grpo_jsonl": 1e-6, "grpo_math": 1e-6, "ppo_jsonl": 1e-6, "dpo_jsonl": 1e-6,
+                 "sft_jsonl": 1e-5}
+  assert registry.get("ppo_jsonl").ppo.value_optim.lr == 9e-6
+  for schedule in ("constant", "cosine", "linear"):
+    f = learning_rate(OptimizerConfig(lr=1.0, warmup_steps=4, schedule=schedule), 20)
+    assert [float(f(i)) for i in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+  assert float(learning_rate(OptimizerConfig(lr=2.0, warmup_steps=0), 20)(0)) == 2.0
+  opt = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=10, grad_clip=0.0), 100)
+  params = {"w": jnp.ones(3)}
+  updates, _ = opt.update({"w": jnp.ones(3)}, opt.init(params), params)
+  moved = optax.apply_updates(params, updates)["w"]
+  assert float(jnp.max(jnp.abs(moved - 1.0))) > 5e-5  # Adam's first step: about lr / 10
