@@ -24,6 +24,20 @@ from jaxrlhf.config import (DataConfig, DPOConfig, ExperimentConfig, GRPOConfig,
                             OptimizerConfig, PPOConfig, RewardConfig, RolloutConfig, SFTConfig)
 from jaxrlhf.registry import register
 
+# Learning rates for full fine-tuning of a pretrained model, as published recipes set them:
+#   RL (PPO / GRPO policy) 1e-6: TRL's GRPOConfig default (learning_rate=1e-6); verl's GRPO and
+#     PPO examples (actor_rollout_ref.actor.optim.lr=1e-6, lr_warmup_steps=10); OpenRLHF's PPO
+#     examples use 5e-7 for the actor and 9e-6 for the critic (--critic_learning_rate 9e-6).
+#   DPO 1e-6: TRL's DPOConfig default (learning_rate=1e-6); Zephyr's recipe used 5e-7.
+#   SFT 1e-5 (TRL's SFTConfig default is 2e-5).
+# Warm-up: 10 steps (verl's lr_warmup_steps=10); the first step trains at lr/10, not at 0
+# (jaxrlhf.train.common.learning_rate).  1e-4, the stages' default for the tiny models, moves
+# a pretrained model's weights about 100x too far per step.
+RL_OPTIM = OptimizerConfig(lr=1e-6, warmup_steps=10, schedule="constant")
+VALUE_OPTIM = OptimizerConfig(lr=9e-6, warmup_steps=10, schedule="constant")
+DPO_OPTIM = OptimizerConfig(lr=1e-6, warmup_steps=10, schedule="constant")
+SFT_OPTIM = OptimizerConfig(lr=1e-5, warmup_steps=20)
+
 # Training fields for a ~1-8B model; the architecture fields are replaced from model.hf_path.
 HF_MODEL = ModelConfig(param_dtype="float32", compute_dtype="bfloat16", remat="full",
                        scan_layers=True)
@@ -47,7 +61,7 @@ def build_sft():
   cfg = _base("sft_jsonl", ("sft",), "SFT on your HF model: --set=model.hf_path=DIR "
               "--set=data.tokenizer=DIR --set=data.sft_path=FILE (prompt/response or messages)")
   return dataclasses.replace(cfg, sft=SFTConfig(steps=500, batch_size=32, eval_every=100,
-                                                optim=OptimizerConfig(lr=1e-5, warmup_steps=20)))
+                                                optim=SFT_OPTIM))
 
 
 @register("ppo_jsonl")
@@ -55,7 +69,8 @@ def build_ppo():
   cfg = _base("ppo_jsonl", ("ppo",), "PPO on your HF model: --set=model.hf_path=DIR "
               "--set=reward_model.hf_path=RM_DIR --set=data.tokenizer=DIR "
               "--set=data.prompts_path=FILE")
-  return dataclasses.replace(cfg, ppo=PPOConfig(steps=500, batch_size=32, num_minibatches=4))
+  return dataclasses.replace(cfg, ppo=PPOConfig(steps=500, batch_size=32, num_minibatches=4,
+                                                optim=RL_OPTIM, value_optim=VALUE_OPTIM))
 
 
 @register("grpo_jsonl")
@@ -63,7 +78,7 @@ def build_grpo():
   cfg = _base("grpo_jsonl", ("grpo",), "GRPO on your HF model: --set=model.hf_path=DIR "
               "--set=data.tokenizer=DIR --set=data.prompts_path=FILE (answers: exact match)")
   return dataclasses.replace(cfg, grpo=GRPOConfig(
-      steps=500, batch_size=16, num_samples=8, num_minibatches=4,
+      steps=500, batch_size=16, num_samples=8, num_minibatches=4, optim=RL_OPTIM,
       reward=RewardConfig(sources=("rule:exact_match",))))
 
 
@@ -83,4 +98,4 @@ def build_grpo_math():
 def build_dpo():
   cfg = _base("dpo_jsonl", ("dpo",), "DPO on your HF model: --set=model.hf_path=DIR "
               "--set=data.tokenizer=DIR --set=data.pairs_path=FILE")
-  return dataclasses.replace(cfg, dpo=DPOConfig(steps=500, batch_size=32))
+  return dataclasses.replace(cfg, dpo=DPOConfig(steps=500, batch_size=32, optim=DPO_OPTIM))

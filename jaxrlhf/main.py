@@ -111,7 +111,18 @@ def resolve_config(experiment: str, overrides, flag_values: Optional[dict] = Non
     for stage in STAGE_NAMES:
       sub = getattr(cfg, stage)
       cfg = dataclasses.replace(cfg, **{stage: dataclasses.replace(sub, steps=min(sub.steps, steps))})
-  return validate(cfg, required)
+  return validate(resolve_models(cfg), required)
+
+
+def resolve_models(cfg: ExperimentConfig) -> ExperimentConfig:
+  """``cfg`` with the architecture of every role that sets ``hf_path`` read from its checkpoint
+  (:func:`jaxrlhf.model.hf.resolve_models`), so the checks, ``--plan`` and ``--print_config``
+  see the real model rather than a template's placeholder shape."""
+  roles = (cfg.model, cfg.reward_model, cfg.value_model, cfg.guard_model)
+  if not any(m is not None and m.hf_path for m in roles):
+    return cfg  # no transformers import for the built-in models
+  from jaxrlhf.model.hf import configs
+  return configs.resolve_models(cfg)
 
 
 def _run(argv) -> int:

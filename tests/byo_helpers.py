@@ -66,3 +66,41 @@ def write_hf_disk(path, rows):
   import datasets
   datasets.Dataset.from_list(rows).save_to_disk(str(path))
   return str(path)
+
+
+def tiny_llama(folder, vocab=600, bos_rule=False, template=None, seed=0):
+  """A random Llama-architecture HF folder whose vocabulary (``vocab``, larger than the
+  templates' placeholder 512) the tokenizer fills: 4 specials, printable ASCII one character a
+  token, then unused ``<xN>`` tokens up to ``vocab``.  ``bos_rule``: the tokenizer's own
+  post-processor puts ``<s>`` before every text (as Llama 2's does; SmolLM2's adds none).
+  Written by jaxrlhf's own export (no PyTorch)."""
+  import jax
+  import transformers
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+  from jaxrlhf import model as M
+  from jaxrlhf.config import ModelConfig
+  from jaxrlhf.model import hf
+  specials = ["<pad>", "<s>", "</s>", "<unk>"]
+  chars = [chr(c) for c in range(32, 127)] + ["\n"]
+  names = specials + chars + [f"<x{i}>" for i in range(vocab - len(specials) - len(chars))]
+  tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(names)}, unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+  tok.decoder = decoders.Fuse()
+  if bos_rule:
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                                              bos_token="<s>", eos_token="</s>",
+                                              unk_token="<unk>")
+  if template:
+    fast.chat_template = template
+  folder = str(folder)
+  fast.save_pretrained(folder + ".tokenizer")
+  assert len(fast) == vocab
+  cfg = ModelConfig(vocab_size=vocab, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                    head_dim=8, mlp_dim=64, max_seq_len=128, rope_theta=50000.0)
+  params = M.init_params(cfg, jax.random.key(seed))
+  hf.export_hf(params, cfg, folder, tokenizer_path=folder + ".tokenizer")
+  shutil.rmtree(folder + ".tokenizer")
+  return folder

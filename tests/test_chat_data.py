@@ -57,6 +57,32 @@ def test_chat_prompts_get_the_generation_prompt_and_no_second_bos(tmp_path, tok_
   assert ex.record() == {"prompt": rows[0]["prompt"], "answer": "7", "level": 2}
 
 
+def test_plain_prompts_follow_the_tokenizers_own_bos_rule(tmp_path):
+  """A plain-string prompt starts with what ``tokenizer(text)`` puts first, not an unconditional
+  BOS: nothing for a chat model's tokenizer (SmolLM2's BOS is ``<|im_start|>``, which would open
+  a chat turn), BOS where the tokenizer's post-processor adds one, BOS for the built-in char
+  tokenizer (as ever).  Responses, chosen and rejected texts follow the same prompt."""
+  from transformers import AutoTokenizer
+  from byo_helpers import tiny_llama
+  rows = [{"prompt": "3+4=", "answer": "7", "chosen": "7", "rejected": "8"}]
+  path = write_jsonl(tmp_path / "p.jsonl", rows)
+  for bos_rule in (False, True):
+    folder = tiny_llama(tmp_path / f"m{int(bos_rule)}", vocab=120, bos_rule=bos_rule)
+    own = AutoTokenizer.from_pretrained(folder)("3+4=")["input_ids"]
+    src = _src(folder, prompts_path=path)
+    ex = src.examples("prompts", 0, 1)[0]
+    b = src.encoder.prompts([ex])
+    ids = [int(i) for i in b["prompt"][0][b["prompt_mask"][0]]]
+    assert ids == own and (ids[0] == src.tokenizer.bos_id) == bos_rule
+    seq = src.encoder.sequences([ex], "chosen")
+    P = src.cfg.max_prompt_len
+    assert [int(i) for i in seq["tokens"][0][:P][seq["mask"][0][:P]]] == own
+  char = DataSource(DataConfig(task="jsonl", prompts_path=path))
+  b = char.encoder.prompts([char.examples("prompts", 0, 1)[0]])
+  ids = [int(i) for i in b["prompt"][0][b["prompt_mask"][0]]]
+  assert ids == [char.tokenizer.bos_id] + char.tokenizer.encode("3+4=")
+
+
 def test_chat_needs_a_template_and_a_real_tokenizer(tmp_path, tok_dir):
   path = write_jsonl(tmp_path / "sft.jsonl", [{"messages": CONV[1:3]}])
   bare = chat_tokenizer(tmp_path / "bare", template=None)

@@ -62,13 +62,85 @@ def test_a_function_from_a_module(tmp_path, monkeypatch):
     R.resolve_host_reward("host:no_such_pkg.mod:f")
 
 
+TRL_REWARDS = """
+    import re
+    SEEN = []
+
+    def accuracy(completions, answer, **kwargs):
+      # A reward written for TRL's GRPOTrainer: completions (strings, or one-message lists for
+      # chat prompts), the dataset's columns as keyword lists, and whatever else TRL passes.
+      SEEN.append({"completions": completions, "answer": answer, **kwargs})
+      texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+      return [float(t.strip() == a) for t, a in zip(texts, answer)]
+
+    def only_named(prompts, completions, meta):
+      # No **kwargs: called with exactly the arguments it names.
+      return [float(len(c)) + m["id"] / 100 for c, m in zip(completions, meta)]
+
+    def anything(**kwargs):
+      return [len(kwargs["completion_ids"][i]) for i in range(len(kwargs["completions"]))]
+
+    def needs_solution(completions, solution, **kwargs):
+      return [0.0] * len(completions)
+    """
+
+
+def test_trl_style_reward_functions_run_unchanged(tmp_path):
+  """TRL GRPOTrainer's convention (fn(completions, **kwargs)), chosen by the signature: the
+  arguments by keyword, one entry per response, every data column but the prompt as a list."""
+  path = _file(tmp_path, TRL_REWARDS, "trl_rewards.py")
+  acc = R.resolve_host_reward(f"host:{path}:accuracy")
+  assert acc.style == "trl"
+  ids = [[5, 2], [6, 2], [7], [8, 9, 2]]
+  got = R.score_host(acc, ["4", "5", "6", " 6 "], ROWS, num_samples=2, completion_ids=ids)
+  np.testing.assert_array_equal(got.scores, [1.0, 0.0, 1.0, 1.0])
+  seen = sys.modules[acc.fn.__module__].SEEN[-1]
+  assert seen["completions"] == ["4", "5", "6", " 6 "]  # strings for plain-text prompts
+  assert seen["answer"] == ["4", "4", "6", "6"]
+  assert seen["prompts"] == ["2+2=", "2+2=", "3+3=", "3+3="] and "prompt" not in seen
+  assert [m["id"] for m in seen["meta"]] == [7, 7, 8, 8] and seen["tests"][0] == ROWS[0]["tests"]
+  assert seen["completion_ids"] == ids and seen["trainer_state"] is None
+  # Chat prompts: TRL's conversational format, each completion a one-message list.
+  chat = [{"prompt": [{"role": "user", "content": "2+2="}], "answer": "4"}]
+  np.testing.assert_array_equal(R.score_host(acc, ["4"], chat).scores, [1.0])
+  seen = sys.modules[acc.fn.__module__].SEEN[-1]
+  assert seen["completions"] == [[{"role": "assistant", "content": "4"}]]
+  assert seen["prompts"] == [chat[0]["prompt"]] and seen["completion_ids"] is None
+  # Without **kwargs only the named arguments come; with only **kwargs, all of them.
+  named = R.resolve_host_reward(f"host:{path}:only_named")
+  np.testing.assert_allclose(R.score_host(named, ["ab", "c"], ROWS).scores, [2.07, 1.08])
+  anything = R.resolve_host_reward(f"host:{path}:anything")
+  assert anything.style == "trl"
+  np.testing.assert_array_equal(R.score_host(anything, ["a", "b"], ROWS,
+                                             completion_ids=[[1], [1, 2]]).scores, [1, 2])
+  # A column the function requires and the data lacks: one line naming it and the fix.
+  needs = R.resolve_host_reward(f"host:{path}:needs_solution")
+  with pytest.raises(ConfigError, match=r"trl_rewards.py:needs_solution requires 'solution', "
+                                        r"which the data rows do not have \(their columns: "
+                                        r"answer, tests, meta;.*data.fields=SOURCE:solution"):
+    R.score_host(needs, ["a", "b"], ROWS)
+  # The (responses, examples) convention is still what a two-argument function gets.
+  two = _file(tmp_path, "def f(responses, examples, **kw):\n  return [1.0] * len(responses)\n",
+              "two.py")
+  assert R.resolve_host_reward(f"host:{two}:f").style == "examples"
+
+
+def test_completion_ids_end_at_the_first_eos():
+  """What an RL step passes a TRL-style function as ``completion_ids`` (a whole GRPO run with
+  one: tests/test_real_models.py)."""
+  from jaxrlhf.train.rl import completion_ids
+  assert completion_ids(np.array([4, 5, 2, 0, 0]), 2) == [4, 5, 2]
+  assert completion_ids([4, 5, 6], 2) == [4, 5, 6]
+
+
 @pytest.mark.parametrize("body, source, message", [
     (None, "host:{dir}/missing.py:f", r"missing.py: file not found"),
     ("def f(responses, examples):\n  return []\n", "host:{path}:g",
      r"my_reward.py defines no 'g' \(its functions: f\); define fn\(responses"),
     ("f = 3\n", "host:{path}:f", r"my_reward.py:f is a int, not a function"),
     ("def f(responses):\n  return []\n", "host:{path}:f",
-     r"my_reward.py:f\(responses\) cannot be called with \(responses, examples\)"),
+     r"my_reward.py:f\(responses\) fits neither host reward signature: write fn\(responses: "
+     r"list\[str\], examples: list\[dict\]\).*or TRL's fn\(completions, \*\*kwargs\)"),
     ("import no_such_module_here\n", "host:{path}:f",
      r"my_reward.py failed to load at .*my_reward.py:1 in <module>: ModuleNotFoundError"),
     ("def f(responses, examples)\n  return []\n", "host:{path}:f",

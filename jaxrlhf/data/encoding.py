@@ -112,8 +112,9 @@ class Encoder:
         self._chat_cache[ex.prompt] = self._chat(ex.prompt.messages, True, where)
       ids = self._chat_cache[ex.prompt]  # the template writes any BOS
     else:
-      ids = ([self.tok.bos_id] if self.tok.bos_id is not None else []) + self.encode(ex.prompt,
-                                                                                      where)
+      # What the tokenizer itself puts first (tokenizers.HFTokenizer.start_ids): BOS for the
+      # built-in char tokenizers and a Llama 2 tokenizer, nothing for a chat model's.
+      ids = self.tok.start_ids() + self.encode(ex.prompt, where)
     cut = self._fit_prompt(ids, where)
     return None if cut is None else ids[cut:]
 

@@ -23,6 +23,10 @@ class CharTokenizer:
     self._to_id = {c: i + 3 for i, c in enumerate(self.chars)}
     self.vocab_size = 3 + len(self.chars)
 
+  def start_ids(self) -> list[int]:
+    """The ids put before a plain-text prompt: BOS (these models are trained that way)."""
+    return [self.bos_id]
+
   def encode(self, text: str) -> list[int]:
     try:
       return [self._to_id[c] for c in text]
@@ -96,6 +100,27 @@ class HFTokenizer:
     self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
     self.bos_id = self._tok.bos_token_id
     self.vocab_size = len(self._tok)
+    self._start = self._start_rule()
+
+  def _start_rule(self) -> list[int]:
+    """What the tokenizer itself puts before a text (``tokenizer(text)``: its post-processor,
+    ``add_bos_token``): a Llama 2 tokenizer adds BOS, a chat model's such as SmolLM2's (whose
+    BOS ``<|im_start|>`` opens a chat turn) adds nothing.  Read by encoding a probe with and
+    without special tokens; what follows the text (an EOS some tokenizers append) is not kept:
+    a prompt goes on with the response."""
+    probe = "x"
+    plain = list(self._tok.encode(probe, add_special_tokens=False))
+    full = list(self._tok.encode(probe, add_special_tokens=True))
+    n = len(plain)
+    at = next((i for i in range(len(full) - n + 1) if full[i:i + n] == plain), None)
+    if at is None:  # the specials changed the text's own tokens: keep the leading specials
+      special = set(self._tok.all_special_ids)
+      at = next((i for i, t in enumerate(full) if t not in special), len(full))
+    return full[:at]
+
+  def start_ids(self) -> list[int]:
+    """The ids the tokenizer's own rule puts before a plain-text prompt (see _start_rule)."""
+    return list(self._start)
 
   def encode(self, text: str) -> list[int]:
     return list(self._tok.encode(text, add_special_tokens=False))

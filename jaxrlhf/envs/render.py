@@ -12,16 +12,16 @@ from jaxrlhf.config import ConfigError
 
 
 class TextFormat:
-  """Observations as plain text: the prompt is BOS (if the tokenizer has one) + the first
-  observation's tokens; each later observation's tokens are appended as they are (so an
-  observation carries its own separators, e.g. ``<result>84</result>``)."""
+  """Observations as plain text: the prompt is what the tokenizer puts before a text (its BOS
+  rule, ``tok.start_ids()``) + the first observation's tokens; each later observation's tokens
+  are appended as they are (so an observation carries its own separators, e.g.
+  ``<result>84</result>``)."""
 
   def __init__(self, tok):
     self.tok = tok
 
   def prompt_ids(self, observation: str) -> list[int]:
-    bos = [self.tok.bos_id] if self.tok.bos_id is not None else []
-    return bos + list(self.tok.encode(observation))
+    return list(self.tok.start_ids()) + list(self.tok.encode(observation))
 
   def observation_ids(self, history: list[dict], observation: str,
                       action_ended_with_eos: bool) -> list[int]:

@@ -18,8 +18,8 @@ from jaxrlhf.rewards.rules import (  # noqa: F401
     RULES, RuleFn, exact_match, get_rule, is_user_host_source, reads_answer, register_rule,
     token_accuracy)
 from jaxrlhf.rewards.host import (  # noqa: F401
-    HOST_ERROR_POLICIES, HOST_RULES, HOST_SIGNATURE, HostFn, HostReward, HostScores,
-    get_host_reward, host_exact_match, register_host_reward, resolve_host_reward,
+    HOST_ERROR_POLICIES, HOST_RULES, HOST_SIGNATURE, TRL_SIGNATURE, HostFn, HostReward,
+    HostScores, get_host_reward, host_exact_match, register_host_reward, resolve_host_reward,
     score_host)
 from jaxrlhf.rewards.verify import (  # noqa: F401
     boxed_answers, math_format_reward, math_verify_reward)

@@ -5,8 +5,9 @@ batch with failures masked and counted."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -31,6 +32,19 @@ HOST_ERROR_POLICIES = ("mask", "raise")
 
 HOST_SIGNATURE = "fn(responses: list[str], examples: list[dict]) -> list[float]"
 
+# TRL GRPOTrainer's convention, also accepted (chosen by the signature: a parameter named
+# ``completions``, or only ``**kwargs``).  Every argument comes by keyword, one list entry per
+# response: ``completions`` (strings; for chat prompts each a one-message list
+# ``[{"role": "assistant", "content": ...}]``), ``prompts`` (strings, or message lists),
+# ``completion_ids`` (each response's token ids up to and including its EOS), every column of
+# the data row but ``prompt`` under its own name (``answer=[...]``, ``solution=[...]``), and
+# ``trainer_state=None`` (jaxrlhf has no transformers TrainerState).  A function without
+# ``**kwargs`` gets only the arguments it names.
+TRL_SIGNATURE = "fn(completions, **kwargs) -> list[float]"
+
+# The keyword arguments jaxrlhf passes in the TRL convention besides the data columns.
+TRL_ARGUMENTS = ("completions", "prompts", "completion_ids", "trainer_state")
+
 
 def register_host_reward(name: str, *, needs_answer: bool = True):
   """Decorator adding a host reward function to :data:`HOST_RULES` (source ``host:NAME``),
@@ -51,13 +65,50 @@ class HostReward:
   fn: HostFn = dataclasses.field(repr=False)
   where: str  # "my_reward.py:score", "pkg.mod:score" or "host reward 'exact_match'"
   path: str = ""  # the user's file, when it came from one (for the line of an exception)
+  # How it is called: "examples" (HOST_SIGNATURE) or "trl" (TRL_SIGNATURE, keywords).
+  style: str = "examples"
+  # style "trl" without **kwargs: the keyword names it takes (None: it takes any), and those
+  # of them without a default (each must be supplied).
+  takes: Optional[tuple] = None
+  needs: tuple = ()
+
+
+def calling_style(fn, where: str) -> tuple[str, Optional[tuple], tuple]:
+  """How a host reward is called, read from its signature: ``("examples", None, ())`` for
+  :data:`HOST_SIGNATURE`; ``("trl", takes, needs)`` for TRL GRPOTrainer's
+  :data:`TRL_SIGNATURE` (a parameter named ``completions`` and none named ``examples``, or
+  only keyword arguments); ConfigError (one line) for a signature that fits neither."""
+  try:
+    sig = inspect.signature(fn)
+  except (TypeError, ValueError):
+    return "examples", None, ()  # no signature to read (a builtin): the first call will tell
+  params = sig.parameters
+  kinds = inspect.Parameter
+  var_kw = any(p.kind == kinds.VAR_KEYWORD for p in params.values())
+  named = {n: p for n, p in params.items()
+           if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
+  positional_only = [n for n, p in params.items() if p.kind == kinds.POSITIONAL_ONLY
+                     and p.default is p.empty]
+  var_pos = any(p.kind == kinds.VAR_POSITIONAL for p in params.values())
+  # fn(**kwargs) (every named parameter optional): nothing but TRL's keywords can reach it.
+  keywords_only = var_kw and not var_pos and all(p.default is not p.empty
+                                                 for p in named.values())
+  trl = ("completions" in named and "examples" not in params) or keywords_only
+  if trl and not positional_only:
+    needs = tuple(n for n, p in named.items() if p.default is p.empty)
+    return "trl", (None if var_kw else tuple(named)), needs
+  if not registry.signature_refusing(fn, [], []):
+    return "examples", None, ()
+  raise ConfigError(f"{where}{sig} fits neither host reward signature: write "
+                    f"{HOST_SIGNATURE}, or TRL's {TRL_SIGNATURE} (keyword arguments "
+                    f"{', '.join(TRL_ARGUMENTS)} and the data columns)")
 
 
 def resolve_host_reward(source: str, setting: str = "reward.sources") -> HostReward:
   """Turns ``host:NAME``, ``host:path/to/file.py:function`` or ``host:package.module:function``
   into a checked :class:`HostReward`; raises ConfigError naming ``setting``, the file, the
-  function and the fix (file not found, no such function, not callable, a signature that cannot
-  take ``(responses, examples)``)."""
+  function and the fix (file not found, no such function, not callable, a signature that fits
+  neither :data:`HOST_SIGNATURE` nor TRL's :data:`TRL_SIGNATURE`)."""
   kind, _, rest = source.partition(":")
   if kind != "host" or not rest:
     raise ConfigError(f"{setting}: {source!r} is not a host reward; write host:NAME, "
@@ -88,11 +139,8 @@ def resolve_host_reward(source: str, setting: str = "reward.sources") -> HostRew
   if not callable(fn):
     raise ConfigError(f"{what}: {where} is a {type(fn).__name__}, not a function; it must be "
                       f"{HOST_SIGNATURE}")
-  sig = registry.signature_refusing(fn, [], [])
-  if sig:
-    raise ConfigError(f"{what}: {where}{sig} cannot be called with (responses, examples); a "
-                      f"host reward is {HOST_SIGNATURE}")
-  return HostReward(source, fn, where, path)
+  style, takes, needs = calling_style(fn, f"{what}: {where}")
+  return HostReward(source, fn, where, path, style, takes, needs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,25 +166,58 @@ def _describe_exception(reward: HostReward, e: BaseException) -> str:
   return f"{type(e).__name__}: {e}{where}"
 
 
-def _call(reward: HostReward, responses: list, examples: list):
-  out = reward.fn(responses, examples)
+def trl_arguments(reward: HostReward, responses: list, examples: list,
+                  completion_ids: Optional[list] = None) -> dict:
+  """The keyword arguments of a TRL-style call (:data:`TRL_SIGNATURE`): one list entry per
+  response.  Chat prompts (message lists) make it TRL's conversational format: each completion
+  is ``[{"role": "assistant", "content": text}]``.  Raises ConfigError naming an argument the
+  function requires that neither jaxrlhf nor the data rows provide."""
+  prompts = [ex.get("prompt", "") for ex in examples]
+  chat = any(isinstance(p, list) for p in prompts)
+  completions = ([[{"role": "assistant", "content": r}] for r in responses] if chat
+                 else list(responses))
+  columns = list(dict.fromkeys(k for ex in examples for k in ex if k != "prompt"))
+  args = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
+          "trainer_state": None,
+          **{k: [ex.get(k) for ex in examples] for k in columns if k not in TRL_ARGUMENTS}}
+  missing = [n for n in reward.needs if n not in args]
+  if missing:
+    raise ConfigError(
+        f"{reward.where} requires {', '.join(repr(m) for m in missing)}, which the data rows do "
+        f"not have (their columns: {', '.join(columns) or 'none'}; jaxrlhf also passes "
+        f"{', '.join(TRL_ARGUMENTS)}); add the column to the data, rename one to it with "
+        f"data.fields=SOURCE:{missing[0]}, or give the parameter a default")
+  if reward.takes is not None:
+    args = {k: v for k, v in args.items() if k in reward.takes}
+  return args
+
+
+def _call(reward: HostReward, responses: list, examples: list,
+          completion_ids: Optional[list] = None):
+  signature = TRL_SIGNATURE if reward.style == "trl" else HOST_SIGNATURE
+  if reward.style == "trl":
+    out = reward.fn(**trl_arguments(reward, responses, examples, completion_ids))
+  else:
+    out = reward.fn(responses, examples)
   if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
     raise ConfigError(f"{reward.where} returned {type(out).__name__} {str(out)[:60]!r}; a host "
                       f"reward returns a list with one float per response "
-                      f"({len(responses)} here): {HOST_SIGNATURE}")
+                      f"({len(responses)} here): {signature}")
   out = list(np.asarray(out).reshape(-1)) if hasattr(out, "shape") else list(out)
   if len(out) != len(responses):
     # Never broadcast: one score for a batch of responses is a bug in the function.
     raise ConfigError(f"{reward.where} returned {len(out)} score(s) for {len(responses)} "
                       f"responses; return one float per response, in order "
-                      f"({HOST_SIGNATURE})")
+                      f"({signature})")
   return out
 
 
 def score_host(reward: HostReward, responses: Sequence[str], examples: Sequence[dict],
-               num_samples: int = 1, on_error: str = "mask") -> HostScores:
+               num_samples: int = 1, on_error: str = "mask",
+               completion_ids: Optional[Sequence] = None) -> HostScores:
   """Runs a host reward on a batch: ``responses[i]`` answers ``examples[i // num_samples]``
-  (every field of the data row, as a dict).  Returns float32 scores with failures masked as
+  (every field of the data row, as a dict); ``completion_ids[i]``: its token ids, for a
+  TRL-style function (None when not known).  Returns float32 scores with failures masked as
   NaN and counted; ``on_error="raise"`` stops at the first exception or non-number instead
   (ConfigError naming the function, the response and the fix).  A wrong number of scores always
   stops.  When a batch call raises, each response is scored alone, so one bad response masks
@@ -148,11 +229,14 @@ def score_host(reward: HostReward, responses: Sequence[str], examples: Sequence[
     raise ValueError(f"{reward.where}: {len(responses)} responses for {len(examples)} examples x "
                      f"{num_samples} samples")
   n = len(responses)
+  ids = ([[int(t) for t in row] for row in completion_ids] if completion_ids is not None
+         else None)
+  part = lambda i: None if ids is None else ids[i:i + 1]  # noqa: E731
   errors = 0
   failure = ""
   raised = object()  # the value of a response whose scoring raised
   try:
-    values = _call(reward, responses, rows)
+    values = _call(reward, responses, rows, ids)
   except ConfigError:
     raise
   except Exception as e:  # noqa: BLE001  (the user's code)
@@ -163,7 +247,7 @@ def score_host(reward: HostReward, responses: Sequence[str], examples: Sequence[
     values = []
     for i in range(n):  # one at a time: find the responses that fail
       try:
-        values.extend(_call(reward, responses[i:i + 1], rows[i:i + 1]))
+        values.extend(_call(reward, responses[i:i + 1], rows[i:i + 1], part(i)))
       except ConfigError:
         raise
       except Exception as e1:  # noqa: BLE001

@@ -204,13 +204,24 @@ class RLStage(Stage):
     examples = [ex.record() for ex in host.examples]
     tokens = np.asarray(tokens_BT)[:, self.P:]
     responses = [self.tok.decode(t) for t in tokens]
+    ids = None
+    if any(reward.style == "trl" for reward, _ in self.host_sources):
+      ids = [completion_ids(t[:self.N], self.tok.eos_id) for t in tokens]
     total = np.zeros(len(responses), np.float32)
     metrics: dict = {}
     for reward, w in self.host_sources:
       if w == 0:  # switched off: its NaN must not poison the sum (0 * NaN = NaN)
         continue
-      got = RW.score_host(reward, responses, examples, self.n, self.scfg.reward.host_errors)
+      got = RW.score_host(reward, responses, examples, self.n, self.scfg.reward.host_errors,
+                          completion_ids=ids)
       total += np.float32(w) * got.scores
       for k, v in got.metrics().items():
         metrics[k] = metrics.get(k, 0.0) + v
     return total, metrics
+
+
+def completion_ids(row, eos_id: int) -> list[int]:
+  """A response's token ids up to and including its first EOS (all of them without one): what
+  TRL passes a reward function as ``completion_ids``."""
+  row = [int(t) for t in row]
+  return row[:row.index(eos_id) + 1] if eos_id in row else row

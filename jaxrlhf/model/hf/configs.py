@@ -207,9 +207,19 @@ def _check_config(path: str, cfg: ModelConfig, head: str):
                   " (build the config with jaxrlhf.model.hf.config_from_hf)")
 
 
-def resolve_models(cfg, tp: int):
+def resolve_models(cfg, tp: Optional[int] = None):
   """``cfg`` with the architecture of every role that names a Hugging Face directory read
-  from it (model, reward_model, value_model, guard_model)."""
+  from it (model, reward_model, value_model, guard_model).
+
+  ``tp``: the tensor-parallel size the vocabulary is padded for (default ``cfg.mesh.tp``).  With
+  ``mesh.tp=-1`` the size depends on the devices present, unknown before jax starts: the
+  vocabulary is left unpadded here and the run pads it once its mesh exists (resolving again
+  is harmless: every architecture field is read from the checkpoint anew).  Called before any
+  check (``jaxrlhf.main.resolve_config``, ``pipeline.run``), so ``validate``, the preflight,
+  ``--plan`` and ``--print_config`` all see the checkpoint's model, not a template's
+  placeholder."""
+  if tp is None:
+    tp = cfg.mesh.tp if cfg.mesh.tp > 0 else 1
   changes = {}
   for field in ("model", "reward_model", "value_model", "guard_model"):
     m = getattr(cfg, field)
