@@ -30,13 +30,16 @@ from jaxrlhf.registry import register
 #     examples use 5e-7 for the actor and 9e-6 for the critic (--critic_learning_rate 9e-6).
 #   DPO 1e-6: TRL's DPOConfig default (learning_rate=1e-6); Zephyr's recipe used 5e-7.
 #   SFT 1e-5 (TRL's SFTConfig default is 2e-5).
-# Warm-up: 10 steps (verl's lr_warmup_steps=10); the first step trains at lr/10, not at 0
-# (jaxrlhf.train.common.learning_rate).  1e-4, the stages' default for the tiny models, moves
-# a pretrained model's weights about 100x too far per step.
-RL_OPTIM = OptimizerConfig(lr=1e-6, warmup_steps=10, schedule="constant")
-VALUE_OPTIM = OptimizerConfig(lr=9e-6, warmup_steps=10, schedule="constant")
-DPO_OPTIM = OptimizerConfig(lr=1e-6, warmup_steps=10, schedule="constant")
-SFT_OPTIM = OptimizerConfig(lr=1e-5, warmup_steps=20)
+# Warm-up: 10 steps (verl's lr_warmup_steps=10); warmup_start=first_step: the first step
+# trains at lr/10, not at 0 (jaxrlhf.train.common.learning_rate).  1e-4, the stages' default
+# for the tiny models, moves a pretrained model's weights about 100x too far per step.
+RL_OPTIM = OptimizerConfig(lr=1e-6, warmup_steps=10, warmup_start="first_step",
+                           schedule="constant")
+VALUE_OPTIM = OptimizerConfig(lr=9e-6, warmup_steps=10, warmup_start="first_step",
+                              schedule="constant")
+DPO_OPTIM = OptimizerConfig(lr=1e-6, warmup_steps=10, warmup_start="first_step",
+                            schedule="constant")
+SFT_OPTIM = OptimizerConfig(lr=1e-5, warmup_steps=20, warmup_start="first_step")
 
 # Training fields for a ~1-8B model; the architecture fields are replaced from model.hf_path.
 HF_MODEL = ModelConfig(param_dtype="float32", compute_dtype="bfloat16", remat="full",

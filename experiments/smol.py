@@ -75,7 +75,8 @@ def build_sft():
       "smol_gsm8k_sft", ("sft",), "SmolLM2-135M-Instruct, SFT on GSM8K solutions (held-out "
       "loss); prepare the model first", data, "data.sft_path",
       sft=SFTConfig(steps=30, batch_size=8, eval_every=10,
-                    optim=OptimizerConfig(lr=1e-5, warmup_steps=0, schedule="constant")))
+                    optim=OptimizerConfig(lr=1e-5, warmup_steps=5, warmup_start="first_step",
+                                    schedule="constant")))
 
 
 @register("smol_gsm8k_grpo")
@@ -90,7 +91,8 @@ def build_grpo():
                       kl=KLConfig(coef=0.04, estimator="k3", placement="loss"),
                       reward=RewardConfig(sources=("host:math_verify", "host:math_format"),
                                           weights=(1.0, 0.5)),
-                      optim=OptimizerConfig(lr=2e-6, warmup_steps=0, schedule="constant")))
+                      optim=OptimizerConfig(lr=2e-6, warmup_steps=5, warmup_start="first_step",
+                                    schedule="constant")))
 
 
 @register("smol_hh_dpo")
@@ -102,4 +104,5 @@ def build_dpo():
       "smol_hh_dpo", ("dpo",), "SmolLM2-135M-Instruct, DPO on HH-RLHF harmless pairs "
       "(held-out pair accuracy); prepare the model first", data, "data.pairs_path",
       dpo=DPOConfig(steps=30, batch_size=8, beta=0.1, eval_every=10,
-                    optim=OptimizerConfig(lr=1e-6, warmup_steps=0, schedule="constant")))
+                    optim=OptimizerConfig(lr=1e-6, warmup_steps=5, warmup_start="first_step",
+                                    schedule="constant")))

@@ -146,11 +146,19 @@ def test_pretrained_defaults_and_a_warm_up_whose_first_step_trains():
   assert lrs == {"grpo_jsonl": 1e-6, "grpo_math": 1e-6, "ppo_jsonl": 1e-6, "dpo_jsonl": 1e-6,
                  "sft_jsonl": 1e-5}
   assert registry.get("ppo_jsonl").ppo.value_optim.lr == 9e-6
+  for name in ("grpo_jsonl", "dpo_jsonl", "sft_jsonl", "smol_gsm8k_grpo", "smol_hh_dpo"):
+    c = registry.get(name)
+    assert getattr(c, c.stages[-1]).optim.warmup_start == "first_step"
   for schedule in ("constant", "cosine", "linear"):
-    f = learning_rate(OptimizerConfig(lr=1.0, warmup_steps=4, schedule=schedule), 20)
+    f = learning_rate(OptimizerConfig(lr=1.0, warmup_steps=4, schedule=schedule,
+                                      warmup_start="first_step"), 20)
     assert [float(f(i)) for i in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    # The default ramps from 0, as the tiny experiments' documented figures were measured.
+    f = learning_rate(OptimizerConfig(lr=1.0, warmup_steps=4, schedule=schedule), 20)
+    assert [float(f(i)) for i in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]
   assert float(learning_rate(OptimizerConfig(lr=2.0, warmup_steps=0), 20)(0)) == 2.0
-  opt = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=10, grad_clip=0.0), 100)
+  opt = make_optimizer(OptimizerConfig(lr=1e-3, warmup_steps=10, grad_clip=0.0,
+                                       warmup_start="first_step"), 100)
   params = {"w": jnp.ones(3)}
   updates, _ = opt.update({"w": jnp.ones(3)}, opt.init(params), params)
   moved = optax.apply_updates(params, updates)["w"]

@@ -242,6 +242,11 @@ class OptimizerConfig:
   lr: float = 1e-3
   schedule: Literal["constant", "cosine", "linear"] = "cosine"
   warmup_steps: int = 10
+  # Where warm-up starts: "zero" ramps from 0 at the first update, as optax's linear schedule
+  # and transformers' warm-up do (step 1 trains at lr 0; the tiny experiments' documented
+  # figures were measured so); "first_step" runs step k at lr * k / warmup_steps, so the first
+  # step trains (the templates and the real-model experiments).
+  warmup_start: Literal["zero", "first_step"] = "zero"
   # Final learning rate as a fraction of ``lr`` for decaying schedules.
   end_lr_ratio: float = 0.1
   b1: float = 0.9

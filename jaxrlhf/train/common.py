@@ -24,9 +24,10 @@ from jaxrlhf.train.types import HostInputs, TrainState  # noqa: F401
 def learning_rate(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
   """Linear warm-up to ``lr`` then constant, cosine or linear decay to ``lr * end_lr_ratio``.
 
-  Warm-up over ``W`` steps runs step ``k`` (1-based) at ``lr * k / W``: the first step trains
-  at ``lr / W`` rather than at 0 (a step at learning rate 0 computes a whole rollout and
-  update to change nothing), and step ``W`` reaches ``lr``."""
+  Warm-up over ``W`` steps ramps from 0 at the first update (``warmup_start="zero"``), or runs
+  step ``k`` (1-based) at ``lr * k / W`` (``"first_step"``): the first step then trains at
+  ``lr / W`` rather than at 0 (a step at learning rate 0 computes a whole rollout and update
+  to change nothing), and step ``W`` reaches ``lr``."""
   warm = max(0, min(cfg.warmup_steps, total_steps - 1))
   decay_steps = max(1, total_steps - warm)
   end = cfg.lr * cfg.end_lr_ratio
@@ -38,6 +39,8 @@ def learning_rate(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     after = optax.linear_schedule(cfg.lr, end, decay_steps)
   if warm == 0:
     return after
+  if cfg.warmup_start == "zero":
+    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warm), after], [warm])
   # optax counts updates from 0: update ``count`` is step ``count + 1``.
   ramp = lambda count: cfg.lr * (count + 1) / warm  # noqa: E731
   return optax.join_schedules([ramp, after], [warm])
