@@ -74,7 +74,8 @@ def build_sft():
   return _base(
       "smol_gsm8k_sft", ("sft",), "SmolLM2-135M-Instruct, SFT on GSM8K solutions (held-out "
       "loss); prepare the model first", data, "data.sft_path",
-      sft=SFTConfig(steps=30, batch_size=8, eval_every=10,
+      rollout=RolloutConfig(max_new_tokens=128, temperature=1.0),
+      sft=SFTConfig(steps=20, batch_size=8, eval_every=10, eval_reward="host:math_verify",
                     optim=OptimizerConfig(lr=1e-5, warmup_steps=5, warmup_start="first_step",
                                     schedule="constant")))
 
@@ -98,11 +99,11 @@ def build_grpo():
 @register("smol_hh_dpo")
 def build_dpo():
   data = DataConfig(task="jsonl", pairs_path=_shared("hh-rlhf-harmless", "pairs.jsonl"),
-                    transcripts="hh", eval_split=0.1, eval_size=64, max_prompt_len=192,
-                    max_response_len=96, overlong="truncate")
+                    transcripts="hh", eval_split=0.1, eval_size=150, max_prompt_len=128,
+                    max_response_len=64, overlong="truncate")
   return _base(
       "smol_hh_dpo", ("dpo",), "SmolLM2-135M-Instruct, DPO on HH-RLHF harmless pairs "
       "(held-out pair accuracy); prepare the model first", data, "data.pairs_path",
-      dpo=DPOConfig(steps=30, batch_size=8, beta=0.1, eval_every=10,
+      dpo=DPOConfig(steps=20, batch_size=8, beta=0.1, eval_every=10, reference="cache",
                     optim=OptimizerConfig(lr=1e-6, warmup_steps=5, warmup_start="first_step",
                                     schedule="constant")))

@@ -91,7 +91,8 @@ def test_grpo_on_qwen3_with_chat_parquet_and_the_users_reward(tmp_path):
               "host:math_format", "--set=grpo.reward.weights=1,1,0.1", "--set=grpo.batch_size=4",
               "--set=grpo.num_samples=2", "--set=grpo.num_minibatches=1", *SMALL)
   assert "4 examples held out of data.prompts_path=prompts.parquet by data.eval_split=0.25" in out
-  assert "grpo: held-out exact match" in out  # the summary says what the console said
+  # The summary says what the console said, and by what metric (auto: math_verify here).
+  assert "grpo: held-out correct by host:math_verify" in out
   calls = [json.loads(l) for l in open(tmp_path / "calls.jsonl")]
   batches = [c for c in calls if len(c["responses"]) > 1]
   assert len(batches) == 2  # one call per step (then one per response where it raised)
@@ -136,7 +137,7 @@ def test_dpo_on_gemma3_with_chat_pairs_alone(tmp_path):
               "--set=data.pairs_path=pairs.jsonl", "--set=data.pairs_eval_path=held.jsonl",
               "--set=data.max_prompt_len=40", "--set=dpo.batch_size=4",
               "--set=dpo.optim.lr=0.01", *SMALL)
-  for what in ("pair accuracy, pairs", "exact match, prompts"):
+  for what in ("pair accuracy, pairs", "greedy answers, prompts"):
     assert f"evaluation ({what}): 2 held-out examples from data.pairs_eval_path" in out
   assert "dpo: held-out pair accuracy" in out and "dpo: held-out exact match" in out
   evals = [r for r in map(json.loads, open(tmp_path / "work" / "metrics.jsonl"))

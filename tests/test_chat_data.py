@@ -214,7 +214,7 @@ def test_eval_split_holds_examples_out_of_training_and_says_so(tmp_path, capsys)
   trained = {e.prompt for s in range(50) for e in src.examples("prompts", s, 8)}
   assert not trained & {e.prompt for e in held} and len(trained) == 36
   out = capsys.readouterr().out
-  assert "evaluation (exact match, prompts): 4 examples held out of data.prompts_path=" in out
+  assert "evaluation (greedy answers, prompts): 4 examples held out of data.prompts_path=" in out
   assert "data.eval_split=0.1 (not trained on)" in out
   # Without a split or a file, the console says the evaluation set is not held out.
   DataSource(DataConfig(task="jsonl", prompts_path=path, eval_size=5)).eval_examples("prompts")

@@ -182,6 +182,6 @@ class DataSource:
               f"data.eval_split=0.05 for a held-out set")
     if kind not in self._said:
       self._said.add(kind)
-      what = {"prompts": "exact match", "sft": "held-out loss"}.get(kind, "pair accuracy")
+      what = {"prompts": "greedy answers", "sft": "loss"}.get(kind, "pair accuracy")
       print(f"evaluation ({what}, {kind}): {note}", flush=True)
     return examples

@@ -52,6 +52,25 @@ class EvalMetric:
   reads_answer: bool = True  # evaluated on the prompts with an "answer" only
 
 
+def metric_source(scfg) -> str:
+  """What ``STAGE.eval_reward`` names for a stage's settings ``scfg``: "auto" resolved to the
+  first correctness check among the stage's reward sources (else "rule:exact_match"),
+  "exact_match" as "rule:exact_match", anything else as written."""
+  value = scfg.eval_reward
+  if value == "auto":
+    reward = getattr(scfg, "reward", None)  # an RL stage's reward sources
+    own = [s for s, w in zip(reward.sources, reward.weights) if w != 0] if reward else []
+    return next((s for s in own if s in CORRECTNESS_SOURCES), "rule:exact_match")
+  return "rule:exact_match" if value == "exact_match" else value
+
+
+def metric_label(scfg) -> str:
+  """The evaluation metric in words, for the console and the summary: "exact match", or
+  e.g. "correct by host:math_verify"."""
+  source = metric_source(scfg)
+  return "exact match" if source == "rule:exact_match" else f"correct by {source}"
+
+
 def eval_metric(stage) -> EvalMetric:
   """``STAGE.eval_reward`` resolved for ``stage`` (ConfigError naming the setting and the
   choices when it names nothing usable)."""
@@ -61,10 +80,8 @@ def eval_metric(stage) -> EvalMetric:
   reward = getattr(scfg, "reward", None)  # an RL stage's reward sources
   own = [(s, w) for s, w in zip(reward.sources, reward.weights) if w != 0] if reward else []
   if value == "auto":
-    found = [s for s, _ in own if s in CORRECTNESS_SOURCES]
-    return _metric(found[0] if found else "rule:exact_match", [(found[0] if found else
-                                                                 "rule:exact_match", 1.0)],
-                   setting)
+    source = metric_source(scfg)
+    return _metric(source, [(source, 1.0)], setting)
   if value == "exact_match":
     return _metric("rule:exact_match", [("rule:exact_match", 1.0)], setting)
   if value == "reward":

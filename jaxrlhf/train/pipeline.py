@@ -29,7 +29,7 @@ from jaxrlhf.mesh import make_mesh, resolve_mesh_shape
 from jaxrlhf.model import hf
 from jaxrlhf.metrics import MetricsWriter, run_files
 from jaxrlhf.preemption import PreemptionHandler
-from jaxrlhf.train import spec
+from jaxrlhf.train import evaluate, spec
 from jaxrlhf.train.loop import TrainingError, run_stage
 from jaxrlhf.train.preflight import preflight
 from jaxrlhf.train.work import step_work
@@ -374,7 +374,8 @@ def print_summary(cfg: ExperimentConfig, summary: dict, data: DataSource) -> Non
     # Held out or not, as the console said when the set was read (DataSource.eval_source).
     named = data.eval_name
     if "eval/accuracy" in s:
-      what = "solved (greedy episodes)" if cfg.env.name else "exact match"
+      what = ("solved (greedy episodes)" if cfg.env.name
+              else evaluate.metric_label(getattr(cfg, name)))
       rows.append((f"{name}: {named('prompts', what)}", start.get("eval/accuracy"),
                    s["eval/accuracy"]))
     if "eval/pair_accuracy" in s:

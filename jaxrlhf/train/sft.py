@@ -13,7 +13,7 @@ from jaxrlhf.config import ConfigError, SFTConfig
 from jaxrlhf.perf import decoder_flops
 from jaxrlhf.train import spec
 from jaxrlhf.train.common import TrainState, update_role
-from jaxrlhf.train.evaluate import make_evaluator
+from jaxrlhf.train.evaluate import make_evaluator, metric_label
 from jaxrlhf.train.sequences import next_token_target, packing_metrics
 from jaxrlhf.train.stage import Stage
 
@@ -100,7 +100,8 @@ class SFTStage(Stage):
   def target_reached(self, eval_metrics: dict) -> str:
     stop, acc = self.scfg.stop_accuracy, eval_metrics.get("eval/accuracy")
     if stop > 0 and acc is not None and acc >= stop:
-      what = "success rate (greedy episodes)" if self.cfg.env.name else "exact match"
+      what = ("success rate (greedy episodes)" if self.cfg.env.name
+              else metric_label(self.scfg))
       return (f"{self.data.eval_name('prompts', what)} {acc:.3f} reached "
               f"{stop_rule(self.scfg)}")
     # Close to the target, evaluate every sft.stop_eval_every steps (the loop reads
