@@ -104,6 +104,6 @@ def build_dpo():
   return _base(
       "smol_hh_dpo", ("dpo",), "SmolLM2-135M-Instruct, DPO on HH-RLHF harmless pairs "
       "(held-out pair accuracy); prepare the model first", data, "data.pairs_path",
-      dpo=DPOConfig(steps=20, batch_size=8, beta=0.1, eval_every=10, reference="cache",
+      dpo=DPOConfig(steps=20, batch_size=8, beta=0.1, eval_every=10,
                     optim=OptimizerConfig(lr=1e-6, warmup_steps=5, warmup_start="first_step",
                                     schedule="constant")))
