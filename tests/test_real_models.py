@@ -1,7 +1,7 @@
 """Issue 37: the templates on a real checkpoint.  A Llama-architecture HF folder whose vocabulary
 (602) is larger than the templates' placeholder (512) goes through ``*_jsonl`` with no ``--set``
 of architecture fields: the checks, ``--print_config`` and ``--plan`` see the checkpoint's model,
-and a step trains.  On the prepared SmolLM2-135M-Instruct (when ~/.cache/jaxrlhf/models has it)
+and a step trains.  On the prepared SmolLM2-135M-Instruct (helpers.real_model prepares it)
 the same holds for ``--print_config``."""
 
 import dataclasses
@@ -14,13 +14,13 @@ import jax
 import pytest
 
 from byo_helpers import tiny_llama, write_jsonl
+from helpers import real_model
 from jaxrlhf import main as M
 from jaxrlhf.config import MeshConfig
 from jaxrlhf.train import pipeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 602  # > 512, and a multiple of neither 4 nor 8: tp pads it
-SMOL = os.path.expanduser("~/.cache/jaxrlhf/models/smollm2-135m-instruct")
 
 SMALL = ["--steps=1", "--set=data.max_prompt_len=16", "--set=data.max_response_len=8",
          "--set=rollout.max_new_tokens=8", "--set=model.compute_dtype=float32",
@@ -122,14 +122,38 @@ def test_sft_and_dpo_jsonl_on_the_same_checkpoint(llama, tmp_path):
     assert any(r.get("step") == 1 and "loss" in r for r in records), name
 
 
-@pytest.mark.skipif(not os.path.isdir(SMOL), reason="the prepared SmolLM2 model is not here "
-                    "(python -m jaxrlhf.model.hf.prepare smollm2-135m-instruct)")
 def test_print_config_on_the_prepared_smollm2():
-  cfg = M.resolve_config("grpo_jsonl", [f"model.hf_path={SMOL}", f"data.tokenizer={SMOL}"],
+  smol, why = real_model()
+  if smol is None:
+    pytest.skip(why)
+  cfg = M.resolve_config("grpo_jsonl", [f"model.hf_path={smol}", f"data.tokenizer={smol}"],
                          required=False)
   m = cfg.model
   assert (m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.tie_embeddings) == (
       49152, 576, 30, 9, 3, True)
+
+
+@pytest.mark.parametrize("name", ["smol_gsm8k_sft", "smol_gsm8k_grpo", "smol_hh_dpo"])
+def test_the_real_model_experiments_resolve_with_the_shared_data(name):
+  """Registered, pointed at the prepared model and ../shared/data by default, checked like a
+  run (validate), and their data files read into examples with answers where GRPO needs them."""
+  smol, why = real_model()
+  if smol is None:
+    pytest.skip(why)
+  from jaxrlhf import registry
+  from jaxrlhf.data import DataSource
+  cfg = registry.get(name)
+  if not (cfg.data.sft_path or cfg.data.prompts_path or cfg.data.pairs_path):
+    pytest.skip("../shared/data is not beside this checkout")
+  cfg = M.resolve_config(name, [])
+  assert cfg.model.hf_path == smol and cfg.model.n_layers == 30
+  src = DataSource(cfg.data, cfg.seed)
+  kind = {"smol_gsm8k_sft": "sft", "smol_gsm8k_grpo": "prompts", "smol_hh_dpo": "pairs"}[name]
+  train, held = src.examples(kind, 0, 4), src.eval_examples(kind)
+  assert len(train) == 4 and len(held) >= 32
+  if kind != "pairs":
+    assert all(ex.answer and ex.answer.replace(",", "").lstrip("-").replace(".", "").isdigit()
+               for ex in held)  # GSM8K's final values, out of "#### N"
 
 
 def test_pretrained_defaults_and_a_warm_up_whose_first_step_trains():
