@@ -93,26 +93,35 @@ def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer
     if stage.eval_every and (done % stage.eval_every == 0 or done == stage.steps):
       metrics.update(stage.evaluate(state, frozen))
       evaluated = True
-    if evaluated or done % log_every == 0 or done == stage.steps:
-      writer.write(stage.name, done, metrics)
-    last = metrics
     reason = stage.target_reached(metrics) if evaluated and done < stage.steps else ""
     extra_now = {**extra(done), "target_reached": reason} if reason else extra(done)
     if checkpointer is not None:
-      t0 = time.perf_counter()
-      if checkpointer.maybe_save(done, state, extra_now, metrics):
-        how = "writing in the background" if checkpointer.cfg.async_save else "written"
-        writer.message(f"{stage.name}: checkpoint {done} -> {checkpointer.directory} "
-                       f"({time.perf_counter() - t0:.2f}s, {how})")
+      # Saved before the record is written, so that its size is in it. The stage's last step
+      # (or the one that meets its target) is always saved: the stage ends there.
+      _checkpoint(stage, checkpointer, writer, done, state, extra_now, metrics,
+                  force=bool(reason) or done == stage.steps)
+    if evaluated or done % log_every == 0 or done == stage.steps:
+      writer.write(stage.name, done, metrics)
+    last = metrics
     if reason:
       writer.end_stage(stage.name)
       writer.message(f"{stage.name}: {reason} at step {done} of {stage.steps}; "
                      "the stage ends here")
-      if checkpointer is not None:
-        checkpointer.save_now(done, state, extra_now, metrics)
       return state, last, False, done
     if should_stop() and done < stage.steps:  # after the last step the stage just finishes
       if checkpointer is not None:
         checkpointer.save_now(done, state, extra(done), metrics)
       return state, last, True, done
   return state, last, False, stage.steps
+
+
+def _checkpoint(stage, checkpointer, writer, done, state, extra, metrics, *, force):
+  """A checkpoint of step ``done`` when due (or ``force``): one log line with its size, and
+  that size as ``checkpoint/bytes`` in ``metrics``."""
+  t0 = time.perf_counter()
+  if checkpointer.maybe_save(done, state, extra, metrics, force=force):
+    how = "writing in the background" if checkpointer.cfg.async_save else "written"
+    size = checkpointer.last_save_bytes
+    metrics["checkpoint/bytes"] = float(size)
+    writer.message(f"{stage.name}: checkpoint {done} -> {checkpointer.directory} "
+                   f"({size / 2**20:.1f} MiB, {time.perf_counter() - t0:.2f}s, {how})")
