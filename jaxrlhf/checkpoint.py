@@ -314,6 +314,17 @@ class Checkpointer:
 
   # ------------------------------------------------------------------------------- save
 
+  def due(self, step: int, *, force: bool = False) -> bool:
+    """Whether :meth:`maybe_save` of ``step`` would save now (``force``: whatever the
+    cadence); a caller that asks first then saves with ``save_now``."""
+    return (self.cfg.enabled and (force or self._due(step))
+            and step not in self._manager.all_steps())
+
+  def save_bytes(self, state, extra: Optional[dict] = None) -> int:
+    """What a save of ``state`` and ``extra`` writes: the arrays and the JSON items."""
+    return tree_bytes(state) + sum(len(json.dumps(x)) for x in (
+        _to_json(extra or {}, "extra"), self._run_config, self._frozen))
+
   def _due(self, step: int) -> bool:
     by_steps = self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
     by_time = (self.cfg.every_seconds > 0 and
@@ -351,8 +362,7 @@ class Checkpointer:
         CONFIG: ocp.args.JsonSave(self._run_config), FROZEN: ocp.args.JsonSave(self._frozen)})
     self._manager.save(step, args=args, metrics=ranked, force=True)
     self._last_save_time = self._clock()
-    self.last_save_bytes = tree_bytes(state) + sum(
-        len(json.dumps(x)) for x in (extra, self._run_config, self._frozen))
+    self.last_save_bytes = self.save_bytes(state, extra)
     return True
 
   def save_now(self, step: int, state, extra: Optional[dict] = None,

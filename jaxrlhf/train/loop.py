@@ -95,14 +95,23 @@ def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer
       evaluated = True
     reason = stage.target_reached(metrics) if evaluated and done < stage.steps else ""
     extra_now = {**extra(done), "target_reached": reason} if reason else extra(done)
-    if checkpointer is not None:
-      # Saved before the record is written, so that its size is in it. The stage's last step
-      # (or the one that meets its target) is always saved: the stage ends there.
-      _checkpoint(stage, checkpointer, writer, done, state, extra_now, metrics,
-                  force=bool(reason) or done == stage.steps)
+    # The stage's last step (or the one that meets its target) is always saved: it ends there.
+    # The record, with the checkpoint's size, is written before the save starts, so a crash
+    # after the save never loses the step's record.
+    force = bool(reason) or done == stage.steps
+    save = checkpointer is not None and checkpointer.due(done, force=force)
+    if save:
+      metrics["checkpoint/bytes"] = float(checkpointer.save_bytes(state, extra_now))
     if evaluated or done % log_every == 0 or done == stage.steps:
       writer.write(stage.name, done, metrics)
     last = metrics
+    t0 = time.perf_counter()
+    if checkpointer is not None and checkpointer.maybe_save(done, state, extra_now, metrics,
+                                                            force=force):
+      how = "writing in the background" if checkpointer.cfg.async_save else "written"
+      writer.message(f"{stage.name}: checkpoint {done} -> {checkpointer.directory} "
+                     f"({checkpointer.last_save_bytes / 2**20:.1f} MiB, "
+                     f"{time.perf_counter() - t0:.2f}s, {how})")
     if reason:
       writer.end_stage(stage.name)
       writer.message(f"{stage.name}: {reason} at step {done} of {stage.steps}; "
@@ -114,14 +123,3 @@ def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer
       return state, last, True, done
   return state, last, False, stage.steps
 
-
-def _checkpoint(stage, checkpointer, writer, done, state, extra, metrics, *, force):
-  """A checkpoint of step ``done`` when due (or ``force``): one log line with its size, and
-  that size as ``checkpoint/bytes`` in ``metrics``."""
-  t0 = time.perf_counter()
-  if checkpointer.maybe_save(done, state, extra, metrics, force=force):
-    how = "writing in the background" if checkpointer.cfg.async_save else "written"
-    size = checkpointer.last_save_bytes
-    metrics["checkpoint/bytes"] = float(size)
-    writer.message(f"{stage.name}: checkpoint {done} -> {checkpointer.directory} "
-                   f"({size / 2**20:.1f} MiB, {time.perf_counter() - t0:.2f}s, {how})")
