@@ -9,7 +9,13 @@ A training run writes its checkpoints with a :class:`Checkpointer`, one per stag
             version, ...);
 ``config``  the resolved run config, as JSON, so a resume can check it still fits;
 ``frozen``  JSON manifest of the frozen roles, by reference to where their parameters live
-            (an earlier stage's result) rather than a copy per save.
+            (an earlier stage's result, a Hugging Face directory, a seeded init) rather than
+            a copy per save.
+
+So a checkpoint's size is the trainable state's: with AdamW, three times the trained
+parameters (the weights and two moments, in their dtypes), whatever the frozen roles weigh.
+:attr:`Checkpointer.last_save_bytes` is what the last save handed to the writer (the loop logs
+it and reports it as ``checkpoint/bytes``); ``keep`` (default 2) bounds the disk to that many.
 
 Saving is asynchronous: :meth:`Checkpointer.maybe_save` copies the arrays to host memory and
 returns, and a background thread writes them, so the step that follows may donate the state.
@@ -80,6 +86,12 @@ def _to_json(value, what: str):
   out = clean(value, "")
   json.dumps(out)
   return out
+
+
+def tree_bytes(tree) -> int:
+  """The bytes of a pytree's arrays (global sizes, not per process)."""
+  return int(sum(x.nbytes if hasattr(x, "nbytes") else np.asarray(x).nbytes
+                 for x in jax.tree.leaves(tree)))
 
 
 def checkpoint_dir(workdir: str, stage: str) -> str:
@@ -264,6 +276,7 @@ class Checkpointer:
     self._frozen = _to_json(frozen or {}, "frozen")
     self._clock = clock  # injectable so tests can drive every_seconds
     self._last_save_time = clock()
+    self.last_save_bytes = 0  # what the last save wrote: the state's arrays and the JSON
     self._manager = self._open()
 
   def _open(self) -> ocp.CheckpointManager:
@@ -300,6 +313,17 @@ class Checkpointer:
     return self._manager.best_step()
 
   # ------------------------------------------------------------------------------- save
+
+  def due(self, step: int, *, force: bool = False) -> bool:
+    """Whether :meth:`maybe_save` of ``step`` would save now (``force``: whatever the
+    cadence); a caller that asks first then saves with ``save_now``."""
+    return (self.cfg.enabled and (force or self._due(step))
+            and step not in self._manager.all_steps())
+
+  def save_bytes(self, state, extra: Optional[dict] = None) -> int:
+    """What a save of ``state`` and ``extra`` writes: the arrays and the JSON items."""
+    return tree_bytes(state) + sum(len(json.dumps(x)) for x in (
+        _to_json(extra or {}, "extra"), self._run_config, self._frozen))
 
   def _due(self, step: int) -> bool:
     by_steps = self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
@@ -338,6 +362,7 @@ class Checkpointer:
         CONFIG: ocp.args.JsonSave(self._run_config), FROZEN: ocp.args.JsonSave(self._frozen)})
     self._manager.save(step, args=args, metrics=ranked, force=True)
     self._last_save_time = self._clock()
+    self.last_save_bytes = self.save_bytes(state, extra)
     return True
 
   def save_now(self, step: int, state, extra: Optional[dict] = None,

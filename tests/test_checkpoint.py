@@ -472,3 +472,45 @@ def test_sigterm_checkpoints_exits_zero_and_resumes(tmp_path, jit_cache, straigh
   assert second.wait_for("start")["step"] == 3
   assert second.losses() == {s: ref_losses[s] for s in range(4, 9)}
   _assert_same_final(f"{wd}/final.npz", ref_final)
+
+
+def test_checkpoints_hold_the_trainable_state_only_logged_and_pruned(tmp_path, capsys):
+  """A PPO stage (frozen reference and reward model, trained policy and value): every save is
+  the trainable state's bytes (the frozen roles are referenced by the manifest, never
+  written), its size is logged once per save and recorded as ``checkpoint/bytes``, and
+  ``keep`` prunes the older ones."""
+  from test_train import config
+  from jaxrlhf.data import DataSource
+  from jaxrlhf.metrics import MetricsWriter
+  from jaxrlhf.train.loop import run_stage
+  from jaxrlhf.train.pipeline import frozen_manifest
+  from jaxrlhf.train.spec import build_stage
+  cfg = config(stages=("ppo",))
+  cfg = dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, steps=3),
+                            checkpoint=CheckpointConfig(every_steps=1, keep=2),
+                            logging=LoggingConfig(console=False, sinks=("jsonl",)))
+  wd = str(tmp_path)
+  stage = build_stage("ppo", cfg, mesh(), DataSource(cfg.data, cfg.seed))
+  state, frozen = stage.init(jax.random.key(0), {})
+  trainable, frozen_bytes = C.tree_bytes(state), C.tree_bytes(frozen)
+  assert set(frozen) == {"reference", "reward"} and frozen_bytes > 2**17
+  ck_dir = C.checkpoint_dir(wd, "ppo")
+  writer = MetricsWriter(wd, cfg.logging, {"ppo": 3})
+  with C.Checkpointer(ck_dir, cfg.checkpoint, to_dict(cfg),
+                      frozen=frozen_manifest(stage, wd, {})) as ck, jax.set_mesh(stage.mesh):
+    run_stage(stage, state, frozen, writer=writer, checkpointer=ck)
+  writer.close()
+  with open(os.path.join(wd, "metrics.jsonl")) as f:
+    saved = [json.loads(line).get("checkpoint/bytes") for line in f]
+  assert saved == [saved[1]] * 3
+  # The second save: the trainable state plus the JSON items (config, manifest, position).
+  assert trainable <= saved[1] < trainable + 2**16 < trainable + frozen_bytes
+  assert sorted(int(s) for s in os.listdir(ck_dir) if s.isdigit()) == [2, 3]  # keep=2
+  with open(os.path.join(ck_dir, "2", "state", "_METADATA")) as f:
+    tree = json.load(f)["tree_metadata"]
+  keys = [[k["key"] for k in v["key_metadata"]] for v in tree.values()]
+  assert {k[1] for k in keys if k[0] == "params"} == {"policy", "value"}
+  with open(os.path.join(ck_dir, "2", "frozen", "metadata")) as f:
+    assert set(json.load(f)) == {"reference", "reward"}
+  lines = [l for l in capsys.readouterr().out.splitlines() if ": checkpoint " in l]
+  assert len(lines) == 3 and all(" MiB, " in l for l in lines)

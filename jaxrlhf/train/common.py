@@ -98,9 +98,17 @@ _global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.glob
 
 def apply_update(params, opt_state, grads, loss, optimizer: optax.GradientTransformation):
   """One optimizer update, skipped (params and state unchanged) if the loss or any gradient is
-  not finite.  Returns ``(params, opt_state, finite, grad_norm)``."""
+  not finite, or if the gradient is exactly zero.  Returns ``(params, opt_state, finite,
+  grad_norm)``.
+
+  A zero gradient is a batch with no signal (an RL batch whose advantages are all zero, at
+  policy = reference): AdamW would still move the weights by its decoupled weight decay and
+  by the momentum of earlier batches, so the step is left out as a non-finite one is, the
+  schedule and the moments included.  It is not counted as a skip (``skips/*`` count
+  non-finite steps, which stop a run after ``max_consecutive_skips``)."""
   grad_norm = _global_norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  apply = finite & (grad_norm > 0)
   # Zero the gradients on a bad step so the update itself stays finite, then keep the old state.
   safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
   updates, new_opt = optimizer.update(safe, opt_state, params)
@@ -109,7 +117,7 @@ def apply_update(params, opt_state, grads, loss, optimizer: optax.GradientTransf
   # update overwrites, so it copies every moment first (benchmarks/NOTES.md, change 9).
   updates, new_opt = jax.lax.optimization_barrier((updates, new_opt))
   new_params = optax.apply_updates(params, updates)
-  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
   return keep(new_params, params), keep(new_opt, opt_state), finite, grad_norm
 
 

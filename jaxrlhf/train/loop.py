@@ -99,27 +99,34 @@ def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer
     if stage.eval_every and (done % stage.eval_every == 0 or done == stage.steps):
       metrics.update(stage.evaluate(state, frozen))
       evaluated = True
+    reason = stage.target_reached(metrics) if evaluated and done < stage.steps else ""
+    extra_now = {**extra(done), "target_reached": reason} if reason else extra(done)
+    # The stage's last step (or the one that meets its target) is always saved: it ends there.
+    # The record, with the checkpoint's size, is written before the save starts, so a crash
+    # after the save never loses the step's record.
+    force = bool(reason) or done == stage.steps
+    save = checkpointer is not None and checkpointer.due(done, force=force)
+    if save:
+      metrics["checkpoint/bytes"] = float(checkpointer.save_bytes(state, extra_now))
     if evaluated or done % log_every == 0 or done == stage.steps:
       writer.write(stage.name, done, metrics)
     writer.write_samples(stage.name, done, stage.take_samples())
     last = metrics
-    reason = stage.target_reached(metrics) if evaluated and done < stage.steps else ""
-    extra_now = {**extra(done), "target_reached": reason} if reason else extra(done)
-    if checkpointer is not None:
-      t0 = time.perf_counter()
-      if checkpointer.maybe_save(done, state, extra_now, metrics):
-        how = "writing in the background" if checkpointer.cfg.async_save else "written"
-        writer.message(f"{stage.name}: checkpoint {done} -> {checkpointer.directory} "
-                       f"({time.perf_counter() - t0:.2f}s, {how})")
+    t0 = time.perf_counter()
+    if checkpointer is not None and checkpointer.maybe_save(done, state, extra_now, metrics,
+                                                            force=force):
+      how = "writing in the background" if checkpointer.cfg.async_save else "written"
+      writer.message(f"{stage.name}: checkpoint {done} -> {checkpointer.directory} "
+                     f"({checkpointer.last_save_bytes / 2**20:.1f} MiB, "
+                     f"{time.perf_counter() - t0:.2f}s, {how})")
     if reason:
       writer.end_stage(stage.name)
       writer.message(f"{stage.name}: {reason} at step {done} of {stage.steps}; "
                      "the stage ends here")
-      if checkpointer is not None:
-        checkpointer.save_now(done, state, extra_now, metrics)
       return state, last, False, done
     if should_stop() and done < stage.steps:  # after the last step the stage just finishes
       if checkpointer is not None:
         checkpointer.save_now(done, state, extra(done), metrics)
       return state, last, True, done
   return state, last, False, stage.steps
+

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 from jaxrlhf import rewards as RW
 from jaxrlhf.algorithms import (POLICY_LOSSES, aggregate, entropy_bonus, kl_estimate,
-                                kl_penalty_loss, off_policy_weights, overlong_penalty,
+                                kl_penalty_loss, masked_token_mean, off_policy_weights,
+                                overlong_penalty,
                                 select_groups, update_kl_controller)
 from jaxrlhf.config import KLConfig
 from jaxrlhf.rollout import carry_queue, carry_take
@@ -145,15 +146,24 @@ def _refill_carry(stage, batch, c: StepCarry, policy, key, kw) -> StepCarry:
 
 def reference(stage, frozen, batch, c: StepCarry) -> StepCarry:
   """Reference log-probs (the behaviour log-probs when no reference is needed) and the
-  per-token KL of the rollout to them."""
+  per-token KL of the rollout to them.
+
+  The KL's policy side is the policy's own teacher-forced log-probs, computed by the very call
+  that computes the reference's (same function, shapes and program), not the sampler's: at
+  policy = reference the KL is then exactly 0, where the sampler's log-probs differ from a
+  forward pass by float rounding (0.03 per token in bf16) and that noise would be the KL."""
   del batch
   ro = c.rollout
   if "reference" not in frozen:
-    ref = ro.behaviour_logp_BN
+    ref = policy = ro.behaviour_logp_BN
   else:
     ref, _ = PK.token_logprobs(stage, frozen["reference"], ro.tokens_BT, ro.mask_BT,
                                packed_rows(c), role="reference", start=stage.P)
-  kl = jnp.where(ro.response_mask_BN, kl_of(stage.scfg.kl, ro.behaviour_logp_BN, ref), 0.0)
+    policy, _ = PK.token_logprobs(stage, stage.view(c.state.params, frozen, "policy"),
+                                  ro.tokens_BT, ro.mask_BT, packed_rows(c), role="policy",
+                                  start=stage.P)
+    policy = jax.lax.stop_gradient(policy)
+  kl = jnp.where(ro.response_mask_BN, kl_of(stage.scfg.kl, policy, ref), 0.0)
   return c.replace(rollout=ro.replace(ref_logp_BN=ref, kl_BN=kl))
 
 
@@ -247,7 +257,6 @@ def train(stage, frozen, batch, c: StepCarry, *, roles, terms) -> StepCarry:
   ub = UpdateBatch(tokens_BT=ro.tokens_BT, mask_BT=ro.mask_BT, update_mask_BN=sh.update_mask_BN,
                    old_logp_BN=old if policy else None,
                    behaviour_logp_BN=ro.behaviour_logp_BN if policy else None,
-                   ref_logp_BN=ro.ref_logp_BN if policy else None,
                    adv_BN=sh.adv_BN if policy else None,
                    values_BN=c.scored.values_BN if "value" in terms else None,
                    returns_BN=sh.returns_BN if "value" in terms else None)
@@ -269,7 +278,9 @@ def finish(stage, frozen, batch, c: StepCarry) -> StepCarry:
                                 adaptive=scfg.kl.adaptive)
   state = state.replace(step=state.step + 1, extras={**state.extras, "kl": new_kl})
   lengths = ro.lengths_B.astype(jnp.float32)
-  metrics = {"kl/mean": jnp.mean(seq_kl), "kl/coef": kl_coef,
+  # kl/mean per response token; kl/seq_sum per sequence (what the controller reads).
+  metrics = {"kl/mean": masked_token_mean(kl_tok, ro.response_mask_BN),
+             "kl/seq_sum": jnp.mean(seq_kl), "kl/coef": kl_coef,
              "response_length/mean": jnp.mean(lengths),
              "rollout/tokens": jnp.sum(lengths),
              "rollout/finished_frac": jnp.mean(ro.finished_B.astype(jnp.float32)),
@@ -369,6 +380,8 @@ def epochs(stage, frozen, state, ub: UpdateBatch, kl_coef, *, roles, terms, pack
     def loss_fn(p, micro):
       total, metrics = 0.0, {}
       p = stage.views(p, frozen)  # LoRA roles: adapters over their frozen bases
+      if "reference" in frozen:  # read, never trained (the KL term's own forward)
+        p = {**p, "reference": frozen["reference"]}
       for term in terms:
         loss, m = stage.spec.terms[term](stage, p, micro, denom=denom, n_seq=n_seq,
                                          kl_coef=kl_coef)
@@ -388,7 +401,9 @@ def epochs(stage, frozen, state, ub: UpdateBatch, kl_coef, *, roles, terms, pack
       new_params = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_params, params)
       new_opt = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_opt, opt_state)
     extras = count_skip(extras, finite)
-    aux = {**aux, "loss": loss, "grad_norm": norms[roles[0]]}
+    aux = {**aux, "loss": loss, "grad_norm": norms[roles[0]],
+           # Updates left out for an exactly zero gradient (apply_update), as a fraction.
+           "skips/zero_grad": (norms[roles[0]] == 0).astype(jnp.float32)}
     if "_mismatch" in aux:
       aux["rollout/logprob_mismatch"] = jnp.where(is_first, aux["_mismatch"], 0.0)
     return (new_params, new_opt, extras), aux
@@ -426,8 +441,14 @@ def policy_term(stage, params, mb: UpdateBatch, *, denom, n_seq, kl_coef):
              "_mismatch": mismatch}
   loss = pg + bonus
   if scfg.kl.placement == "loss" and (scfg.kl.coef > 0 or scfg.kl.adaptive):
-    # The KL to the reference aggregated like the policy loss (docs/conventions.md).
-    kl = kl_of(scfg.kl, logp, mb.ref_logp_BN)
+    # The KL to the reference aggregated like the policy loss (docs/conventions.md).  The
+    # reference's log-probs are computed here, by the same call on the same (micro-)batch as
+    # the policy's: the reference phase's, of the whole batch in another program, differ from
+    # these by float rounding, and at policy = reference that rounding would be the KL and
+    # its gradient (which Adam scales to a full step).
+    ref, _ = PK.token_logprobs(stage, params["reference"], mb.tokens_BT, mb.mask_BT, mb.packed,
+                               role="reference", start=stage.P)
+    kl = kl_of(scfg.kl, logp, jax.lax.stop_gradient(ref))
     penalty, _ = kl_penalty_loss(kl, mask, coef=kl_coef, **agg)
     loss = loss + penalty
     metrics["kl/loss"] = aggregate(kl, mask, mode=scfg.loss_agg, denom=agg["denom"],

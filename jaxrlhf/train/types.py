@@ -59,7 +59,9 @@ class Rollout:
   answer_mask_BR: Optional[jax.Array] = None  # bool
   # Filled by the reference phase:
   ref_logp_BN: Optional[jax.Array] = None  # f32 under the frozen reference
-  kl_BN: Optional[jax.Array] = None  # f32 per-token KL(behaviour || reference), 0 where masked
+  # f32 per-token KL(policy || reference), 0 where masked: the policy's teacher-forced
+  # log-probs (not the sampler's), computed as the reference's are
+  kl_BN: Optional[jax.Array] = None
 
 
 @flax.struct.dataclass
