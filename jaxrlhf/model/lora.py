@@ -215,6 +215,11 @@ def load_peft(path: str, cfg: ModelConfig, lora: LoraConfig,
   if isinstance(modules, str):
     raise ConfigError(f"{file}: target_modules is a pattern ({modules!r}); list the modules")
   problems = []
+  for key in ("r", "lora_alpha"):
+    v = config.get(key, 8)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+      raise ConfigError(f"{file}: {key}={v!r} is not a number; write it as one (PEFT's "
+                        f"save_pretrained writes e.g. \"{key}\": 16)")
   if config.get("r") != lora.rank:
     problems.append(f"r={config.get('r')} (set --set={prefix}.rank={config.get('r')})")
   if float(config.get("lora_alpha", 8)) != float(lora.alpha):
@@ -233,7 +238,9 @@ def load_peft(path: str, cfg: ModelConfig, lora: LoraConfig,
   weights = os.path.join(path, "adapter_model.safetensors")
   if not os.path.isfile(weights):
     raise ConfigError(f"{setting}={path!r}: no adapter_model.safetensors there")
-  tensors = load_file(weights)
+  from jaxrlhf.model.hf.mapping import safetensors_errors
+  with safetensors_errors(weights, "the adapter"):
+    tensors = load_file(weights)
   dtype = np.dtype(cfg.param_dtype) if cfg.param_dtype != "bfloat16" else jnp.bfloat16
   sizes = {**_SIZES(cfg), "lora": lora.rank}
   out = {}
