@@ -183,7 +183,7 @@ def test_exceptions_and_bad_values_are_masked_and_counted_or_stop(tmp_path, caps
   np.testing.assert_array_equal(got.scores, [1.0, np.nan, np.nan, np.nan, np.nan])
   assert (got.errors, got.invalid, got.unscored) == (1, 1, 2)
   assert got.metrics() == {"reward/host_errors": 1.0, "reward/host_invalid": 1.0,
-                           "reward/host_unscored": 2.0}
+                           "reward/host_unscored": 2.0, "reward/host_timeouts": 0.0}
   out = capsys.readouterr().out
   assert "my_reward.py:picky: 2 of 5 responses could not be scored" in out
   assert "ValueError: cannot parse boom at " in out and "my_reward.py:6 in picky)" in out
