@@ -167,6 +167,33 @@ def test_wrong_lengths_and_types_stop_with_the_function_named(tmp_path):
     R.score_host(R.resolve_host_reward(f"host:{path}:scalar"), ["a", "b"], ROWS[:2])
 
 
+def test_a_stuck_call_is_abandoned_at_the_limit_the_retry_shares(tmp_path, capsys):
+  """A batch call that raises is retried one response at a time, all of them within the
+  batch's own reward.timeout_s: a response whose call hangs is abandoned at that limit, and
+  the responses after it (no time left) are masked as timeouts too."""
+  import time
+  path = _file(tmp_path, """
+      import time
+      def hangs(responses, examples):
+        if len(responses) > 1:
+          raise ValueError("one at a time, please")
+        if responses[0] == "hang":
+          time.sleep(3600)
+        return [1.0]
+      """)
+  reward = R.resolve_host_reward(f"host:{path}:hangs")
+  assert not reward.bounded and R.resolve_host_reward("host:math_verify").bounded
+  t0 = time.monotonic()
+  got = R.score_host(reward, ["a", "hang", "b"], [{"answer": ""}] * 3, timeout_s=0.5)
+  assert time.monotonic() - t0 < 5
+  np.testing.assert_array_equal(got.scores, [1.0, np.nan, np.nan])
+  assert (got.errors, got.timeouts) == (0, 2) and got.metrics()["reward/host_timeouts"] == 2.0
+  assert "responses 1 to 2 did not return within reward.timeout_s=0.5 s" in capsys.readouterr().out
+  with pytest.raises(ConfigError, match=r"hangs did not return within reward.timeout_s=0.2 s on a "
+                                        r"batch of 1 responses"):
+    R.score_host(reward, ["hang"], [{"answer": ""}], on_error="raise", timeout_s=0.2)
+
+
 def test_exceptions_and_bad_values_are_masked_and_counted_or_stop(tmp_path, capsys):
   path = _file(tmp_path, """
       def picky(responses, examples):
