@@ -194,8 +194,12 @@ def read_peft_config(path: str, setting: str = "lora.init_from") -> dict:
   try:
     with open(file, encoding="utf-8") as f:
       config = json.load(f)
-  except json.JSONDecodeError as e:
-    raise ConfigError(f"{file}: not valid JSON ({e})") from None
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError (a binary file)
+    raise ConfigError(f"{file}: not valid JSON ({' '.join(str(e).split())[:200]}); the file is "
+                      f"damaged or cut short: copy or save the adapter again") from None
+  if not isinstance(config, dict):
+    raise ConfigError(f"{file}: holds a JSON {type(config).__name__}, not an object of "
+                      f"settings; copy or save the adapter again")
   if config.get("peft_type", "LORA") != "LORA":
     raise ConfigError(f"{file}: peft_type={config.get('peft_type')!r}; only LoRA adapters load")
   return config

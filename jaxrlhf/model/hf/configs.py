@@ -15,12 +15,17 @@ from jaxrlhf.model.hf.mapping import (FAMILIES, GEMMA, HFError, SUPPORTED_ARCHIT
 
 def _read_json(path: str, what: str) -> dict:
   try:
-    with open(path) as f:
-      return json.load(f)
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
   except FileNotFoundError:
     raise HFError(f"{path}: not found; {what}") from None
-  except json.JSONDecodeError as e:
-    raise HFError(f"{path}: not valid JSON ({e})") from None
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError (a binary file)
+    raise HFError(f"{path}: not valid JSON ({one_line(e)}); the file is damaged or cut short: "
+                  f"copy or download it again") from None
+  if not isinstance(data, dict):
+    raise HFError(f"{path}: holds a JSON {type(data).__name__}, not an object of settings; "
+                  f"copy or download it again")
+  return data
 
 
 def _raw_config(path: str) -> dict:
