@@ -194,6 +194,21 @@ def test_a_stuck_call_is_abandoned_at_the_limit_the_retry_shares(tmp_path, capsy
     R.score_host(reward, ["hang"], [{"answer": ""}], on_error="raise", timeout_s=0.2)
 
 
+def test_timeout_zero_runs_the_function_on_the_calling_thread(tmp_path):
+  """reward.timeout_s=0: no limit, and the function runs where the step does (code that sets
+  signal handlers needs the main thread); otherwise it runs on a daemon thread."""
+  path = _file(tmp_path, """
+      import signal, threading
+      def main_only(responses, examples):
+        signal.signal(signal.SIGALRM, signal.getsignal(signal.SIGALRM))  # main thread only
+        return [float(threading.current_thread().daemon) for _ in responses]
+      """)
+  reward = R.resolve_host_reward(f"host:{path}:main_only")
+  assert R.score_host(reward, ["a"], [{"answer": ""}], timeout_s=0).scores.tolist() == [0.0]
+  got = R.score_host(reward, ["a"], [{"answer": ""}], timeout_s=5)
+  assert got.errors == 1 and np.isnan(got.scores[0])  # signal only works in the main thread
+
+
 def test_exceptions_and_bad_values_are_masked_and_counted_or_stop(tmp_path, capsys):
   path = _file(tmp_path, """
       def picky(responses, examples):

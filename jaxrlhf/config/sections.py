@@ -347,6 +347,8 @@ class RewardConfig:
   # thread, which never keeps the process from exiting): its responses are masked and counted
   # in reward/host_timeouts, or the run stops under host_errors=raise.  One call scores a
   # whole batch, so allow for the slowest batch (a code-running reward may need minutes).
+  # 0: no limit, the function runs on the calling thread (for code that needs the main
+  # thread, e.g. one that sets signal.alarm).
   timeout_s: float = 120.0
   # DAPO's overlong shaping: > 0 adds a penalty over the last this many tokens before
   # rollout.max_new_tokens, falling linearly from 0 to -overlong_penalty at the limit; 0: off.

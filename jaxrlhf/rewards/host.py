@@ -239,9 +239,10 @@ def _call(reward: HostReward, responses: list, examples: list,
 
 def _attempt(reward: HostReward, timeout_s: float, *args) -> tuple[str, object]:
   """One call of :func:`_call`: ``(kind, value)`` as :func:`jaxrlhf.usercode.call` gives it,
-  on a daemon thread under ``timeout_s`` (on this thread for a ``bounded`` function).  A
-  ConfigError (a wrong number of scores, a missing TRL argument) is raised here."""
-  if reward.bounded:
+  on a daemon thread under ``timeout_s`` (on this thread for a ``bounded`` function, or with
+  ``timeout_s=0``: no limit).  A ConfigError (a wrong number of scores, a missing TRL
+  argument) is raised here."""
+  if reward.bounded or timeout_s == 0:
     try:
       return usercode.OK, _call(reward, *args)
     except ConfigError:
@@ -266,7 +267,7 @@ def score_host(reward: HostReward, responses: Sequence[str], examples: Sequence[
   scores always stops.  When a batch call raises, each response is scored alone (all of them
   together again within ``timeout_s``), so one bad response masks only itself.  A call still
   running after ``timeout_s`` seconds is abandoned on its daemon thread and its responses are
-  masked (``timeouts``)."""
+  masked (``timeouts``); ``timeout_s=0`` calls the function on this thread, without a limit."""
   _check("reward.host_errors", on_error, HOST_ERROR_POLICIES)
   responses = [str(r) for r in responses]
   rows = [dict(ex) for ex in examples for _ in range(num_samples)]
@@ -299,8 +300,8 @@ def score_host(reward: HostReward, responses: Sequence[str], examples: Sequence[
     values = []
     deadline = time.monotonic() + timeout_s  # the batch's own limit, for all of them together
     for i in range(n):  # one at a time: find the responses that fail
-      left = deadline - time.monotonic()
-      k, v = ((usercode.TIMEOUT, None) if left <= 0 else
+      left = 0 if timeout_s == 0 else deadline - time.monotonic()  # 0: no limit
+      k, v = ((usercode.TIMEOUT, None) if timeout_s and left <= 0 else
               _attempt(reward, left, responses[i:i + 1], rows[i:i + 1], part(i)))
       if k == usercode.OK:
         values.extend(v)
