@@ -191,15 +191,8 @@ def read_peft_config(path: str, setting: str = "lora.init_from") -> dict:
   if not os.path.isfile(file):
     raise ConfigError(f"{setting}={path!r}: no adapter_config.json there; point it at a PEFT "
                       "adapter directory (adapter_config.json + adapter_model.safetensors)")
-  try:
-    with open(file, encoding="utf-8") as f:
-      config = json.load(f)
-  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError (a binary file)
-    raise ConfigError(f"{file}: not valid JSON ({' '.join(str(e).split())[:200]}); the file is "
-                      f"damaged or cut short: copy or save the adapter again") from None
-  if not isinstance(config, dict):
-    raise ConfigError(f"{file}: holds a JSON {type(config).__name__}, not an object of "
-                      f"settings; copy or save the adapter again")
+  from jaxrlhf.model.hf.configs import _read_json  # not valid JSON, not an object: one line
+  config = _read_json(file, "")
   if config.get("peft_type", "LORA") != "LORA":
     raise ConfigError(f"{file}: peft_type={config.get('peft_type')!r}; only LoRA adapters load")
   return config

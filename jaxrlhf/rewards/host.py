@@ -334,19 +334,23 @@ def score_host(reward: HostReward, responses: Sequence[str], examples: Sequence[
     scores[i] = float(v)
     unscored += int(not math.isfinite(float(v)))
   # Masked, counted in the metrics, and said once on the console per kind: never silent.
-  if failure and (reward.source, "failed") not in _WARNED:
-    _WARNED.add((reward.source, "failed"))
-    print(f"warning: {reward.where}: {errors + invalid} of {n} responses could not be scored "
-          f"(first, {failure}); they are masked out of the update and counted in "
-          f"reward/host_errors and reward/host_invalid (set reward.host_errors=raise to stop "
-          f"instead)", flush=True)
-  if late and (reward.source, "timeout") not in _WARNED:
-    _WARNED.add((reward.source, "timeout"))
-    print(f"warning: {reward.where}: {late}; the call was abandoned (it may still be running), "
-          f"and its {timeouts} responses are masked out of the update and counted in "
-          f"reward/host_timeouts (raise reward.timeout_s if the function is slow, or set "
-          f"reward.host_errors=raise to stop instead; said once)", flush=True)
+  if failure:
+    _warn_once(reward, "failed", f"{errors + invalid} of {n} responses could not be scored "
+               f"(first, {failure}); they are masked out of the update and counted in "
+               f"reward/host_errors and reward/host_invalid (set reward.host_errors=raise to "
+               f"stop instead)")
+  if late:
+    _warn_once(reward, "timeout", f"{late}; the call was abandoned (it may still be running), "
+               f"and its {timeouts} responses are masked out of the update and counted in "
+               f"reward/host_timeouts (raise reward.timeout_s if the function is slow, or set "
+               f"reward.host_errors=raise to stop instead; said once)")
   return HostScores(scores, errors, invalid, unscored, timeouts)
+
+
+def _warn_once(reward: HostReward, kind: str, text: str) -> None:
+  if (reward.source, kind) not in _WARNED:
+    _WARNED.add((reward.source, kind))
+    print(f"warning: {reward.where}: {text}", flush=True)
 
 
 @register_host_reward("exact_match", bounded=True)
