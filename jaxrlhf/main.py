@@ -2,7 +2,12 @@
 (or ``--config=run.json``, a config ``--print_config`` wrote).
 
 Flags -> experiment config -> train (default), or ``--plan`` (size the run for a cluster).
-Configuration mistakes print one line naming the valid choices and exit with status 2.
+
+The error boundary (:func:`main`): a user's mistake (a setting, a data file, a model or adapter
+folder, an experiment file, a host reward or environment under ``errors=raise``: every
+``ConfigError``, ``HFError`` and ``EnvError``) prints one ``error:`` line naming the file or
+field and the fix, and exits with status 2.  Any other exception is a bug in jaxrlhf and keeps
+its traceback, for the bug report.
 """
 
 from __future__ import annotations
@@ -179,8 +184,9 @@ def _run(argv) -> int:
 def main(argv) -> None:
   try:
     code = _run(argv)
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
+  except ConfigError as e:  # HFError and EnvError are ConfigErrors
+    # One line, whatever the user's own exception text (quoted in it) held.
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     sys.exit(2)
   except SinkError as e:  # logging.sink_errors=stop
     print(f"error: {e}", file=sys.stderr)

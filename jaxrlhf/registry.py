@@ -44,8 +44,39 @@ def get(name: str) -> ExperimentConfig:
   if name not in _REGISTRY:
     raise ConfigError(f"unknown experiment {name!r}; valid: {', '.join(sorted(_REGISTRY))} "
                       f"(or give the path of your own file: --experiment=path/to/my_exp.py)")
-  cfg = _REGISTRY[name]()
+  cfg = _build(name, _REGISTRY[name])
   return cfg if cfg.name == name else dataclasses.replace(cfg, name=name)
+
+
+def _build(name: str, fn: Callable[[], ExperimentConfig]) -> ExperimentConfig:
+  """Calls the builder of experiment ``name``.  A user's builder (from a file loaded by
+  :func:`load_python_file`) that raises, or any builder returning something else than an
+  ExperimentConfig, is a ConfigError naming the file, the line and the fix; a built-in
+  builder's exception is a bug and keeps its traceback."""
+  path = getattr(getattr(fn, "__code__", None), "co_filename", "") or "?"
+  user = getattr(fn, "__module__", "").startswith(_USER_PREFIX)
+  where = f"experiment {name!r} ({path}:{getattr(fn, '__name__', 'build')})"
+  if user:
+    try:
+      cfg = fn()
+    except ConfigError:
+      raise
+    except Exception as e:  # noqa: BLE001  (the user's code)
+      line = user_frame(e, path)
+      if isinstance(e, dataclasses.FrozenInstanceError):
+        raise ConfigError(
+            f"{where} failed{line}: {e} (configs are frozen); build a changed copy instead, "
+            f"e.g. cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, "
+            f"num_samples=4)), or change fields on the command line with --set") from None
+      raise ConfigError(f"{where} failed{line}: {type(e).__name__}: {e}; fix the function "
+                        f"(run `python {path}` to see the whole traceback)") from None
+  else:
+    cfg = fn()
+  if not isinstance(cfg, ExperimentConfig):
+    raise ConfigError(f"{where} returned {type(cfg).__name__} {str(cfg)[:60]!r}, not an "
+                      f"ExperimentConfig; return jaxrlhf.config.ExperimentConfig(...) (or a "
+                      f"registered one changed with dataclasses.replace)")
+  return cfg
 
 
 def is_path(experiment: str) -> bool:
@@ -95,6 +126,8 @@ def resolve(experiment: str) -> ExperimentConfig:
 
 _FILES: dict[str, object] = {}  # real path -> module, so a file is executed once per process
 
+_USER_PREFIX = "jaxrlhf_user."  # the module names of users' files
+
 
 def user_frame(exc: BaseException, path: str) -> str:
   """`` at file.py:LINE in FUNC``: the deepest frame of ``exc`` inside the user's file
@@ -117,7 +150,7 @@ def load_python_file(path: str, what: str):
   if real in _FILES:
     return _FILES[real]
   stem = os.path.splitext(os.path.basename(path))[0]
-  name = f"jaxrlhf_user.{stem}_{hashlib.sha1(real.encode()).hexdigest()[:8]}"
+  name = f"{_USER_PREFIX}{stem}_{hashlib.sha1(real.encode()).hexdigest()[:8]}"
   spec = importlib.util.spec_from_file_location(name, real)
   module = importlib.util.module_from_spec(spec)
   # Registered before it runs, as an import would be: dataclasses and pickling look it up.

@@ -3,6 +3,7 @@ timeouts, step_batch), the built-in calculator and guess environments against th
 demonstrations, the char_tools tokenizer, and append-only chat rendering."""
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -185,8 +186,9 @@ def test_runner_masks_and_counts_failures(capsys):
   runner.close()
 
 
-def test_runner_timeouts_are_masked_and_do_not_block():
-  runner = EnvRunner(_spec(Counter), workers=2, timeout_s=0.2, errors="mask")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_runner_timeouts_are_masked_and_do_not_block(workers):
+  runner = EnvRunner(_spec(Counter), workers=workers, timeout_s=0.2, errors="mask")
   runner.reset(_rows(5))
   t0 = time.monotonic()
   out = runner.step([0, 1, 2, 3, 4], ["sleep0.6", "sleep0.6", "a", "sleep0.05", "timeout-raise"])
@@ -195,8 +197,10 @@ def test_runner_timeouts_are_masked_and_do_not_block():
   assert out[2] == ("p21", 1.0, False, False) and out[3] == ("p31", 1.0, False, False)
   # The call's own TimeoutError is an error, not a timeout.
   assert runner.metrics() == {"env/errors": 1.0, "env/timeouts": 2.0}
-  # Both threads were stuck: the queued rows moved to a fresh pool and ran.
-  assert took < 0.55, took
+  # Every thread was stuck: the queued rows moved to a fresh pool and ran.  With workers=0
+  # the rows run one after another, each stuck one for its 0.2 s.
+  assert took < (0.55 if workers else 0.75), took
+  assert all(t.daemon for t in threading.enumerate() if t.name.startswith("jaxrlhf-env"))
   runner.close()
 
 

@@ -167,6 +167,48 @@ def test_wrong_lengths_and_types_stop_with_the_function_named(tmp_path):
     R.score_host(R.resolve_host_reward(f"host:{path}:scalar"), ["a", "b"], ROWS[:2])
 
 
+def test_a_stuck_call_is_abandoned_at_the_limit_the_retry_shares(tmp_path, capsys):
+  """A batch call that raises is retried one response at a time, all of them within the
+  batch's own reward.timeout_s: a response whose call hangs is abandoned at that limit, and
+  the responses after it (no time left) are masked as timeouts too."""
+  import time
+  path = _file(tmp_path, """
+      import time
+      def hangs(responses, examples):
+        if len(responses) > 1:
+          raise ValueError("one at a time, please")
+        if responses[0] == "hang":
+          time.sleep(3600)
+        return [1.0]
+      """)
+  reward = R.resolve_host_reward(f"host:{path}:hangs")
+  assert not reward.bounded and R.resolve_host_reward("host:math_verify").bounded
+  t0 = time.monotonic()
+  got = R.score_host(reward, ["a", "hang", "b"], [{"answer": ""}] * 3, timeout_s=0.5)
+  assert time.monotonic() - t0 < 5
+  np.testing.assert_array_equal(got.scores, [1.0, np.nan, np.nan])
+  assert (got.errors, got.timeouts) == (0, 2) and got.metrics()["reward/host_timeouts"] == 2.0
+  assert "responses 1 to 2 did not return within reward.timeout_s=0.5 s" in capsys.readouterr().out
+  with pytest.raises(ConfigError, match=r"hangs did not return within reward.timeout_s=0.2 s on a "
+                                        r"batch of 1 responses"):
+    R.score_host(reward, ["hang"], [{"answer": ""}], on_error="raise", timeout_s=0.2)
+
+
+def test_timeout_zero_runs_the_function_on_the_calling_thread(tmp_path):
+  """reward.timeout_s=0: no limit, and the function runs where the step does (code that sets
+  signal handlers needs the main thread); otherwise it runs on a daemon thread."""
+  path = _file(tmp_path, """
+      import signal, threading
+      def main_only(responses, examples):
+        signal.signal(signal.SIGALRM, signal.getsignal(signal.SIGALRM))  # main thread only
+        return [float(threading.current_thread().daemon) for _ in responses]
+      """)
+  reward = R.resolve_host_reward(f"host:{path}:main_only")
+  assert R.score_host(reward, ["a"], [{"answer": ""}], timeout_s=0).scores.tolist() == [0.0]
+  got = R.score_host(reward, ["a"], [{"answer": ""}], timeout_s=5)
+  assert got.errors == 1 and np.isnan(got.scores[0])  # signal only works in the main thread
+
+
 def test_exceptions_and_bad_values_are_masked_and_counted_or_stop(tmp_path, capsys):
   path = _file(tmp_path, """
       def picky(responses, examples):
@@ -183,7 +225,7 @@ def test_exceptions_and_bad_values_are_masked_and_counted_or_stop(tmp_path, caps
   np.testing.assert_array_equal(got.scores, [1.0, np.nan, np.nan, np.nan, np.nan])
   assert (got.errors, got.invalid, got.unscored) == (1, 1, 2)
   assert got.metrics() == {"reward/host_errors": 1.0, "reward/host_invalid": 1.0,
-                           "reward/host_unscored": 2.0}
+                           "reward/host_unscored": 2.0, "reward/host_timeouts": 0.0}
   out = capsys.readouterr().out
   assert "my_reward.py:picky: 2 of 5 responses could not be scored" in out
   assert "ValueError: cannot parse boom at " in out and "my_reward.py:6 in picky)" in out

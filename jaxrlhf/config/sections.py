@@ -10,7 +10,16 @@ from typing import Literal
 
 
 class ConfigError(ValueError):
-  """A user-facing configuration error: the message names the field and the fix."""
+  """A user-facing error: a bad setting, or a user's file or code that cannot be used (the
+  message names the field or file and the fix).  ``jaxrlhf.main`` prints it as one ``error:``
+  line and exits with status 2; any other exception is a bug and keeps its traceback."""
+
+
+def one_line(e: BaseException, limit: int = 200) -> str:
+  """``Type: message`` of a third-party library's exception on one line, at most ``limit``
+  characters of the message (for a ConfigError that wraps it)."""
+  text = " ".join(str(e).split())
+  return f"{type(e).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,8 +233,9 @@ class EnvConfig:
   # its return to limit_penalty.
   on_limit: Literal["truncate", "penalize"] = "truncate"
   limit_penalty: float = 0.0
-  # Host stepping: 0 steps the rows one after another, N in N threads; a call slower than
-  # timeout_s (threads only) fails the row.
+  # Host stepping: 0 steps the rows one after another, N in N threads.  A call still running
+  # after timeout_s (any worker count) fails its row and is abandoned on a daemon thread,
+  # which never keeps the process from exiting.
   workers: int = 0
   timeout_s: float = 30.0
   # A reset/step that raises or times out: "mask" ends that episode, drops it from the update
@@ -333,6 +343,13 @@ class RewardConfig:
   # unscorable (masked out of the update, counted in reward/host_errors and
   # reward/host_invalid); "raise" stops the run with the function's error.
   host_errors: Literal["mask", "raise"] = "mask"
+  # A host reward call still running after this many seconds is abandoned (left on a daemon
+  # thread, which never keeps the process from exiting): its responses are masked and counted
+  # in reward/host_timeouts, or the run stops under host_errors=raise.  One call scores a
+  # whole batch, so allow for the slowest batch (a code-running reward may need minutes).
+  # 0: no limit, the function runs on the calling thread (for code that needs the main
+  # thread, e.g. one that sets signal.alarm).
+  timeout_s: float = 120.0
   # DAPO's overlong shaping: > 0 adds a penalty over the last this many tokens before
   # rollout.max_new_tokens, falling linearly from 0 to -overlong_penalty at the limit; 0: off.
   overlong_buffer: int = 0

@@ -183,6 +183,9 @@ class RLConfig(StageConfig):
     c.need(0 <= buf <= cfg.rollout.max_new_tokens, f"{name}.reward.overlong_buffer", buf,
            f"must be in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}] (0 is off)")
     c.finite(self.reward, f"{name}.reward", "overlong_penalty")
+    c.finite(self.reward, f"{name}.reward", "timeout_s", 0.0,
+             "must be a number of seconds >= 0 (a host reward call running longer is abandoned; "
+             "0: no limit)")
     c.finite(self.kl, f"{name}.kl", "coef")
     r = self.reward
     if len(r.weights) != len(r.sources):

@@ -16,6 +16,18 @@ def _as_chat(value: "str | Chat", role: str) -> list[dict]:
   return value.messages if isinstance(value, Chat) else [{"role": role, "content": value}]
 
 
+def _blank(value: "str | Chat") -> bool:
+  """No text: an empty or whitespace string, or messages whose contents all are."""
+  if isinstance(value, Chat):
+    return all(not str(m.get("content", "")).strip() for m in value.messages)
+  return not str(value).strip()
+
+
+# The fields of each kind whose tokens the loss trains on (besides the end token); a pair's
+# sides are compared with each other, so an empty side still carries a signal.
+_TRAINED = {"sft": ("response",), "unpaired": ("completion",)}
+
+
 class Encoder:
   """Turns examples into fixed-shape numpy arrays in the shared prompt|response layout."""
 
@@ -121,6 +133,25 @@ class Encoder:
   @staticmethod
   def is_chat(ex: Example, field: str = "") -> bool:
     return isinstance(ex.prompt, Chat) or (bool(field) and isinstance(getattr(ex, field), Chat))
+
+  def degenerate(self, ex: Example, kind: str, where: str) -> str:
+    """Why ``ex`` is degenerate, or "" when it is not: an empty prompt (it would become a
+    BOS-only prompt), an empty turn to train on (an SFT response or KTO completion: the loss
+    would teach the end token alone), or such a turn whose text encodes to no tokens.  The
+    caller skips these and reports how many (:class:`jaxrlhf.data.DataSource`)."""
+    if _blank(ex.prompt):
+      return "an empty prompt"
+    for field in _TRAINED.get(kind, ()):
+      value = getattr(ex, field)
+      if _blank(value):
+        return f"an empty assistant turn in \"{field}\""
+      if self.is_chat(ex, field):
+        n = len(self.chat_parts(ex, field, where, field == "response")[2]) - 1
+      else:
+        n = len(self.encode(value, where, field))
+      if n == 0:
+        return f"no token to train on in \"{field}\" (its text encodes to none)"
+    return ""
 
   def check(self, ex: Example, kind: str, where: str) -> Optional[Example]:
     """Checks one example of a file up front, so that errors name ``where`` (FILE:LINE) and not a

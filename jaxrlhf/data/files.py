@@ -9,7 +9,7 @@ import os
 import re
 from typing import Optional, Sequence
 
-from jaxrlhf.config import ConfigError
+from jaxrlhf.config import ConfigError, one_line
 from jaxrlhf.data.examples import Chat, Example
 
 
@@ -92,12 +92,13 @@ def _parquet_rows(path: str, field: str):
     raise ConfigError(f"{path} (data.{field}): data.format=parquet reads one .parquet file, not "
                       f"a folder; give a file (or data.format=auto for a save_to_disk folder)")
   try:
-    table = pq.read_table(path)
+    rows = pq.read_table(path).to_pylist()
   except Exception as e:  # noqa: BLE001  (pyarrow's ArrowInvalid, OSError...)
-    raise ConfigError(f"{path}: not a readable Parquet file (data.{field}): {type(e).__name__}: "
-                      f"{' '.join(str(e).split())[:200]}; write it with "
-                      f"pandas.DataFrame.to_parquet or pyarrow.parquet.write_table") from None
-  yield from enumerate(table.to_pylist(), 1)
+    raise ConfigError(f"{path}: not a readable Parquet file (data.{field}): {one_line(e)}; "
+                      f"write it again with pandas.DataFrame.to_parquet or "
+                      f"pyarrow.parquet.write_table (a file cut short by a copy or download "
+                      f"has no footer)") from None
+  yield from enumerate(rows, 1)
 
 
 def _hf_disk_rows(path: str, field: str):
@@ -108,17 +109,21 @@ def _hf_disk_rows(path: str, field: str):
     raise ConfigError(f"{path} (data.{field}) is a datasets folder, which needs the datasets "
                       f"package; pip install 'jaxrlhf[data]'") from None
   if os.path.isfile(os.path.join(path, "dataset_dict.json")):
-    with open(os.path.join(path, "dataset_dict.json")) as f:
-      splits = json.load(f).get("splits", [])
+    try:
+      with open(os.path.join(path, "dataset_dict.json")) as f:
+        splits = list(json.load(f).get("splits", []))
+    except (ValueError, AttributeError, TypeError) as e:
+      raise ConfigError(f"{os.path.join(path, 'dataset_dict.json')}: not a datasets split list "
+                        f"({one_line(e)}); write the folder again with "
+                        f"DatasetDict.save_to_disk(DIR)") from None
     raise ConfigError(f"{path} (data.{field}) holds several splits ({', '.join(splits)}); point "
                       f"data.{field} at one of them, e.g. {os.path.join(path, splits[0] if splits else 'train')}")
   try:
-    ds = datasets.load_from_disk(path)
+    rows = datasets.load_from_disk(path).to_list()
   except Exception as e:  # noqa: BLE001  (FileNotFoundError, datasets' own errors)
     raise ConfigError(f"{path}: datasets.load_from_disk cannot read this folder (data.{field}): "
-                      f"{type(e).__name__}: {' '.join(str(e).split())[:200]}; write it with "
-                      f"Dataset.save_to_disk(DIR)") from None
-  yield from enumerate(ds.to_list(), 1)
+                      f"{one_line(e)}; write it again with Dataset.save_to_disk(DIR)") from None
+  yield from enumerate(rows, 1)
 
 
 def _field_map(fields: Sequence[str]) -> dict[str, str]:

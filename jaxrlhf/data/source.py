@@ -15,6 +15,12 @@ from jaxrlhf.data.files import _PATH_FIELD, RowShape, read_examples
 from jaxrlhf.data.encoding import Encoder
 
 
+def _rows(lines: list, limit: int = 5) -> str:
+  """``rows 1, 4, 9, ...``: the first ``limit`` of a file's rows (JSONL lines, table rows)."""
+  return ("row " if len(lines) == 1 else "rows ") + ", ".join(map(str, lines[:limit])) + (
+      ", ..." if len(lines) > limit else "")
+
+
 class DataSource:
   """Examples for training (by step) and a fixed evaluation set per kind, for one experiment."""
 
@@ -42,27 +48,47 @@ class DataSource:
                         f"'jsonl' (your files: JSONL, Parquet or datasets folders)")
 
   def _file(self, field: str, kind: str) -> list[Example]:
-    """The examples of ``data.<field>`` read as ``kind``, each checked once (:meth:`Encoder.check`)
-    with what ``data.overlong`` did reported; the same for training and evaluation files."""
+    """The examples of ``data.<field>`` read as ``kind``, each checked once (:meth:`Encoder.check`):
+    degenerate ones (:meth:`Encoder.degenerate`: an empty prompt or turn to train on) skipped,
+    and those and what ``data.overlong`` did reported on the console; ConfigError when none is
+    left.  The same for training and evaluation files."""
     if (field, kind) not in self._files:
       path = getattr(self.cfg, field)
       examples = read_examples(path, kind, field, self.cfg.format, self.cfg.fields,
                                RowShape.of(self.cfg))
       before = dict(self.encoder.counts)
-      kept = [ex for ex in examples if self.encoder.check(ex, kind, f"{path}:{ex.line}")]
-      if not kept:
-        raise ConfigError(f"{path}: every example (data.{field}) was skipped as over-long "
-                          f"(data.max_prompt_len={self.cfg.max_prompt_len}, data.max_response_len="
-                          f"{self.cfg.max_response_len}, data.overlong=skip); raise the limits or "
-                          f"shorten the examples")
-      dropped = len(examples) - len(kept)
+      kept, empty = [], {}
+      for ex in examples:
+        where = f"{path}:{ex.line}"
+        why = self.encoder.degenerate(ex, kind, where)
+        if why:
+          empty.setdefault(why, []).append(ex.line)
+        elif self.encoder.check(ex, kind, where):
+          kept.append(ex)
+      overlong = self.encoder.counts["data/skipped"] - before["data/skipped"]
       truncated = self.encoder.counts["data/truncated"] - before["data/truncated"]
-      if dropped or truncated:
-        # Never silent: say what the data.overlong policy did to this file.
-        print(f"{path}: {dropped} over-long example(s) skipped, {truncated} truncated to "
+      self.encoder.counts["data/skipped"] += sum(map(len, empty.values()))
+      # Never silent: what was skipped (and why), and what data.overlong did to this file.
+      said = [f"{len(lines)} with {why} ({_rows(lines)})" for why, lines in empty.items()]
+      if not kept:
+        if not empty:
+          raise ConfigError(f"{path}: every example (data.{field}) was skipped as over-long "
+                            f"(data.max_prompt_len={self.cfg.max_prompt_len}, data."
+                            f"max_response_len={self.cfg.max_response_len}, data.overlong=skip); "
+                            f"raise the limits or shorten the examples")
+        if overlong:
+          said.append(f"{overlong} over-long (data.overlong=skip)")
+        raise ConfigError(f"{path}: no example left to use (data.{field}): all {len(examples)} "
+                          f"were skipped, {'; '.join(said)}; fill in those rows or give "
+                          f"another file")
+      if said:
+        print(f"{path}: skipped {'; '.join(said)} (data.{field}); {len(kept)} of "
+              f"{len(examples)} examples kept", flush=True)
+      if overlong or truncated:
+        print(f"{path}: {overlong} over-long example(s) skipped, {truncated} truncated to "
               f"data.max_prompt_len={self.cfg.max_prompt_len} / data.max_response_len="
               f"{self.cfg.max_response_len} (data.overlong={self.cfg.overlong}); "
-              f"{len(kept)} examples kept")
+              f"{len(kept)} examples kept", flush=True)
       self._files[(field, kind)] = kept
     return self._files[(field, kind)]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from jaxrlhf.config import ConfigError, DataConfig
+from jaxrlhf.config import ConfigError, DataConfig, one_line
 
 
 PAD, BOS, EOS = 0, 1, 2
@@ -87,10 +87,9 @@ class HFTokenizer:
     from transformers import AutoTokenizer
     try:
       self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-      reason = " ".join(str(e).split())[:300]  # one line, however transformers wraps it
+    except Exception as e:  # noqa: BLE001  (OSError, JSON errors, the tokenizers library's own)
       raise ConfigError(f"data.tokenizer={path!r}: transformers cannot load a tokenizer from "
-                        f"this folder ({type(e).__name__}: {reason}); re-save it with "
+                        f"this folder ({one_line(e, 300)}); re-save it with "
                         f"tokenizer.save_pretrained(DIR), or point data.tokenizer at the "
                         f"model's folder") from None
     self.path = path

@@ -1,10 +1,10 @@
 """Stepping a batch of environment instances on the host: one instance per rollout row,
 failures (an exception, a timeout, a result of the wrong kind) masked and counted, or raised,
-and results always in row order."""
+and results always in row order.  Every call runs on a daemon thread under ``env.timeout_s``
+(:mod:`jaxrlhf.usercode`), so a stuck environment neither hangs the run nor the exit."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import copy
 import math
 import time
@@ -12,30 +12,36 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from jaxrlhf.config import ConfigError
 from jaxrlhf.envs.base import EnvSpec
+from jaxrlhf.usercode import OK as _OK, RAISED as _RAISED, TIMEOUT as _TIMEOUT
+from jaxrlhf.usercode import DaemonPool, outcome
 
 
 ENV_ERROR_POLICIES = ("mask", "raise")
 
 
-class EnvError(RuntimeError):
-  """An environment failed under ``env.errors=raise``: the message names the environment, the
-  row, the method and the original exception."""
+class EnvError(ConfigError, RuntimeError):
+  """An environment failed under ``env.errors=raise``, or broke the interface (``step_batch``
+  returning the wrong number of results): the message names the environment, the row, the
+  method and the original exception.  A user error: one ``error:`` line at the entry point."""
 
 
-_OK, _RAISED, _TIMEOUT = "ok", "raised", "timeout"
+# (environment, kind of failure) already reported on the console: said once per process, not
+# once per runner (training and evaluation each have one).
+_SAID: set[tuple[str, str]] = set()
 
 
 class EnvRunner:
   """Runs ``spec.cls`` for a batch of rows.
 
-  ``workers=0`` calls the rows one after another on this thread: ``timeout_s`` is not enforced
-  (nothing can interrupt a Python call). ``workers=N`` calls them in a pool of N threads and
-  fails a call still running after ``timeout_s`` (measured from when it started). Python
-  cannot kill a thread, so a timed-out call keeps running in its thread until it returns (and
-  the interpreter waits for it at exit); the runner moves the calls still queued to a fresh
-  pool, so one stuck call never blocks the rows behind it.  A class with ``step_batch`` is
-  stepped with one call per batch (in the pool when ``workers > 0``, with the timeout).
+  ``workers=0`` calls the rows one after another (on one daemon thread), ``workers=N`` in a
+  pool of N daemon threads; either way a call still running after ``timeout_s`` (measured from
+  when it started) fails its row.  Python cannot kill a thread, so a timed-out call keeps
+  running in its thread until it returns; the thread is a daemon, so it never keeps the
+  process from exiting, and the runner moves the calls still queued to a fresh pool, so one
+  stuck call never blocks the rows behind it.  A class with ``step_batch`` is stepped with one
+  call per batch, under the same timeout.
 
   ``errors="mask"``: a failed row is reported as done with reward 0.0 and ``failed=True``, and
   counted (``env/errors``: exceptions and results of the wrong kind; ``env/timeouts``); the
@@ -52,11 +58,10 @@ class EnvRunner:
     self.workers = workers
     self.timeout_s = float(timeout_s)
     self.errors = errors
-    self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # made on first use
+    self._pool: Optional[DaemonPool] = None  # made on first use
     self._envs: list = []
     self._ended: set[int] = set()  # rows whose episode ended (closed at the next reset)
     self._counts = {"env/errors": 0, "env/timeouts": 0}
-    self._said: set[str] = set()
 
   # ------------------------------------------------------------------ the batch API
 
@@ -131,7 +136,7 @@ class EnvRunner:
   def close(self) -> None:
     self._close_envs()
     if self._pool is not None:
-      self._pool.shutdown(wait=False, cancel_futures=True)
+      self._pool.shutdown()
       self._pool = None
 
   # ------------------------------------------------------------------ internals
@@ -153,16 +158,8 @@ class EnvRunner:
 
   def _map(self, fn: Callable, items: list) -> list[tuple[str, object]]:
     """``fn`` on each item: ``(kind, value)`` per item in order, kind ok / raised / timeout."""
-    if self.workers > 0 and self._pool is None:
-      self._pool = concurrent.futures.ThreadPoolExecutor(self.workers)
     if self._pool is None:
-      out = []
-      for item in items:
-        try:
-          out.append((_OK, fn(item)))
-        except Exception as e:  # noqa: BLE001  (the user's code)
-          out.append((_RAISED, e))
-      return out
+      self._pool = DaemonPool(max(self.workers, 1), "jaxrlhf-env")
     started: list[Optional[float]] = [None] * len(items)
 
     def call(i):
@@ -171,35 +168,27 @@ class EnvRunner:
 
     futures = [self._pool.submit(call, i) for i in range(len(items))]
     out = []
-    for i, future in enumerate(futures):
+    for i in range(len(items)):
       while True:
         t0 = started[i]
         left = self.timeout_s if t0 is None else self.timeout_s - (time.monotonic() - t0)
-        try:
-          out.append((_OK, future.result(timeout=max(left, 0.0))))
-          break
-        except concurrent.futures.TimeoutError as e:
-          if future.done():  # the call itself raised TimeoutError
-            out.append((_RAISED, e))
-            break
-          if started[i] is None:
-            continue  # still queued behind other calls: its clock has not started
-          out.append((_TIMEOUT, None))
+        kind, value = outcome(futures[i], left)
+        if kind == _TIMEOUT and started[i] is None:
+          continue  # still queued behind other calls: its clock has not started
+        if kind == _TIMEOUT:
           self._replace_pool(futures, call, i + 1)
-          break
-        except Exception as e:  # noqa: BLE001  (the user's code)
-          out.append((_RAISED, e))
-          break
+        out.append((kind, value))
+        break
     return out
 
   def _replace_pool(self, futures: list, call: Callable, first: int) -> None:
     """After a timeout (its thread stays busy): the calls from ``first`` on that have not
     started move to a fresh pool; the old pool's threads finish what they run and exit."""
-    old, self._pool = self._pool, concurrent.futures.ThreadPoolExecutor(self.workers)
+    old, self._pool = self._pool, DaemonPool(max(self.workers, 1), "jaxrlhf-env")
     for j in range(first, len(futures)):
       if futures[j].cancel():
         futures[j] = self._pool.submit(call, j)
-    old.shutdown(wait=False)
+    old.shutdown()
 
   def _fail(self, row: int, method: str, kind: str, error, invalid: bool = False) -> None:
     if kind == _TIMEOUT:
@@ -214,9 +203,9 @@ class EnvRunner:
                      f"or set env.errors=mask to end such episodes, drop them from the update "
                      f"and count them ({counter})") from (None if invalid else error)
     self._counts[counter] += 1
-    if said not in self._said:
+    if (self.spec.where, said) not in _SAID:
       # Masked, counted in the metrics, and said once on the console: never silent.
-      self._said.add(said)
+      _SAID.add((self.spec.where, said))
       print(f"warning: environment {self.spec.where}: {method}() {what} on row {row}; the "
             f"episode is ended and masked out of the update, and counted in {counter} (set "
             f"env.errors=raise to stop instead; said once)", flush=True)

@@ -191,11 +191,8 @@ def read_peft_config(path: str, setting: str = "lora.init_from") -> dict:
   if not os.path.isfile(file):
     raise ConfigError(f"{setting}={path!r}: no adapter_config.json there; point it at a PEFT "
                       "adapter directory (adapter_config.json + adapter_model.safetensors)")
-  try:
-    with open(file, encoding="utf-8") as f:
-      config = json.load(f)
-  except json.JSONDecodeError as e:
-    raise ConfigError(f"{file}: not valid JSON ({e})") from None
+  from jaxrlhf.model.hf.configs import _read_json  # not valid JSON, not an object: one line
+  config = _read_json(file, "")
   if config.get("peft_type", "LORA") != "LORA":
     raise ConfigError(f"{file}: peft_type={config.get('peft_type')!r}; only LoRA adapters load")
   return config
@@ -215,6 +212,11 @@ def load_peft(path: str, cfg: ModelConfig, lora: LoraConfig,
   if isinstance(modules, str):
     raise ConfigError(f"{file}: target_modules is a pattern ({modules!r}); list the modules")
   problems = []
+  for key in ("r", "lora_alpha"):
+    v = config.get(key, 8)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+      raise ConfigError(f"{file}: {key}={v!r} is not a number; write it as one (PEFT's "
+                        f"save_pretrained writes e.g. \"{key}\": 16)")
   if config.get("r") != lora.rank:
     problems.append(f"r={config.get('r')} (set --set={prefix}.rank={config.get('r')})")
   if float(config.get("lora_alpha", 8)) != float(lora.alpha):
@@ -233,7 +235,9 @@ def load_peft(path: str, cfg: ModelConfig, lora: LoraConfig,
   weights = os.path.join(path, "adapter_model.safetensors")
   if not os.path.isfile(weights):
     raise ConfigError(f"{setting}={path!r}: no adapter_model.safetensors there")
-  tensors = load_file(weights)
+  from jaxrlhf.model.hf.mapping import safetensors_errors
+  with safetensors_errors(weights, "the adapter"):
+    tensors = load_file(weights)
   dtype = np.dtype(cfg.param_dtype) if cfg.param_dtype != "bfloat16" else jnp.bfloat16
   sizes = {**_SIZES(cfg), "lora": lora.rank}
   out = {}

@@ -1,18 +1,20 @@
 """Host rewards over decoded strings (``host:NAME``, ``host:path/to/file.py:function``,
 ``host:package.module:function``): resolving a source to a checked function, and scoring a
-batch with failures masked and counted."""
+batch with failures (an exception, a non-number, a call past ``reward.timeout_s``) masked and
+counted."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import math
+import time
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from jaxrlhf import registry
-from jaxrlhf.config import ConfigError
+from jaxrlhf import registry, usercode
+from jaxrlhf.config import ConfigError, RewardConfig
 from jaxrlhf.rewards.shaping import _check
 from jaxrlhf.rewards.rules import _adder, _lookup
 
@@ -46,11 +48,26 @@ TRL_SIGNATURE = "fn(completions, **kwargs) -> list[float]"
 TRL_ARGUMENTS = ("completions", "prompts", "completion_ids", "trainer_state")
 
 
-def register_host_reward(name: str, *, needs_answer: bool = True):
+# Registered host rewards that bound their own time (jaxrlhf's built-ins): called on the
+# calling thread, not on a daemon thread under reward.timeout_s (math_verify bounds each parse
+# with SIGALRM, which works on the main thread only).
+_BOUNDED: set[str] = set()
+
+
+def register_host_reward(name: str, *, needs_answer: bool = True, bounded: bool = False):
   """Decorator adding a host reward function to :data:`HOST_RULES` (source ``host:NAME``),
   called as :data:`HOST_SIGNATURE`; ``needs_answer=False`` for one that ignores each
-  example's ``"answer"`` (see :func:`reads_answer`)."""
-  return _adder(HOST_RULES, "host reward", name, f"host:{name}", needs_answer)
+  example's ``"answer"`` (see :func:`reads_answer`); ``bounded=True`` for one that returns in
+  bounded time by itself, which then runs on the calling thread without
+  ``reward.timeout_s``."""
+  add = _adder(HOST_RULES, "host reward", name, f"host:{name}", needs_answer)
+
+  def deco(fn):
+    fn = add(fn)
+    (_BOUNDED.add if bounded else _BOUNDED.discard)(name)
+    return fn
+
+  return deco
 
 
 def get_host_reward(name: str) -> HostFn:
@@ -71,6 +88,8 @@ class HostReward:
   # of them without a default (each must be supplied).
   takes: Optional[tuple] = None
   needs: tuple = ()
+  # Bounds its own time (register_host_reward(bounded=True)): called without reward.timeout_s.
+  bounded: bool = False
 
 
 def calling_style(fn, where: str) -> tuple[str, Optional[tuple], tuple]:
@@ -118,7 +137,8 @@ def resolve_host_reward(source: str, setting: str = "reward.sources") -> HostRew
       raise ConfigError(f"{setting}: {source!r}: no host reward {rest!r} is registered "
                         f"(registered: {', '.join(sorted(HOST_RULES))}); for your own function "
                         f"write host:path/to/file.py:function or host:package.module:function")
-    return HostReward(source, HOST_RULES[rest], f"host reward {rest!r}")
+    return HostReward(source, HOST_RULES[rest], f"host reward {rest!r}",
+                      bounded=rest in _BOUNDED)
   target, _, fname = rest.rpartition(":")
   what = f"{setting}: {source}"
   if not fname.isidentifier():
@@ -146,19 +166,24 @@ def resolve_host_reward(source: str, setting: str = "reward.sources") -> HostRew
 @dataclasses.dataclass(frozen=True)
 class HostScores:
   """What a host reward gave a batch: ``scores`` float32 ``[B]`` (NaN where it gave None or
-  NaN, raised, or returned something that is not a number: masked downstream), and counts."""
+  NaN, raised, returned something that is not a number, or did not return within
+  ``reward.timeout_s``: masked downstream), and counts."""
 
   scores: np.ndarray
   errors: int = 0  # responses whose scoring raised an exception
   invalid: int = 0  # values that were not numbers (a string, a list, ...)
   unscored: int = 0  # None or non-finite values (the function's own "cannot score")
+  timeouts: int = 0  # responses of calls abandoned after reward.timeout_s
 
   def metrics(self, prefix: str = "reward/host") -> dict:
     return {f"{prefix}_errors": float(self.errors), f"{prefix}_invalid": float(self.invalid),
-            f"{prefix}_unscored": float(self.unscored)}
+            f"{prefix}_unscored": float(self.unscored),
+            f"{prefix}_timeouts": float(self.timeouts)}
 
 
-_WARNED: set[str] = set()  # sources whose first masked failure was already reported
+# (source, "failed" | "timeout") whose first masked failure of that kind was reported: said
+# once per process (training and evaluation score with the same functions).
+_WARNED: set[tuple[str, str]] = set()
 
 
 def _describe_exception(reward: HostReward, e: BaseException) -> str:
@@ -212,16 +237,37 @@ def _call(reward: HostReward, responses: list, examples: list,
   return out
 
 
+def _attempt(reward: HostReward, timeout_s: float, *args) -> tuple[str, object]:
+  """One call of :func:`_call`: ``(kind, value)`` as :func:`jaxrlhf.usercode.call` gives it,
+  on a daemon thread under ``timeout_s`` (on this thread for a ``bounded`` function, or with
+  ``timeout_s=0``: no limit).  A ConfigError (a wrong number of scores, a missing TRL
+  argument) is raised here."""
+  if reward.bounded or timeout_s == 0:
+    try:
+      return usercode.OK, _call(reward, *args)
+    except ConfigError:
+      raise
+    except Exception as e:  # noqa: BLE001  (the function's own failure)
+      return usercode.RAISED, e
+  kind, value = usercode.call(_call, timeout_s, reward, *args)
+  if kind == usercode.RAISED and isinstance(value, ConfigError):
+    raise value
+  return kind, value
+
+
 def score_host(reward: HostReward, responses: Sequence[str], examples: Sequence[dict],
                num_samples: int = 1, on_error: str = "mask",
-               completion_ids: Optional[Sequence] = None) -> HostScores:
+               completion_ids: Optional[Sequence] = None,
+               timeout_s: float = RewardConfig.timeout_s) -> HostScores:
   """Runs a host reward on a batch: ``responses[i]`` answers ``examples[i // num_samples]``
   (every field of the data row, as a dict); ``completion_ids[i]``: its token ids, for a
   TRL-style function (None when not known).  Returns float32 scores with failures masked as
-  NaN and counted; ``on_error="raise"`` stops at the first exception or non-number instead
-  (ConfigError naming the function, the response and the fix).  A wrong number of scores always
-  stops.  When a batch call raises, each response is scored alone, so one bad response masks
-  only itself."""
+  NaN and counted; ``on_error="raise"`` stops at the first exception, non-number or timeout
+  instead (ConfigError naming the function, the response and the fix).  A wrong number of
+  scores always stops.  When a batch call raises, each response is scored alone (all of them
+  together again within ``timeout_s``), so one bad response masks only itself.  A call still
+  running after ``timeout_s`` seconds is abandoned on its daemon thread and its responses are
+  masked (``timeouts``); ``timeout_s=0`` calls the function on this thread, without a limit."""
   _check("reward.host_errors", on_error, HOST_ERROR_POLICIES)
   responses = [str(r) for r in responses]
   rows = [dict(ex) for ex in examples for _ in range(num_samples)]
@@ -232,28 +278,42 @@ def score_host(reward: HostReward, responses: Sequence[str], examples: Sequence[
   ids = ([[int(t) for t in row] for row in completion_ids] if completion_ids is not None
          else None)
   part = lambda i: None if ids is None else ids[i:i + 1]  # noqa: E731
-  errors = 0
-  failure = ""
-  raised = object()  # the value of a response whose scoring raised
-  try:
-    values = _call(reward, responses, rows, ids)
-  except ConfigError:
-    raise
-  except Exception as e:  # noqa: BLE001  (the user's code)
+  errors = timeouts = 0
+  failure = late = ""
+  raised = object()  # the value of a response whose scoring raised or timed out
+  limit = f"reward.timeout_s={timeout_s:g} s"
+  kind, values = _attempt(reward, timeout_s, responses, rows, ids)
+  if kind == usercode.TIMEOUT:
+    if on_error == "raise":
+      raise ConfigError(f"{reward.where} did not return within {limit} on a batch of {n} "
+                        f"responses (the call was abandoned); fix the function, raise "
+                        f"reward.timeout_s, or set reward.host_errors=mask to mask such batches "
+                        f"(counted in reward/host_timeouts)")
+    values, timeouts = [raised] * n, n
+    late = f"the call on {n} responses did not return within {limit}"
+  elif kind == usercode.RAISED:
+    e = values
     if on_error == "raise":
       raise ConfigError(f"{reward.where} raised {_describe_exception(reward, e)} on a batch of "
                         f"{n} responses; fix the function, or set reward.host_errors=mask to "
                         f"score such responses as masked (counted in reward/host_errors)") from e
     values = []
+    deadline = time.monotonic() + timeout_s  # the batch's own limit, for all of them together
     for i in range(n):  # one at a time: find the responses that fail
-      try:
-        values.extend(_call(reward, responses[i:i + 1], rows[i:i + 1], part(i)))
-      except ConfigError:
-        raise
-      except Exception as e1:  # noqa: BLE001
-        values.append(raised)
+      left = 0 if timeout_s == 0 else deadline - time.monotonic()  # 0: no limit
+      k, v = ((usercode.TIMEOUT, None) if timeout_s and left <= 0 else
+              _attempt(reward, left, responses[i:i + 1], rows[i:i + 1], part(i)))
+      if k == usercode.OK:
+        values.extend(v)
+        continue
+      values.append(raised)
+      if k == usercode.TIMEOUT:
+        timeouts += 1
+        late = late or (f"scored one at a time after the batch call raised, responses {i} to "
+                        f"{n - 1} did not return within {limit}")
+      else:
         errors += 1
-        failure = failure or f"response {i}: {_describe_exception(reward, e1)}"
+        failure = failure or f"response {i}: {_describe_exception(reward, v)}"
   scores = np.full(n, np.nan, np.float32)
   invalid = unscored = 0
   for i, v in enumerate(values):
@@ -273,17 +333,27 @@ def score_host(reward: HostReward, responses: Sequence[str], examples: Sequence[
       continue
     scores[i] = float(v)
     unscored += int(not math.isfinite(float(v)))
-  if failure and reward.source not in _WARNED:
-    # Masked, counted in the metrics, and said once on the console: never silent.
-    _WARNED.add(reward.source)
-    print(f"warning: {reward.where}: {errors + invalid} of {n} responses could not be scored "
-          f"(first, {failure}); they are masked out of the update and counted in "
-          f"reward/host_errors and reward/host_invalid (set reward.host_errors=raise to stop "
-          f"instead)", flush=True)
-  return HostScores(scores, errors, invalid, unscored)
+  # Masked, counted in the metrics, and said once on the console per kind: never silent.
+  if failure:
+    _warn_once(reward, "failed", f"{errors + invalid} of {n} responses could not be scored "
+               f"(first, {failure}); they are masked out of the update and counted in "
+               f"reward/host_errors and reward/host_invalid (set reward.host_errors=raise to "
+               f"stop instead)")
+  if late:
+    _warn_once(reward, "timeout", f"{late}; the call was abandoned (it may still be running), "
+               f"and its {timeouts} responses are masked out of the update and counted in "
+               f"reward/host_timeouts (raise reward.timeout_s if the function is slow, or set "
+               f"reward.host_errors=raise to stop instead; said once)")
+  return HostScores(scores, errors, invalid, unscored, timeouts)
 
 
-@register_host_reward("exact_match")
+def _warn_once(reward: HostReward, kind: str, text: str) -> None:
+  if (reward.source, kind) not in _WARNED:
+    _WARNED.add((reward.source, kind))
+    print(f"warning: {reward.where}: {text}", flush=True)
+
+
+@register_host_reward("exact_match", bounded=True)
 def host_exact_match(responses: list, examples: list) -> list:
   """1.0 when the decoded response equals the answer after stripping surrounding whitespace."""
   if len(responses) != len(examples):

@@ -61,7 +61,7 @@ def _parse_reference(mv, answer: str) -> list:
   return _parse_math(mv, answer, **strict) or _parse_math(mv, f"${answer}$", **strict)
 
 
-@register_host_reward("math_verify")
+@register_host_reward("math_verify", bounded=True)
 def math_verify_reward(responses: list, examples: list) -> list:
   """1.0 when the response's final answer (a ``\\boxed{}`` one first, else the last value it
   states) equals the example's ``"answer"`` by value (``\\frac{1}{2}`` = ``0.5`` = ``1/2``,
@@ -84,7 +84,7 @@ def math_verify_reward(responses: list, examples: list) -> list:
   return out
 
 
-@register_host_reward("math_format", needs_answer=False)
+@register_host_reward("math_format", needs_answer=False, bounded=True)
 def math_format_reward(responses: list, examples: list) -> list:
   """1.0 when the response gives exactly one non-empty ``\\boxed{...}`` answer, else 0.0: a
   small shaping term to add to ``host:math_verify`` (e.g. weights 1.0 and 0.1)."""

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf import rewards as RW
-from jaxrlhf.config import ConfigError
+from jaxrlhf.config import ConfigError, RewardConfig
 from jaxrlhf.rollout import generate
 from jaxrlhf.train.common import put_batch
 from jaxrlhf.train.episodes import EnvEval
@@ -271,10 +271,10 @@ class GenerationEval:
         len(responses), np.float32)
     if self.metric.hosts:
       records = [ex.record() for ex in examples]
-      on_error = getattr(getattr(self.stage.scfg, "reward", None), "host_errors", "mask")
+      rcfg = getattr(self.stage.scfg, "reward", None) or RewardConfig()
       for reward, w in self.metric.hosts:
-        scores = scores + np.float32(w) * RW.score_host(reward, responses, records, k,
-                                                        on_error).scores
+        scores = scores + np.float32(w) * RW.score_host(
+            reward, responses, records, k, rcfg.host_errors, timeout_s=rcfg.timeout_s).scores
     return scores, responses
 
   def __call__(self, params) -> dict:

@@ -213,7 +213,7 @@ class RLStage(Stage):
       if w == 0:  # switched off: its NaN must not poison the sum (0 * NaN = NaN)
         continue
       got = RW.score_host(reward, responses, examples, self.n, self.scfg.reward.host_errors,
-                          completion_ids=ids)
+                          completion_ids=ids, timeout_s=self.scfg.reward.timeout_s)
       total += np.float32(w) * got.scores
       for k, v in got.metrics().items():
         metrics[k] = metrics.get(k, 0.0) + v

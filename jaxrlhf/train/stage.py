@@ -52,10 +52,7 @@ class Stage:
     self.P = cfg.data.max_prompt_len
     self.R = cfg.data.max_response_len
     self.tok = data.tokenizer
-    model_vocab = cfg.model.vocab_size
-    if self.tok.vocab_size > model_vocab:
-      raise ConfigError(f"the tokenizer has {self.tok.vocab_size} tokens but model.vocab_size="
-                        f"{model_vocab}; set --set=model.vocab_size={self.tok.vocab_size} or more")
+    check_vocabulary(cfg, self.tok, self.roles)
     self.opt = {role: make_optimizer(getattr(self.scfg, self.optim_fields[role]), self.steps)
                 for role in self.trainable}
     # Roles trained with adapters (``STAGE.lora``) -> their LoRA settings, and where each one's
@@ -360,6 +357,38 @@ class Stage:
 
   def model_cfg(self, role: str) -> ModelConfig:
     return self.cfg.role_model(role)
+
+
+_ROLE_FIELDS = {"policy": "model", "reference": "model", "reward": "reward_model",
+                "value": "value_model", "guard": "guard_model"}
+
+
+def check_vocabulary(cfg: ExperimentConfig, tok, roles) -> None:
+  """A ConfigError when the tokenizer has more ids than a role's model has embeddings (an id
+  past the end would read another row, or nothing): names the tokenizer, the model folder or
+  field, and a fix that works (with ``hf_path`` the vocabulary comes from the checkpoint's
+  config.json, so no setting can raise it)."""
+  n = tok.vocab_size
+  checked = set()
+  for role in roles:
+    field = _ROLE_FIELDS.get(role, "model")
+    m = cfg.role_model(role)
+    if getattr(cfg, field) is None:
+      field = "model"  # the role shares the policy's model
+    real = m.unpadded_vocab_size or m.vocab_size
+    if field in checked or n <= real:
+      continue
+    checked.add(field)
+    tokenizer = f"data.tokenizer={cfg.data.tokenizer!r}"
+    if m.hf_path:
+      raise ConfigError(
+          f"{tokenizer} has {n} tokens, more than the {real} of the model in "
+          f"{field}.hf_path={m.hf_path!r} (vocab_size in its config.json): the model has no "
+          f"embedding for ids {real} and up; use the tokenizer saved with that model "
+          f"(--set=data.tokenizer={m.hf_path}), or a model trained with this tokenizer")
+    raise ConfigError(f"{tokenizer} has {n} tokens but {field}.vocab_size={real}; set "
+                      f"--set={field}.vocab_size={n} or more, or use the tokenizer this model "
+                      f"was built for")
 
 
 def zero_score(cfg: ModelConfig) -> dict:

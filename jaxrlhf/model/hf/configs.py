@@ -8,19 +8,24 @@ import json
 import os
 from typing import Optional
 
-from jaxrlhf.config import ModelConfig
+from jaxrlhf.config import ModelConfig, one_line
 from jaxrlhf.model.hf.mapping import (FAMILIES, GEMMA, HFError, SUPPORTED_ARCHITECTURES,
                                       _HEAD_CLASSES, _class_name)
 
 
 def _read_json(path: str, what: str) -> dict:
   try:
-    with open(path) as f:
-      return json.load(f)
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
   except FileNotFoundError:
     raise HFError(f"{path}: not found; {what}") from None
-  except json.JSONDecodeError as e:
-    raise HFError(f"{path}: not valid JSON ({e})") from None
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError (a binary file)
+    raise HFError(f"{path}: not valid JSON ({one_line(e)}); the file is damaged or cut short: "
+                  f"copy or download it again") from None
+  if not isinstance(data, dict):
+    raise HFError(f"{path}: holds a JSON {type(data).__name__}, not an object of settings; "
+                  f"copy or download it again")
+  return data
 
 
 def _raw_config(path: str) -> dict:
@@ -64,13 +69,24 @@ def _rope(hf, layer_type: Optional[str] = None) -> dict:
 def _rope_scaling(rope: dict, where: str, field: str) -> dict:
   """ModelConfig's rotary scaling fields for one set of transformers rope parameters."""
   rope_type = rope["rope_type"]
+
+  def value(key: str, kind=float):
+    v = rope.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+      raise HFError(f"{where}: {field} (rope_type {rope_type!r}) "
+                    + (f"has no {key!r}" if v is None else f"{key}={v!r} is not a number")
+                    + f"; rope_type {rope_type!r} needs {key} as a number (copy the model's "
+                      f"original config.json, or remove the rope scaling for the base "
+                      f"context length)")
+    return kind(v)
+
   scaling = {"rope_scaling": "none"}
   if rope_type in ("linear", "llama3"):
-    scaling = {"rope_scaling": rope_type, "rope_factor": float(rope["factor"])}
+    scaling = {"rope_scaling": rope_type, "rope_factor": value("factor")}
   if rope_type == "llama3":
-    scaling.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
-                   rope_high_freq_factor=float(rope["high_freq_factor"]),
-                   rope_original_max_len=int(rope["original_max_position_embeddings"]))
+    scaling.update(rope_low_freq_factor=value("low_freq_factor"),
+                   rope_high_freq_factor=value("high_freq_factor"),
+                   rope_original_max_len=value("original_max_position_embeddings", int))
   elif rope_type not in ("default", "linear"):
     raise HFError(f"{where}: {field} rope_type {rope_type!r} (rope scaling) is not supported; "
                   "supported: default, linear, llama3 (jaxrlhf.model.transformer."
@@ -145,8 +161,14 @@ def config_from_hf(path: str, base: Optional[ModelConfig] = None, *, tp: int = 1
 
   raw = _raw_config(path)
   model_type = _check_family(path, raw)
-  hf = transformers.AutoConfig.from_pretrained(path)
   where = f"{path}/config.json"
+  _check_numbers(raw, where)
+  try:
+    hf = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+  except Exception as e:  # noqa: BLE001  (its validation's errors, KeyError, ValueError...)
+    raise HFError(f"{where}: transformers cannot read this config ({one_line(e, 300)}); fix "
+                  f"the field it names in config.json (the model's original config.json has "
+                  f"the right one)") from None
   act = getattr(hf, "hidden_act", "silu")
   if act != "silu":
     raise HFError(f"{where}: hidden_act={act!r} is not supported; this model uses SwiGLU (silu)")
@@ -178,6 +200,36 @@ def config_from_hf(path: str, base: Optional[ModelConfig] = None, *, tp: int = 1
       norm_eps=float(hf.rms_norm_eps), tie_embeddings=bool(getattr(hf, "tie_word_embeddings",
                                                                     False)),
       **{"qkv_bias": False, **family}, hf_path=path)
+
+
+# config.json fields read as sizes (a positive integer, or null where optional) and as numbers.
+_COUNTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+           "max_position_embeddings", "vocab_size")
+_OPTIONAL_COUNTS = ("num_key_value_heads", "head_dim", "sliding_window")
+_NUMBERS = ("rms_norm_eps", "rope_theta")
+
+
+def _check_numbers(raw: dict, where: str) -> None:
+  """The sizes and numbers this model reads from config.json, checked for their JSON types
+  (a size written as a string, ``"128"``, is a mistake to name, not to guess at)."""
+  for name in _COUNTS + _OPTIONAL_COUNTS + _NUMBERS:
+    if name not in raw or (raw[name] is None and name not in _COUNTS):
+      continue
+    v = raw[name]
+    if name in _NUMBERS:
+      ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+      rule = "a number > 0"
+    else:
+      ok = isinstance(v, int) and not isinstance(v, bool) and v >= (0 if name ==
+                                                                      "sliding_window" else 1)
+      rule = "a positive integer"
+    if not ok:
+      shown = f"{v!r} (a JSON string)" if isinstance(v, str) else json.dumps(v)
+      fix = (f"write it without quotes, \"{name}\": {v.strip()}"
+             if isinstance(v, str) and v.strip().isdigit() and int(v) > 0 else
+             f"write {rule} there")
+      raise HFError(f"{where}: \"{name}\" is {shown}, not {rule}; {fix} (the model's original "
+                    f"config.json has the right value)")
 
 
 def resolve_hf_config(cfg: ModelConfig, tp: int = 1) -> ModelConfig:

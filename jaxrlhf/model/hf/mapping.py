@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 import re
 
-from jaxrlhf.config import ConfigError, ModelConfig
+from jaxrlhf.config import ConfigError, ModelConfig, one_line
 from jaxrlhf.model.transformer import param_axes
 
 
@@ -54,6 +56,22 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 class HFError(ConfigError):
   """A Hugging Face directory that cannot be loaded into (or written from) the model config."""
+
+
+@contextlib.contextmanager
+def safetensors_errors(file: str, what: str = "the checkpoint"):
+  """Turns the safetensors library's failure on the user's ``file`` (cut short by an
+  interrupted download or copy, a Git LFS pointer, not safetensors at all) into an HFError
+  naming the file and the fix."""
+  try:
+    yield
+  except HFError:
+    raise
+  except Exception as e:  # noqa: BLE001  (SafetensorError, OSError, ...)
+    size = os.path.getsize(file) if os.path.isfile(file) else 0
+    raise HFError(f"{file}: safetensors cannot read this file ({one_line(e)}; {size} bytes): it "
+                  f"is damaged or cut short (an interrupted download or copy, or a Git LFS "
+                  f"pointer); download or copy {what} again") from None
 
 
 # Each parameter: (HF name, HF dimensions as groups of our logical axes).  A group of several

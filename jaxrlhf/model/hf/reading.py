@@ -17,7 +17,7 @@ from jaxrlhf.mesh import PARAM_RULES, Rules
 from jaxrlhf.model.sharded import abstract_params, init_sharded, param_shardings
 from jaxrlhf.model.hf.mapping import (HFError, INDEX_FILE, SCORE_BIAS_KEY, SINGLE_FILE, _Entry,
                                       _IGNORED, _describe, _entries, _hf_shape, _leaf, _set_leaf,
-                                      _sizes)
+                                      _sizes, safetensors_errors)
 from jaxrlhf.model.hf.configs import _check_config, _check_family, _raw_config, _read_json
 
 
@@ -49,10 +49,11 @@ class _Checkpoint:
     # name -> (file, shape, dtype); headers only, no tensor data is read here.
     self.tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}
     for file in files:
-      f = self._file(file)
-      for name in f.keys():
-        s = f.get_slice(name)
-        self.tensors[name] = (file, tuple(s.get_shape()), s.get_dtype())
+      with safetensors_errors(os.path.join(path, file)):
+        f = self._file(file)
+        for name in f.keys():
+          s = f.get_slice(name)
+          self.tensors[name] = (file, tuple(s.get_shape()), s.get_dtype())
 
   def _file(self, file: str):
     from safetensors import safe_open
@@ -63,6 +64,11 @@ class _Checkpoint:
 
   def slice(self, name: str):
     return self._file(self.tensors[name][0]).get_slice(name)
+
+  def read(self, name: str, index) -> np.ndarray:
+    """The block ``index`` of tensor ``name``; a file that fails to read is an HFError."""
+    with safetensors_errors(os.path.join(self.path, self.tensors[name][0])):
+      return np.asarray(self.slice(name)[index])
 
 
 def _prefix(names) -> str:
@@ -88,8 +94,8 @@ def _read_block(ckpt: _Checkpoint, name: str, entry: _Entry, hf_sizes, box) -> n
     shapes += [real_hi - lo] + [hf_sizes[a] for a in g[1:]]
     inner_index += [slice(None)] + [slice(*want[a]) for a in g[1:]]
     pads += [(0, hi - real_hi)] + [(0, 0)] * (len(g) - 1)
-  block = ckpt.slice(name)[tuple(hf_index)]
-  block = np.asarray(block).reshape(shapes)[tuple(inner_index)]
+  block = ckpt.read(name, tuple(hf_index))
+  block = block.reshape(shapes)[tuple(inner_index)]
   if any(p[1] for p in pads):
     block = np.pad(block, pads)
   perm = [view.index(a) for a in entry.axes]
