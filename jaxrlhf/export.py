@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
+from jaxrlhf.cli import guarded
 from jaxrlhf.config import ConfigError
 
 
@@ -98,19 +99,13 @@ def main(argv=None) -> int:
                       help="tensor dtype: float32, bfloat16, float16 (default: the model's "
                            "param_dtype)")
   args = parser.parse_args(argv)
-  try:
-    out, stage = export_run(args.workdir, args.out, args.stage, args.role, args.dtype)
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  except OSError as e:
-    where = f": {e.filename}" if getattr(e, "filename", None) else ""
-    print(f"error: {e.strerror or e}{where}", file=sys.stderr)
-    return 1
-  files = sorted(os.listdir(out))
-  print(f"exported {args.role} of stage {stage} to {out}: {', '.join(files)}")
-  return 0
 
+  def run() -> int:
+    out, stage = export_run(args.workdir, args.out, args.stage, args.role, args.dtype)
+    print(f"exported {args.role} of stage {stage} to {out}: {', '.join(sorted(os.listdir(out)))}")
+    return 0
+
+  return guarded(run)
 
 if __name__ == "__main__":
   sys.exit(main())

