@@ -56,8 +56,11 @@ def test_grpo_at_policy_equal_reference_has_zero_kl_and_leaves_the_weights(varia
 def test_ppo_at_policy_equal_reference_has_zero_kl(placement):
   """PPO's KL in the reward (k1) reads the policy's teacher-forced log-probs, not the
   sampler's: exactly 0 at the start (the value baseline still moves the policy)."""
+  # One minibatch of one epoch: with more, the first minibatch's update (the value baseline
+  # gives non-zero advantages) makes the policy differ from the reference for the next.
   cfg = _rl(config(), "ppo", kl=KLConfig(coef=0.1, placement=placement,
-                                         estimator="k1" if placement == "reward" else "k3"))
+                                         estimator="k1" if placement == "reward" else "k3"),
+            num_minibatches=1, ppo_epochs=1)
   _, _, _, out = run_steps(cfg, "ppo", mesh())
   m = out[0]
   assert m["kl/mean"] == 0.0 and m["kl/seq_sum"] == 0.0
@@ -79,3 +82,30 @@ def test_a_zero_gradient_leaves_adamw_momentum_and_decay_unapplied():
   # A non-zero gradient is applied as before.
   moved, _, _, _ = apply_update(params, state, {"w": jnp.full(4, 1e-3)}, jnp.float32(0.0), opt)
   assert not np.array_equal(moved["w"], params["w"])
+
+
+def test_the_real_model_at_policy_equal_reference_does_not_move(tmp_path):
+  """On SmolLM2-135M (30 layers) the update's differentiated forward and a plain forward of
+  the same weights differ by ~1e-6 per token even in the same program: the KL's reference
+  side is the policy's own log-probs while the weights are equal, so a step with no reward
+  signal has a gradient of exactly 0 and leaves all 134.5M weights as they were."""
+  from helpers import real_model
+  from jaxrlhf.config import DataConfig, ModelConfig, RolloutConfig
+  from jaxrlhf.model import hf
+  smol, why = real_model()
+  if smol is None:
+    pytest.skip(why)
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text('{"prompt": "2+2=", "answer": "4"}\n{"prompt": "3+5=", "answer": "8"}\n')
+  model = hf.config_from_hf(smol, ModelConfig(remat="none"))
+  # The smoke run's row width (prompts of 64 + 16 new tokens): at the smallest widths XLA
+  # happened to compile the two forwards alike.
+  cfg = config(model=model, rollout=RolloutConfig(max_new_tokens=16),
+               data=DataConfig(task="jsonl", tokenizer=smol, prompts_path=str(prompts),
+                               max_prompt_len=64, max_response_len=16))
+  cfg = _rl(cfg, "grpo", reward=NO_REWARD, batch_size=2, num_samples=4, num_minibatches=1)
+  stage, state, frozen, out = run_steps(cfg, "grpo", mesh())
+  m = out[0]
+  assert m["kl/mean"] == 0.0 and m["kl/loss"] == 0.0
+  assert m["grad_norm"] == 0.0 and m["skips/zero_grad"] == 1.0
+  assert _same(state.params["policy"], frozen["reference"])
