@@ -210,6 +210,11 @@ def test_packed_dpo_step_with_micro_batches_on_a_mesh_matches_padded(files):
   m = mesh(dp=2)
   a, b = (_run(config(files, pack, "dpo", grad_accum=2), "dpo", m) for pack in (False, True))
   for k in a:
+    if k == "pref_accuracy":
+      # At policy = reference every margin is 0 up to rounding, and this counts margins > 0:
+      # the sign of the two layouts' rounding, not a figure of the step (the margins and the
+      # loss are compared).
+      continue
     np.testing.assert_allclose(b[k], a[k], rtol=2e-4, atol=2e-5, err_msg=k)
   assert 0 < b["pack/useful_fraction"] <= 1 and b["pack/rows"] % 4 == 0
   assert "pack/rows" not in a
