@@ -109,7 +109,7 @@ def test_grpo_on_prompts_without_answers_is_refused_before_sft_trains(tmp_path):
 
 def test_held_out_prompts_without_answers_are_left_out_of_the_accuracy(tmp_path, capsys):
   from jaxrlhf.data import DataSource
-  from jaxrlhf.train.evaluate import ExactMatchEval
+  from jaxrlhf.train.evaluate import GenerationEval
   from jaxrlhf.train.sft import SFTStage
   cfg = _cfg(2)
   for lines, expect in ((([{"prompt": "1+2="}] * 3) + [{"prompt": "3+4=", "answer": "7"}],
@@ -124,7 +124,7 @@ def test_held_out_prompts_without_answers_are_left_out_of_the_accuracy(tmp_path,
     mesh = pipeline.make_mesh(c.mesh)
     stage = SFTStage(c, mesh, DataSource(c.data, c.seed))
     state, _ = stage.init(jax.random.key(0), {})
-    out = ExactMatchEval(stage)(state.params["policy"])
+    out = GenerationEval(stage)(state.params["policy"])
     assert expect in capsys.readouterr().out
     if "not evaluated" in expect:
       assert out == {}

@@ -318,3 +318,22 @@ def test_rl_rollout_samples_every_k_steps_with_decoded_text(tmp_path):
   # The rewards recorded for step 4's rollout average like reward/mean over the sampled rows
   # only, so just check they are the step's: every metrics record exists.
   assert [r["step"] for r in recs] == [1, 2, 3, 4]
+
+
+def test_dpo_samples_are_the_evaluation_pairs_with_their_margins():
+  """DPO's sample rows come from the evaluation's own per-pair log-probs: a row per pair (up
+  to logging.samples), its reward the implicit-reward margin, whose mean over every
+  evaluation pair is eval/reward_margin."""
+  from helpers import mesh
+  from test_train import run_steps
+  cfg = tiny_config(logging=LoggingConfig(samples=8))  # eval_size 8: every pair a row
+  stage, state, frozen, _ = run_steps(cfg, "dpo", mesh(), steps=2)
+  out = stage.evaluate(state, frozen)
+  rows = [r for r in stage.take_samples() if r["kind"] == "eval_pairs"]
+  assert len(rows) == len(stage.data.eval_examples("pairs")) == 8
+  for r in rows:
+    assert r["reward"] == pytest.approx(r["chosen_reward"] - r["rejected_reward"])
+    assert r["prompt"] and r["chosen"] and r["rejected"]
+  assert np.mean([r["reward"] for r in rows]) == pytest.approx(out["eval/reward_margin"],
+                                                               rel=1e-4, abs=1e-6)
+  assert out["eval/reward_margin"] != 0  # two steps moved the policy off the reference

@@ -17,7 +17,7 @@ from jaxrlhf.config import DPOConfig
 from jaxrlhf.perf import decoder_flops
 from jaxrlhf.train import spec
 from jaxrlhf.train.common import put_batch, update_role
-from jaxrlhf.train.evaluate import GenerationEval, pair_batches, prompt_text
+from jaxrlhf.train.evaluate import GenerationEval, as_text, pair_batches
 from jaxrlhf.train.sequences import (packing_metrics, pair_logp_sums, pair_response_lengths,
                                      pair_rows)
 from jaxrlhf.train.stage import Stage
@@ -46,19 +46,13 @@ class DPOStage(Stage):
     self.evaluator = GenerationEval(self)
 
     def eval_fn(policy, reference, b):
+      """The preference metrics of the evaluation pairs, and each pair's summed log-probs
+      (policy chosen / rejected, reference chosen / rejected) for the sample rows."""
       pc, pr = seq_logps(policy, b)
       rc, rr = seq_logps(reference, b) if reference is not None else (pc * 0, pr * 0)
-      return self.pref_loss(pc, pr, rc, rr, b)[1]
+      return self.pref_loss(pc, pr, rc, rr, b)[1], (pc, pr, rc, rr)
 
     self._eval = jax.jit(eval_fn)
-
-    def pair_logps(policy, reference, b):
-      pc, pr = seq_logps(policy, b)
-      rc, rr = seq_logps(reference, b) if reference is not None else (pc * 0, pr * 0)
-      return pc, pr, rc, rr
-
-    self._pair_logps = jax.jit(pair_logps)  # the sample rows' per-pair figures
-    self._sample_pairs = None
 
   def init(self, key, roles):
     state, frozen = super().init(key, roles)
@@ -111,48 +105,30 @@ class DPOStage(Stage):
   def evaluate(self, state, frozen):
     if self._eval_pairs is None:
       self._eval_pairs = pair_batches(self)
+    policy = self.view(state.params, frozen, "policy")
     with jax.set_mesh(self.mesh):
-      m = jax.device_get(self._eval(self.view(state.params, frozen, "policy"), frozen.get("reference"),
-                                    self._eval_pairs))
+      m, logps = jax.device_get(self._eval(policy, frozen.get("reference"), self._eval_pairs))
     out = {"eval/pair_accuracy": float(m["pref_accuracy"]),
            "eval/reward_margin": float(m["reward_margin"])}
-    out.update(self.evaluator(self.view(state.params, frozen, "policy")))
-    self._samples = self.pair_samples(state, frozen)
+    out.update(self.evaluator(policy))
+    self._samples = self.pair_samples(logps)
     return out
 
-  def pair_samples(self, state, frozen) -> list[dict]:
-    """The first ``logging.samples`` evaluation pairs as sample rows: each side's implicit
-    reward, ``beta`` x (policy - reference) summed log-prob (the policy's alone for the
-    reference-free losses), and their margin as the row's ``reward``."""
-    n = self.cfg.logging.samples
-    if not n:
-      return []
-    examples = self.data.eval_examples("pairs")[:n]
-    if not examples:
-      return []
-    if self._sample_pairs is None:
-      self._sample_pairs = put_batch(self.mesh, self.data.encoder.pairs(examples))
-    with jax.set_mesh(self.mesh):
-      pc, pr, rc, rr = jax.device_get(self._pair_logps(
-          self.view(state.params, frozen, "policy"), frozen.get("reference"),
-          self._sample_pairs))
+  def pair_samples(self, logps) -> list[dict]:
+    """The first ``logging.samples`` evaluation pairs as sample rows, from the evaluation's
+    per-pair summed log-probs ``(pc, pr, rc, rr)``: each side's implicit reward, ``beta`` x
+    (policy - reference) (the policy's alone for the reference-free losses), and their margin
+    as the row's ``reward``."""
+    pc, pr, rc, rr = logps
     beta = self.scfg.beta
     rows = []
-    for i, ex in enumerate(examples):
+    for i, ex in enumerate(self.data.eval_examples("pairs")[:self.cfg.logging.samples]):
       chosen, rejected = beta * float(pc[i] - rc[i]), beta * float(pr[i] - rr[i])
-      rows.append({"kind": "eval_pairs", "prompt": prompt_text(ex),
-                   "chosen": _text(ex.chosen), "rejected": _text(ex.rejected),
+      rows.append({"kind": "eval_pairs", "prompt": as_text(ex.prompt),
+                   "chosen": as_text(ex.chosen), "rejected": as_text(ex.rejected),
                    "reward": chosen - rejected, "chosen_reward": chosen,
                    "rejected_reward": rejected})
     return rows
-
-
-def _text(value) -> str:
-  """A response as text: the string, or a chat's last message."""
-  if isinstance(value, str):
-    return value
-  messages = value.messages
-  return str(messages[-1].get("content", "")) if messages else ""
 
 
 def preference_loss(scfg, pc_B, pr_B, rc_B, rr_B, b):

@@ -157,12 +157,11 @@ def pass_maj_at_k(responses: Sequence[Sequence[str]], scores) -> tuple[float, fl
   return passed, maj / n
 
 
-def prompt_text(example) -> str:
-  """An example's prompt as text: the string, or a chat's last message."""
-  p = example.prompt
-  if isinstance(p, str):
-    return p
-  messages = p.messages
+def as_text(value) -> str:
+  """A prompt or response as text for a sample row: the string, or a chat's last message."""
+  if isinstance(value, str):
+    return value
+  messages = value.messages
   return str(messages[-1].get("content", "")) if messages else ""
 
 
@@ -295,7 +294,7 @@ class GenerationEval:
     if not ok.all():
       out["eval/unscored"] = float(np.sum(~ok))
     self.samples = [
-        {"kind": "eval", "prompt": prompt_text(ex), "response": r, "reward": float(s),
+        {"kind": "eval", "prompt": as_text(ex.prompt), "response": r, "reward": float(s),
          **({"answer": ex.answer} if ex.answer else {})}
         for ex, r, s in list(zip(examples, responses, scores))[:self.n_samples]]
     if self.k:
@@ -336,10 +335,6 @@ class _Progress:
     self.last, self.printed = now, True
     print(f"{self.stage}: evaluating {self.count}/{self.total} "
           f"({100 * self.count / self.total:.0f}%, {now - self.t0:.0f}s)", flush=True)
-
-
-# The evaluator's earlier name (greedy exact match), kept for imports.
-ExactMatchEval = GenerationEval
 
 
 def no_answer_note(data, missing: int, total: int) -> str:

@@ -17,7 +17,8 @@ from jaxrlhf.train import program
 from jaxrlhf.train.common import skip_counters
 from jaxrlhf.envs import resolve_env
 from jaxrlhf.train.episodes import EpisodeRunner, episode_rollout
-from jaxrlhf.train.evaluate import make_evaluator
+from jaxrlhf.distributed import to_host
+from jaxrlhf.train.evaluate import as_text, make_evaluator
 from jaxrlhf.train.phases import initial_carry, rl_phases
 from jaxrlhf.train.spec import Role
 from jaxrlhf.train.types import HostInputs
@@ -176,8 +177,6 @@ class RLStage(Stage):
     """Keeps ``samples_wanted`` rows of the step's rollout as samples (kind "rollout"): the
     first response of each prompt first, then the others; the reward is the row's raw
     sequence score (weighted sources, missing-EOS handling, guard)."""
-    from jaxrlhf.distributed import to_host
-    from jaxrlhf.train.evaluate import prompt_text
     want, self.samples_wanted = self.samples_wanted, 0
     ro = carry.rollout
     if not want or ro is None or host is None:
@@ -192,10 +191,10 @@ class RLStage(Stage):
     rows = []
     for i in order:
       ex = host.examples[i // self.n]
-      rows.append({"kind": "rollout", "prompt": prompt_text(ex),
+      rows.append({"kind": "rollout", "prompt": as_text(ex.prompt),
                    "response": self.tok.decode(tokens[i, P:]), "reward": float(scores[i]),
                    **({"answer": ex.answer} if ex.answer else {})})
-    self._samples = list(getattr(self, "_samples", ())) + rows
+    self._samples += rows
 
   def host_scores(self, tokens_BT, host: HostInputs) -> tuple[np.ndarray, dict]:
     """The host reward functions on the decoded responses (the split point of the step): the

@@ -52,6 +52,7 @@ class Stage:
     self.P = cfg.data.max_prompt_len
     self.R = cfg.data.max_response_len
     self.tok = data.tokenizer
+    self._samples: list[dict] = []  # sample rows since the last take_samples()
     check_vocabulary(cfg, self.tok, self.roles)
     self.opt = {role: make_optimizer(getattr(self.scfg, self.optim_fields[role]), self.steps)
                 for role in self.trainable}
@@ -102,8 +103,7 @@ class Stage:
   def take_samples(self) -> list[dict]:
     """The sample rows gathered since the last call (``prompt``, ``response``, ``reward``,
     ``answer``, ``kind``...): the rollout's, then the latest evaluation's; empty when none."""
-    rows = list(getattr(self, "_samples", ()))
-    self._samples = []
+    rows, self._samples = self._samples, []
     evaluator = getattr(self, "evaluator", None)
     if evaluator is not None and getattr(evaluator, "samples", None):
       rows += evaluator.samples
