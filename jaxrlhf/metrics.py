@@ -111,9 +111,15 @@ class JsonlSink:
     self._f = open(path, "a", encoding="utf-8")
 
   def write(self, stage: str, step: int, metrics: Mapping[str, float], wall_time: float):
-    record = {"stage": stage, "step": int(step), "wall_time": wall_time}
-    record.update((k, encode_value(v)) for k, v in metrics.items())
-    self._f.write(json.dumps(record, allow_nan=False) + "\n")
+    self.write_samples(stage, step, [metrics], wall_time)
+
+  def write_samples(self, stage: str, step: int, rows: Sequence[Mapping], wall_time: float):
+    """One record per row, ``{"stage", "step", "wall_time", **row}``: floats encoded by
+    :func:`encode_value`, text (samples) kept readable as UTF-8."""
+    for row in rows:
+      record = {"stage": stage, "step": int(step), "wall_time": wall_time}
+      record.update((k, encode_value(v) if isinstance(v, float) else v) for k, v in row.items())
+      self._f.write(json.dumps(record, allow_nan=False, ensure_ascii=False) + "\n")
     self._f.flush()
 
   def close(self):
@@ -176,11 +182,6 @@ def sample_rows(rows: Sequence[Mapping]) -> list[dict]:
   return out
 
 
-def sample_columns(rows: Sequence[Mapping]) -> list[str]:
-  """Every key of ``rows``, in first-seen order."""
-  return list(dict.fromkeys(k for row in rows for k in row))
-
-
 def sample_text(value, width: int = 0) -> str:
   """A sample value on one line: floats as ``%.4g``, newlines as ``\\n``, and at most
   ``width`` characters (0: all) with "..." where it was cut."""
@@ -191,31 +192,6 @@ def sample_text(value, width: int = 0) -> str:
   if width and len(text) > width:
     text = text[:max(width - 3, 1)] + "..."
   return text
-
-
-class JsonlSamplesSink:
-  """Appends each sample row to ``path`` as ``{"stage", "step", "wall_time", **row}``."""
-
-  def __init__(self, path: str):
-    self.path = path
-    _drop_cut_last_line(path)
-    self._f = open(path, "a", encoding="utf-8")
-
-  def write_samples(self, stage: str, step: int, rows: Sequence[Mapping], wall_time: float):
-    for row in rows:
-      record = {"stage": stage, "step": int(step), "wall_time": wall_time}
-      record.update((k, encode_value(v) if isinstance(v, float) else v) for k, v in row.items())
-      self._f.write(json.dumps(record, allow_nan=False, ensure_ascii=False) + "\n")
-    self._f.flush()
-
-  def close(self):
-    self._f.close()
-
-
-def read_samples(path: str) -> list[dict]:
-  """The rows of a samples.jsonl file (as :func:`read_jsonl` reads metrics: non-finite rewards
-  back as floats, a torn last line skipped)."""
-  return read_jsonl(path)
 
 
 # ------------------------------------------------------------------------------ console
@@ -413,7 +389,7 @@ class MetricsWriter:
       raise ConfigError("; ".join(problems))
     os.makedirs(workdir, exist_ok=True)
     self._jsonl = JsonlSink(self.jsonl_path)
-    self._samples = JsonlSamplesSink(self.samples_path)
+    self._samples = JsonlSink(self.samples_path)
     if cfg.console:
       self._console = ConsoleSink(total_steps_by_stage or {}, cfg.console_keys,
                                   cfg.console_every_s, stream=stream, tty=tty)

@@ -54,7 +54,7 @@ def test_samples_reach_the_jsonl_the_console_and_tensorboard(tmp_path):
   w.write_samples("sft", 4, ROWS[:1])
   w.close()
 
-  rows = metrics.read_samples(str(tmp_path / "samples.jsonl"))
+  rows = metrics.read_jsonl(str(tmp_path / "samples.jsonl"))
   assert [(r["stage"], r["step"]) for r in rows] == [("sft", 2)] * 4 + [("sft", 4)]
   assert rows[0]["prompt"] == "what is 2+3?" and rows[0]["response"] == "2+3 is\n5 | five"
   assert rows[0]["reward"] == 1.0 and rows[0]["answer"] == "5" and rows[0]["kind"] == "eval"
@@ -273,7 +273,7 @@ def _run(tmp_path, cfg):
   assert pipeline.run(cfg, wd) == 0
   recs = metrics.read_jsonl(os.path.join(wd, "metrics.jsonl"))
   path = os.path.join(wd, "samples.jsonl")
-  samples = metrics.read_samples(path) if os.path.exists(path) else []
+  samples = metrics.read_jsonl(path) if os.path.exists(path) else []
   with open(os.path.join(wd, "summary.json")) as f:
     return recs, samples, json.load(f)
 
