@@ -19,6 +19,8 @@ import os
 import sys
 from typing import Optional
 
+from jaxrlhf.cli import guarded
+from jaxrlhf.config import ConfigError
 from jaxrlhf.metrics import read_jsonl
 
 # ------------------------------------------------------------------------------ data
@@ -206,7 +208,7 @@ def summarize(stages) -> str:
 # -------------------------------------------------------------------------------- main
 
 
-class ReportError(Exception):
+class ReportError(ConfigError):
   """A user-facing error: one line naming the file and what to do."""
 
 
@@ -280,15 +282,15 @@ def main(argv=None) -> int:
   parser.add_argument("--workdir", required=True, help="a run's output folder")
   parser.add_argument("--out", default=None, help="where plots go (default WORKDIR/report)")
   args = parser.parse_args(argv)
-  try:
+
+  def run() -> int:
     pngs, text = make_report(args.workdir, args.out)
-  except ReportError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  print(text, end="")
-  out_dir = args.out or os.path.join(args.workdir, "report")
-  print(f"wrote {len(pngs)} plots and summary.txt to {out_dir}")
-  return 0
+    print(text, end="")
+    out_dir = args.out or os.path.join(args.workdir, "report")
+    print(f"wrote {len(pngs)} plots and summary.txt to {out_dir}")
+    return 0
+
+  return guarded(run)
 
 
 if __name__ == "__main__":

@@ -104,3 +104,21 @@ def tiny_llama(folder, vocab=600, bos_rule=False, template=None, seed=0):
   hf.export_hf(params, cfg, folder, tokenizer_path=folder + ".tokenizer")
   shutil.rmtree(folder + ".tokenizer")
   return folder
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_main(cwd, *args, timeout: int = 600) -> str:
+  """``python -m jaxrlhf.main ARGS`` as a user outside the repository runs it (from ``cwd``,
+  one CPU device); asserts it succeeded and returns its stdout (also printed, so pytest shows
+  it when a later check fails)."""
+  import subprocess
+  import sys
+  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  p = subprocess.run([sys.executable, "-m", "jaxrlhf.main", *args], capture_output=True,
+                     text=True, cwd=cwd, env=env, timeout=timeout)
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  print(p.stdout)
+  return p.stdout

@@ -7,17 +7,14 @@ transformers reads the export's config and tokenizer back."""
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
 import numpy as np
 
-from byo_helpers import family_model, write_jsonl, write_parquet
+from byo_helpers import run_main, family_model, write_jsonl, write_parquet
 from helpers import mesh
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 REWARD = textwrap.dedent("""
     import json, os
@@ -35,16 +32,6 @@ REWARD = textwrap.dedent("""
 SMALL = ["--steps=2", "--set=data.max_response_len=8",
          "--set=rollout.max_new_tokens=8", "--set=model.compute_dtype=float32",
          "--set=model.remat=none", "--set=logging.sinks=jsonl", "--set=checkpoint.enabled=false"]
-
-
-def _main(cwd, *args):
-  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-  p = subprocess.run([sys.executable, "-m", "jaxrlhf.main", *args], capture_output=True,
-                     text=True, cwd=cwd, env=env, timeout=300)
-  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-  print(p.stdout)  # shown by pytest when a later check fails
-  return p.stdout
 
 
 def _export_and_reload(work, model, stage, model_type):
@@ -83,7 +70,7 @@ def test_grpo_on_qwen3_with_chat_parquet_and_the_users_reward(tmp_path):
            "level": a % 3} for a in range(4) for b in range(4)]
   write_parquet(tmp_path / "prompts.parquet", rows)
   (tmp_path / "my_reward.py").write_text(REWARD)
-  out = _main(str(tmp_path), "--experiment=grpo_jsonl", f"--workdir={tmp_path / 'work'}",
+  out = run_main(str(tmp_path), "--experiment=grpo_jsonl", f"--workdir={tmp_path / 'work'}",
               f"--set=model.hf_path={model}", f"--set=data.tokenizer={model}",
               "--set=data.prompts_path=prompts.parquet", "--set=data.max_prompt_len=24",
               "--set=data.fields=question:prompt,solution:answer", "--set=data.eval_split=0.25",
@@ -114,7 +101,7 @@ def test_grpo_on_qwen3_with_chat_parquet_and_the_users_reward(tmp_path):
   assert cfg.qk_norm and not cfg.post_norms  # Qwen3's own layout, not Llama's
   # The run's saved config reads back as --config, the host source and renames included.
   saved = tmp_path / "work" / "config.json"
-  again = json.loads(_main(str(tmp_path), f"--config={saved}", "--print_config"))
+  again = json.loads(run_main(str(tmp_path), f"--config={saved}", "--print_config"))
   assert again == json.loads(saved.read_text())
   assert again["grpo"]["reward"]["sources"] == ["host:my_reward.py:score", "host:math_verify",
                                                 "host:math_format"]
@@ -132,7 +119,7 @@ def test_dpo_on_gemma3_with_chat_pairs_alone(tmp_path):
                   "answer": str(a + 1)})
   write_jsonl(tmp_path / "pairs.jsonl", pairs[:4])
   write_jsonl(tmp_path / "held.jsonl", pairs[4:])
-  out = _main(str(tmp_path), "--experiment=dpo_jsonl", f"--workdir={tmp_path / 'work'}",
+  out = run_main(str(tmp_path), "--experiment=dpo_jsonl", f"--workdir={tmp_path / 'work'}",
               f"--set=model.hf_path={model}", f"--set=data.tokenizer={model}",
               "--set=data.pairs_path=pairs.jsonl", "--set=data.pairs_eval_path=held.jsonl",
               "--set=data.max_prompt_len=40", "--set=dpo.batch_size=4",

@@ -6,20 +6,16 @@ the same holds for ``--print_config``."""
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import pytest
 
-from byo_helpers import tiny_llama, write_jsonl
+from byo_helpers import run_main, tiny_llama, write_jsonl
 from helpers import real_model
 from jaxrlhf import main as M
 from jaxrlhf.config import MeshConfig
 from jaxrlhf.train import pipeline
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 602  # > 512, and a multiple of neither 4 nor 8: tp pads it
 
 SMALL = ["--steps=1", "--set=data.max_prompt_len=16", "--set=data.max_response_len=8",
@@ -32,19 +28,10 @@ def llama(tmp_path_factory):
   return tiny_llama(tmp_path_factory.mktemp("llama") / "model", vocab=VOCAB)
 
 
-def _main(cwd, *args):
-  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-  p = subprocess.run([sys.executable, "-m", "jaxrlhf.main", *args], capture_output=True,
-                     text=True, cwd=cwd, env=env, timeout=600)
-  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-  return p.stdout
-
-
 def test_the_config_is_the_checkpoints_before_any_check(llama, tmp_path):
   """resolve_config (what --print_config prints and validate checks) reads the architecture;
   mesh.tp pads the vocabulary, and mesh.tp=-1 leaves it for the run, which pads it for the
-  devices present (pad_for_devices)."""
+  devices present (pipeline.resolve_for_devices)."""
   sets = [f"model.hf_path={llama}", f"data.tokenizer={llama}", "data.prompts_path=p.jsonl"]
   cfg = M.resolve_config("grpo_jsonl", sets, required=False)
   m = cfg.model
@@ -56,12 +43,12 @@ def test_the_config_is_the_checkpoints_before_any_check(llama, tmp_path):
   assert (m4.vocab_size, m4.unpadded_vocab_size) == (604, VOCAB)
   free = M.resolve_config("grpo_jsonl", sets + ["mesh.dp=1", "mesh.tp=-1"], required=False)
   assert (free.model.vocab_size, free.model.unpadded_vocab_size) == (VOCAB, 0)
-  run = pipeline.pad_for_devices(free)  # 8 test devices: tp=8
+  run = pipeline.resolve_for_devices(free)  # 8 test devices: tp=8
   assert jax.device_count() == 8
   assert (run.model.vocab_size, run.model.unpadded_vocab_size) == (608, VOCAB)
   # A mesh these devices cannot form: left as it is (make_mesh says why, later).
   odd = dataclasses.replace(free, mesh=MeshConfig(dp=3, tp=-1))
-  assert pipeline.pad_for_devices(odd) == odd
+  assert pipeline.resolve_for_devices(odd) == odd
   # Roles with their own checkpoint are resolved too.
   rm = M.resolve_config("ppo_jsonl", sets + [f"reward_model.hf_path={llama}"], required=False)
   assert rm.reward_model.vocab_size == VOCAB and rm.reward_model.d_model == 32
@@ -87,9 +74,9 @@ def test_grpo_jsonl_on_a_checkpoint_larger_than_the_placeholder(llama, tmp_path)
   (tmp_path / "trl_reward.py").write_text(TRL_REWARD)
   sets = ["--experiment=grpo_jsonl", f"--set=model.hf_path={llama}",
           f"--set=data.tokenizer={llama}", "--set=data.prompts_path=prompts.jsonl"]
-  printed = json.loads(_main(str(tmp_path), *sets, "--print_config"))
+  printed = json.loads(run_main(str(tmp_path), *sets, "--print_config"))
   assert printed["model"]["vocab_size"] == VOCAB and printed["model"]["d_model"] == 32
-  out = _main(str(tmp_path), *sets, f"--workdir={tmp_path / 'work'}", "--set=grpo.batch_size=2",
+  out = run_main(str(tmp_path), *sets, f"--workdir={tmp_path / 'work'}", "--set=grpo.batch_size=2",
               "--set=grpo.num_samples=2", "--set=grpo.num_minibatches=1", "--set=data.eval_size=2",
               "--set=grpo.reward.sources=rule:exact_match,host:trl_reward.py:accuracy",
               "--set=grpo.reward.weights=1,1", *SMALL)
@@ -114,7 +101,7 @@ def test_sft_and_dpo_jsonl_on_the_same_checkpoint(llama, tmp_path):
   write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": f"{a}+1=", "chosen": str(a + 1),
                                           "rejected": str(a + 2)} for a in range(8)])
   for name, field, path in (("sft", "sft_path", "sft.jsonl"), ("dpo", "pairs_path", "pairs.jsonl")):
-    _main(str(tmp_path), f"--experiment={name}_jsonl", f"--set=model.hf_path={llama}",
+    run_main(str(tmp_path), f"--experiment={name}_jsonl", f"--set=model.hf_path={llama}",
           f"--set=data.tokenizer={llama}", f"--set=data.{field}={path}",
           f"--workdir={tmp_path / name}", f"--set={name}.batch_size=4", "--set=data.eval_size=2",
           *SMALL)

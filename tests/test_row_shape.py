@@ -102,7 +102,13 @@ def test_the_settings_reach_the_reader(tmp_path):
 def test_sft_on_files_reports_the_held_out_loss(tmp_path):
   """``eval/loss`` is the training loss on the evaluation examples: batches of
   ``sft.batch_size`` with the last one padded by masked rows give the token mean over all of
-  them, the same number one batch of all of them gives."""
+  them, the same number one batch of all of them gives; with the responses' tokens or every
+  token as the target (``sft.response_only``)."""
+  for response_only in (True, False):
+    _held_out_loss_equals_one_batch(tmp_path / str(response_only), response_only)
+
+
+def _held_out_loss_equals_one_batch(tmp_path, response_only):
   import dataclasses
 
   import jax
@@ -115,6 +121,7 @@ def test_sft_on_files_reports_the_held_out_loss(tmp_path):
   from jaxrlhf.model import hf
   from jaxrlhf.train import spec
 
+  tmp_path.mkdir()
   model = family_model(tmp_path / "m", "qwen3")
   rows = [{"prompt": f"{i}+{i}=", "response": str(2 * i)} for i in range(10, 30)]
   path = write(tmp_path, rows)
@@ -122,7 +129,7 @@ def test_sft_on_files_reports_the_held_out_loss(tmp_path):
                     max_prompt_len=8, max_response_len=4)
   cfg = ExperimentConfig(name="t", stages=("sft",), data=data,
                          model=dataclasses.replace(hf.config_from_hf(model), remat="none"),
-                         sft=SFTConfig(batch_size=2, steps=1))
+                         sft=SFTConfig(batch_size=2, steps=1, response_only=response_only))
   m = mesh()
   src = DataSource(cfg.data, cfg.seed)
   stage = spec.build_stage("sft", cfg, m, src)

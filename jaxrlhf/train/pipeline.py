@@ -47,15 +47,15 @@ class StageOutcome:
 def run(cfg: ExperimentConfig, workdir: str, resume: str = "latest", profile_steps=None) -> int:
   """Trains every stage of ``cfg`` in ``workdir``; returns the process exit status (0 also
   when a signal stopped the run after writing a checkpoint, 1 when training failed)."""
-  # The checkpoints' architectures (model.hf_path ...) before any check sees the config.
-  cfg = hf.resolve_models(cfg)
-  validate(cfg)  # every stage's settings, before the first stage trains
   quiet_library_logs()  # before jax's backends start (a missing-TPU line at INFO is noise)
   # Before jax starts its threads: the host allocator ($JAXRLHF_MALLOC), and compiled programs
   # kept on disk ($JAXRLHF_COMPILATION_CACHE, "off" to disable): every run of a configuration
   # after the first skips compilation.
   perf.configure_process()
-  cfg = pad_for_devices(cfg)  # what config.json records is what trains
+  # The checkpoints' architectures (model.hf_path ...), padded for this mesh, before any check
+  # sees the config: what config.json records is what trains.
+  cfg = resolve_for_devices(cfg)
+  validate(cfg)  # every stage's settings, before the first stage trains
   preflight(cfg)  # the wrong-machine guard: fail in seconds, before allocating anything
   policy = ckpt.parse_resume(resume)
   profiler = perf.ProfileWindow(profile_steps, workdir)  # a bad flag fails before any work
@@ -64,14 +64,15 @@ def run(cfg: ExperimentConfig, workdir: str, resume: str = "latest", profile_ste
     return train_all(cfg, workdir, policy, profiler, written)
 
 
-def pad_for_devices(cfg: ExperimentConfig) -> ExperimentConfig:
-  """``cfg`` with each Hugging Face vocabulary padded for the tensor-parallel size of the mesh
-  the devices present form (``mesh.tp=-1`` is only known here); unchanged when the mesh does
-  not fit them (make_mesh says why, later)."""
+def resolve_for_devices(cfg: ExperimentConfig) -> ExperimentConfig:
+  """``cfg`` with every role's architecture read from its ``hf_path`` and the vocabulary padded
+  for the tensor-parallel size of the mesh the devices present form (``mesh.tp=-1`` is only
+  known here; a mesh that does not fit them pads for ``mesh.tp``, and make_mesh says why
+  later)."""
   try:
     tp = resolve_mesh_shape(cfg.mesh, jax.device_count())["tp"]
   except ConfigError:
-    return cfg
+    tp = None
   return hf.resolve_models(cfg, tp)
 
 
@@ -104,7 +105,7 @@ def config_file(workdir: str, cfg: ExperimentConfig):
 
 def train_all(cfg: ExperimentConfig, workdir: str, policy, profiler, written: dict) -> int:
   """The stages of :func:`run`, in order, each resumed or skipped as its folder says."""
-  mesh = make_mesh(cfg.mesh)  # cfg's vocabularies are padded for it (pad_for_devices)
+  mesh = make_mesh(cfg.mesh)  # cfg's vocabularies are padded for it (resolve_for_devices)
   data = DataSource(cfg.data, cfg.seed)
   # Every stage is built and checked against the data up front (construction allocates
   # nothing): reward sources and answers, tokenizer against vocabulary, stop rules of a late

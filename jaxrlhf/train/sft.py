@@ -12,7 +12,7 @@ from jaxrlhf.algorithms import sft_loss
 from jaxrlhf.config import ConfigError, SFTConfig
 from jaxrlhf.perf import decoder_flops
 from jaxrlhf.train import spec
-from jaxrlhf.train.common import TrainState, update_role
+from jaxrlhf.train.common import TrainState, put_batch, update_role
 from jaxrlhf.train.evaluate import make_evaluator, metric_label
 from jaxrlhf.train.sequences import next_token_target, packing_metrics
 from jaxrlhf.train.stage import Stage
@@ -24,7 +24,7 @@ class SFTStage(Stage):
   def __init__(self, cfg, mesh, data):
     super().__init__(cfg, mesh, data)
     self.evaluator = make_evaluator(self)
-    self._nll = None  # the held-out loss's program, compiled at the first evaluation
+    self._held_out = None  # eval/loss's batches and program, made at the first evaluation
 
   def batch_shapes(self):
     if self.packer is not None:
@@ -68,34 +68,35 @@ class SFTStage(Stage):
     return out
 
   def held_out_loss(self, params) -> dict:
-    """``eval/loss``: the token-mean NLL of the evaluation set's SFT responses (the loss the
-    step trains, on examples it does not train on when the set is held out), in batches of
-    ``sft.batch_size`` (the last one padded with masked rows, so one compiled program)."""
-    examples = self.data.eval_examples("sft")
-    if not examples:
-      return {}
-    if self._nll is None:
-      cfg = self.model_cfg("policy")
-
-      def nll(params, tokens, mask, target):
-        logp, _ = M.token_logprobs(params, tokens, mask, cfg=cfg, start=1,
-                                   kernels=self.cfg.kernels)
-        return -jnp.sum(jnp.where(target, logp.astype(jnp.float32), 0.0)), jnp.sum(target)
-
-      self._nll = jax.jit(nll)
-    n, total, count = self.scfg.batch_size, 0.0, 0.0
-    with jax.set_mesh(self.mesh):
-      for i in range(0, len(examples), n):
-        chunk = examples[i:i + n]
+    """``eval/loss``: the token-mean NLL of the evaluation set's SFT responses (the step's own
+    loss, :meth:`objective`, on examples it does not train on when the set is held out), in
+    batches of ``sft.batch_size`` encoded and placed once (the last one filled with rows whose
+    loss mask is off, so one compiled program)."""
+    if self._held_out is None:
+      examples, n = self.data.eval_examples("sft"), self.scfg.batch_size
+      self._held_out = []
+      for lo in range(0, len(examples), n):
+        chunk = examples[lo:lo + n]
         real = len(chunk)
-        chunk = chunk + examples[:n - real]  # pad rows, masked out below
-        b = self.data.encoder.sequences(chunk, "response")
-        target = np.asarray(next_token_target(
-            b["loss_mask"] if self.scfg.response_only else b["mask"], b))
-        target[real:] = 0
-        s, c = jax.device_get(self._nll(params, b["tokens"], b["mask"], target.astype(bool)))
-        total, count = total + float(s), count + float(c)
-    return {"eval/loss": total / max(count, 1.0)}
+        b = self.data.encoder.sequences(chunk + [chunk[-1]] * (n - real), "response")
+        # The fillers train nothing: their loss mask off (and, where every real token is a
+        # target, sft.response_only=false, their mask: a row of padding).
+        for name in ("loss_mask",) if self.scfg.response_only else ("loss_mask", "mask"):
+          b[name] = np.asarray(b[name]).copy()
+          b[name][real:] = False
+        self._held_out.append(put_batch(self.mesh, b))
+      self._nll = jax.jit(lambda p, b: self._loss_and_tokens(p, b))
+    total = count = 0.0
+    with jax.set_mesh(self.mesh):
+      for b in self._held_out:
+        loss, tokens = jax.device_get(self._nll(params, b))
+        total, count = total + float(loss) * float(tokens), count + float(tokens)
+    return {"eval/loss": total / count} if count else {}
+
+  def _loss_and_tokens(self, params, b):
+    loss_fn, mb = self.objective(b)
+    loss, metrics = loss_fn(params, mb)
+    return loss, metrics["tokens"]
 
   def target_reached(self, eval_metrics: dict) -> str:
     stop, acc = self.scfg.stop_accuracy, eval_metrics.get("eval/accuracy")
