@@ -144,3 +144,13 @@ def _held_out_loss_equals_one_batch(tmp_path, response_only):
   np.testing.assert_allclose(got, want, rtol=1e-5)
   assert "eval/loss" in stage.evaluate(state, frozen)
 
+
+
+def test_a_row_without_the_field_names_the_rename_to_make(tmp_path):
+  """GSM8K as it ships ({"question", "answer"}) read as prompts with no data.fields: the error
+  names the row's fields and the data.fields setting that maps one."""
+  path = write(tmp_path, [GSM])
+  with pytest.raises(ConfigError, match=r"d\.jsonl:1: missing string field\(s\) prompt; .* this "
+                     r"row has 'question', 'answer': name the one to use with "
+                     r"data\.fields=question:prompt"):
+    read_examples(path, "prompts")

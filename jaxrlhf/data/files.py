@@ -306,8 +306,11 @@ def _to_example(obj: dict, kind: str, where: str, line: int) -> Example:
     if missing:
       alt = {"sft": " or {\"messages\": [...]}",
              "pairs": " or {\"chosen\": [messages], \"rejected\": [messages]}"}.get(kind, "")
+      others = [k for k, v in obj.items() if isinstance(v, (str, list)) and k not in missing]
+      rename = (f"; this row has {', '.join(map(repr, others))}: name the one to use with "
+                f"data.fields={others[0]}:{missing[0]}" if others else "")
       raise ConfigError(f"{where}: missing string field(s) {', '.join(missing)}; each line "
-                        f"needs {_example(kind)}{alt}")
+                        f"needs {_example(kind)}{alt}{rename}")
     fields.update({k: _text(obj, k, where, kind) for k in _REQUIRED[kind]})
     for k in _REQUIRED[kind][1:]:
       if isinstance(fields[k], Chat):
