@@ -14,8 +14,8 @@ A training run writes its checkpoints with a :class:`Checkpointer`, one per stag
 
 So a checkpoint's size is the trainable state's: with AdamW, three times the trained
 parameters (the weights and two moments, in their dtypes), whatever the frozen roles weigh.
-:attr:`Checkpointer.last_save_bytes` is what the last save handed to the writer (the loop logs
-it and reports it as ``checkpoint/bytes``); ``keep`` (default 2) bounds the disk to that many.
+:meth:`Checkpointer.save_bytes` is what a save hands to the writer (the loop logs it and
+reports it as ``checkpoint/bytes``); ``keep`` (default 2) bounds the disk to that many.
 
 Saving is asynchronous: :meth:`Checkpointer.maybe_save` copies the arrays to host memory and
 returns, and a background thread writes them, so the step that follows may donate the state.
@@ -276,7 +276,6 @@ class Checkpointer:
     self._frozen = _to_json(frozen or {}, "frozen")
     self._clock = clock  # injectable so tests can drive every_seconds
     self._last_save_time = clock()
-    self.last_save_bytes = 0  # what the last save wrote: the state's arrays and the JSON
     self._manager = self._open()
 
   def _open(self) -> ocp.CheckpointManager:
@@ -316,7 +315,7 @@ class Checkpointer:
 
   def due(self, step: int, *, force: bool = False) -> bool:
     """Whether :meth:`maybe_save` of ``step`` would save now (``force``: whatever the
-    cadence); a caller that asks first then saves with ``save_now``."""
+    cadence); a caller that asks first then saves with :meth:`save_now`."""
     return (self.cfg.enabled and (force or self._due(step))
             and step not in self._manager.all_steps())
 
@@ -347,10 +346,8 @@ class Checkpointer:
     the checkpoint can be ranked.  Asynchronous with ``async_save``: on return the arrays are
     copied and ``state`` may be donated; call :meth:`wait` before reading the files.
     """
-    if not self.cfg.enabled or not (force or self._due(step)):
+    if not self.due(step, force=force):  # a step already saved: e.g. the final forced one
       return False
-    if step in self._manager.all_steps():
-      return False  # e.g. the final forced save on a step the cadence already saved
     extra = _to_json(extra or {}, "extra")
     ranked = None
     if self.cfg.best_metric and metrics is not None and self.cfg.best_metric in metrics:
@@ -362,7 +359,6 @@ class Checkpointer:
         CONFIG: ocp.args.JsonSave(self._run_config), FROZEN: ocp.args.JsonSave(self._frozen)})
     self._manager.save(step, args=args, metrics=ranked, force=True)
     self._last_save_time = self._clock()
-    self.last_save_bytes = self.save_bytes(state, extra)
     return True
 
   def save_now(self, step: int, state, extra: Optional[dict] = None,

@@ -38,7 +38,7 @@ def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer
   Batches are a pure function of the step (``stage.batch(step)``), so ``start_step`` is also
   the data position.  After each step: evaluation when due, one metrics record, the samples of
   the evaluation and (every ``logging.samples_every`` steps) of the rollout, a checkpoint
-  when due (``checkpointer.maybe_save``, asynchronous), then ``should_stop()``; when it says
+  when due (``checkpointer.due``, then ``save_now``: asynchronous), then ``should_stop()``; when it says
   stop, a checkpoint of this step is written (``save_now``) before returning with
   ``stopped_early=True``.  ``extra_fn(done)`` is the JSON saved beside the state; ``work``
   (:class:`jaxrlhf.train.work.StepWork`) adds ``perf/*`` utilisation metrics.
@@ -112,12 +112,12 @@ def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer
       writer.write(stage.name, done, metrics)
     writer.write_samples(stage.name, done, stage.take_samples())
     last = metrics
-    t0 = time.perf_counter()
-    if checkpointer is not None and checkpointer.maybe_save(done, state, extra_now, metrics,
-                                                            force=force):
+    if save:  # decided once above (every_seconds reads the clock, across hosts a collective)
+      t0 = time.perf_counter()
+      checkpointer.save_now(done, state, extra_now, metrics)
       how = "writing in the background" if checkpointer.cfg.async_save else "written"
       writer.message(f"{stage.name}: checkpoint {done} -> {checkpointer.directory} "
-                     f"({checkpointer.last_save_bytes / 2**20:.1f} MiB, "
+                     f"({metrics['checkpoint/bytes'] / 2**20:.1f} MiB, "
                      f"{time.perf_counter() - t0:.2f}s, {how})")
     if reason:
       writer.end_stage(stage.name)

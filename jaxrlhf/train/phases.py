@@ -148,10 +148,11 @@ def reference(stage, frozen, batch, c: StepCarry) -> StepCarry:
   """Reference log-probs (the behaviour log-probs when no reference is needed) and the
   per-token KL of the rollout to them.
 
-  The KL's policy side is the policy's own teacher-forced log-probs, computed by the very call
-  that computes the reference's (same function, shapes and program), not the sampler's: at
-  policy = reference the KL is then exactly 0, where the sampler's log-probs differ from a
-  forward pass by float rounding (0.03 per token in bf16) and that noise would be the KL."""
+  The KL's policy side is the sampler's log-probs (one model definition samples and trains),
+  except while the policy's weights are the reference's (the first step; :func:`same_weights`):
+  then it is the reference's own, so the KL is exactly 0 where the sampler's log-probs differ
+  from a forward pass by float rounding (0.03 per token in bf16) and that noise would be the
+  KL.  One forward pass, the reference's."""
   del batch
   ro = c.rollout
   if "reference" not in frozen:
@@ -159,10 +160,8 @@ def reference(stage, frozen, batch, c: StepCarry) -> StepCarry:
   else:
     ref, _ = PK.token_logprobs(stage, frozen["reference"], ro.tokens_BT, ro.mask_BT,
                                packed_rows(c), role="reference", start=stage.P)
-    policy, _ = PK.token_logprobs(stage, stage.view(c.state.params, frozen, "policy"),
-                                  ro.tokens_BT, ro.mask_BT, packed_rows(c), role="policy",
-                                  start=stage.P)
-    policy = jax.lax.stop_gradient(policy)
+    same = same_weights(stage.view(c.state.params, frozen, "policy"), frozen["reference"])
+    policy = jnp.where(same, ref, ro.behaviour_logp_BN)
   kl = jnp.where(ro.response_mask_BN, kl_of(stage.scfg.kl, policy, ref), 0.0)
   return c.replace(rollout=ro.replace(ref_logp_BN=ref, kl_BN=kl))
 
@@ -257,6 +256,7 @@ def train(stage, frozen, batch, c: StepCarry, *, roles, terms) -> StepCarry:
   ub = UpdateBatch(tokens_BT=ro.tokens_BT, mask_BT=ro.mask_BT, update_mask_BN=sh.update_mask_BN,
                    old_logp_BN=old if policy else None,
                    behaviour_logp_BN=ro.behaviour_logp_BN if policy else None,
+                   ref_logp_BN=ro.ref_logp_BN if policy else None,
                    adv_BN=sh.adv_BN if policy else None,
                    values_BN=c.scored.values_BN if "value" in terms else None,
                    returns_BN=sh.returns_BN if "value" in terms else None)
@@ -380,7 +380,7 @@ def epochs(stage, frozen, state, ub: UpdateBatch, kl_coef, *, roles, terms, pack
     def loss_fn(p, micro):
       total, metrics = 0.0, {}
       p = stage.views(p, frozen)  # LoRA roles: adapters over their frozen bases
-      if "reference" in frozen:  # read, never trained (the KL term's own forward)
+      if "reference" in frozen:  # read, never trained: same_weights in the KL term
         p = {**p, "reference": frozen["reference"]}
       for term in terms:
         loss, m = stage.spec.terms[term](stage, p, micro, denom=denom, n_seq=n_seq,
@@ -451,18 +451,14 @@ def policy_term(stage, params, mb: UpdateBatch, *, denom, n_seq, kl_coef):
              "_mismatch": mismatch}
   loss = pg + bonus
   if scfg.kl.placement == "loss" and (scfg.kl.coef > 0 or scfg.kl.adaptive):
-    # The KL to the reference aggregated like the policy loss (docs/conventions.md).  The
-    # reference's log-probs are computed here, by the same call on the same (micro-)batch as
-    # the policy's: the reference phase's, of the whole batch in another program, differ from
-    # these by float rounding, and at policy = reference that rounding would be the KL and
-    # its gradient (which Adam scales to a full step).
-    ref, _ = PK.token_logprobs(stage, params["reference"], mb.tokens_BT, mb.mask_BT, mb.packed,
-                               role="reference", start=stage.P)
-    # At identical weights (the first step; LoRA's zero adapters) the reference's log-probs
-    # are the policy's own.  XLA compiles the differentiated forward apart from the plain one,
-    # and on a 30-layer model (SmolLM2-135M) the two differ by ~1e-6 per token even so: that
-    # would be the KL, and its gradient a full Adam step.
-    ref = jnp.where(same_weights(params["policy"], params["reference"]), logp, ref)
+    # The KL to the reference aggregated like the policy loss (docs/conventions.md).  While
+    # the policy's weights are the reference's (the first minibatch of the first step) the
+    # reference's log-probs are the policy's own: the reference phase's come from another
+    # program at other shapes (and even the same forward, differentiated, compiles apart: on
+    # SmolLM2-135M the two differ by ~1e-6 per token), and that rounding would be the KL and
+    # its gradient, which Adam scales to a full step.
+    ref = jnp.where(same_weights(params["policy"], params["reference"]), logp,
+                    mb.ref_logp_BN)
     kl = kl_of(scfg.kl, logp, jax.lax.stop_gradient(ref))
     penalty, _ = kl_penalty_loss(kl, mask, coef=kl_coef, **agg)
     loss = loss + penalty

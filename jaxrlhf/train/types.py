@@ -59,8 +59,8 @@ class Rollout:
   answer_mask_BR: Optional[jax.Array] = None  # bool
   # Filled by the reference phase:
   ref_logp_BN: Optional[jax.Array] = None  # f32 under the frozen reference
-  # f32 per-token KL(policy || reference), 0 where masked: the policy's teacher-forced
-  # log-probs (not the sampler's), computed as the reference's are
+  # f32 per-token KL(behaviour || reference), 0 where masked; exactly 0 while the policy's
+  # weights are the reference's (phases.reference)
   kl_BN: Optional[jax.Array] = None
 
 

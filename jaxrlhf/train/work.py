@@ -59,10 +59,7 @@ def rl_flops(stage, shape: dict | None = None) -> dict[str, float]:
       rows = trained = shape["rows"]
       head = T - 1
   if "reference" in frozen:
-    # The reference's log-probs and, beside them, the policy's own teacher-forced ones (the
-    # KL's two sides by the same call: phases.reference).
-    out["reference"] = (decoder_flops(stage.model_cfg("reference"), rows, T, head_positions=head)
-                        + decoder_flops(policy, rows, T, head_positions=head))
+    out["reference"] = decoder_flops(stage.model_cfg("reference"), rows, T, head_positions=head)
   reward = 0.0
   for role in ("reward", "guard"):
     if role in frozen:
@@ -78,10 +75,6 @@ def rl_flops(stage, shape: dict | None = None) -> dict[str, float]:
     out["values"] = decoder_flops(value, trained, T, head="scalar")
     update += decoder_flops(value, upd, T, head="scalar", train=True,
                             lora=stage.lora.get("value"))
-  kl = stage.scfg.kl
-  if "reference" in frozen and kl.placement == "loss" and (kl.coef > 0 or kl.adaptive):
-    # The KL in the loss: the reference's log-probs of each micro-batch, inside the update.
-    update += decoder_flops(stage.model_cfg("reference"), upd, T, head_positions=head)
   out["update"] = stage.scfg.ppo_epochs * update
   if stage.scfg.off_policy != "none":  # the trainer's log-probs of the rollout
     out["update"] += decoder_flops(policy, trained, T, head_positions=head)
