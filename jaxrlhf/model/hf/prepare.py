@@ -56,6 +56,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from jaxrlhf.cli import guarded
+from jaxrlhf.config import ModelConfig
+from jaxrlhf.model.hf.export import rope_fields
 from jaxrlhf.model.hf.mapping import HFError
 
 MARKER = "jaxrlhf_prepared.json"
@@ -262,10 +264,8 @@ def _config(reader, tied: bool, tok_ids: dict) -> dict:
       # The float32 stored value, written as its shortest decimal (1e-05, not 9.9999997e-06).
       "rms_norm_eps": float(str(np.float32(
           _field(reader, p + "attention.layer_norm_rms_epsilon")))),
-      # Both conventions: transformers 4.x reads rope_theta / rope_scaling, 5.x
-      # rope_parameters; either alone loads as theta 10000 in the other.
-      "rope_theta": theta, "rope_scaling": None,
-      "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+      # Both rotary conventions (transformers 4.x and 5.x), as an export writes them.
+      **rope_fields(ModelConfig(rope_theta=theta), "llama"),
       "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": tied,
       "torch_dtype": "float32", "dtype": "float32",
       **tok_ids,
