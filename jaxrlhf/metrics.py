@@ -182,18 +182,6 @@ def sample_rows(rows: Sequence[Mapping]) -> list[dict]:
   return out
 
 
-def sample_text(value, width: int = 0) -> str:
-  """A sample value on one line: floats as ``%.4g``, newlines as ``\\n``, and at most
-  ``width`` characters (0: all) with "..." where it was cut."""
-  if value is None:
-    return ""
-  text = f"{value:.4g}" if isinstance(value, float) else str(value)
-  text = text.replace("\r", "").replace("\n", "\\n")
-  if width and len(text) > width:
-    text = text[:max(width - 3, 1)] + "..."
-  return text
-
-
 # ------------------------------------------------------------------------------ console
 
 
@@ -307,17 +295,17 @@ class ConsoleSink:
     shown = rows[:self.SAMPLES_SHOWN]
     lines = [f"{stage} step {step}: {kind + ' ' if kind else ''}samples ({len(shown)} of "
              f"{len(rows)}" + (f"; all in {path})" if path else ")")]
+    text, width = tracking.sample_text, self.SAMPLE_WIDTH
     for row in shown:
       reward = row.get("reward")
-      head = f"  [{sample_text(reward)}] " if isinstance(reward, float) else "  "
+      head = f"  [{text(reward)}] " if isinstance(reward, float) else "  "
       if "response" in row:
-        body = (f"{sample_text(row.get('prompt'), self.SAMPLE_WIDTH // 2)} -> "
-                f"{sample_text(row['response'], self.SAMPLE_WIDTH)}")
+        body = f"{text(row.get('prompt'), width // 2)} -> {text(row['response'], width)}"
       else:  # e.g. a preference pair: its fields as they come
-        body = "  ".join(f"{k}: {sample_text(v, self.SAMPLE_WIDTH // 3)}"
+        body = "  ".join(f"{k}: {text(v, width // 3)}"
                          for k, v in row.items() if k not in ("kind", "reward"))
       if row.get("answer"):
-        body += f"  (answer: {sample_text(row['answer'], self.SAMPLE_WIDTH // 3)})"
+        body += f"  (answer: {text(row['answer'], width // 3)})"
       lines.append(head + body)
     self.message("\n".join(lines))
 

@@ -130,6 +130,18 @@ def samples_tag(rows) -> str:
   return f"samples/{kind}"
 
 
+def sample_text(value, width: int = 0) -> str:
+  """A sample value on one line: floats as ``%.4g``, newlines as ``\\n``, and at most
+  ``width`` characters (0: all) with "..." where it was cut."""
+  if value is None:
+    return ""
+  text = f"{value:.4g}" if isinstance(value, float) else str(value)
+  text = text.replace("\r", "").replace("\n", "\\n")
+  if width and len(text) > width:
+    text = text[:max(width - 3, 1)] + "..."
+  return text
+
+
 def columns_of(rows) -> list[str]:
   return list(dict.fromkeys(k for row in rows for k in row))
 
@@ -138,13 +150,7 @@ def markdown_table(rows) -> str:
   """Rows of samples as a Markdown table (TensorBoard's text tab renders it): one line per
   row, newlines shown as ``\\n`` and ``|`` escaped."""
   cols = columns_of(rows)
-
-  def cell(v):
-    if v is None:
-      return ""
-    text = f"{v:.4g}" if isinstance(v, float) else str(v)
-    return text.replace("\r", "").replace("\n", "\\n").replace("|", "\\|")
-
+  cell = lambda v: sample_text(v).replace("|", "\\|")  # noqa: E731
   lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   lines += ["| " + " | ".join(cell(row.get(c)) for c in cols) + " |" for row in rows]
   return "\n".join(lines)
