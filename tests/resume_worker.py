@@ -64,7 +64,9 @@ def log(path, **event):
 
 
 def install_hooks(args, stage):
-  """Wraps Checkpointer.maybe_save (the loop's per-step checkpoint call) with the faults."""
+  """Wraps the loop's per-step checkpoint seam with the faults: ``Checkpointer.due`` (asked
+  once a step) for the wait, ``Checkpointer.save_now`` (each save the loop starts) for the
+  hang."""
   handlers = []
   enter = preemption.PreemptionHandler.__enter__
 
@@ -73,23 +75,29 @@ def install_hooks(args, stage):
     return enter(self)
 
   preemption.PreemptionHandler.__enter__ = remember
-  save = checkpoint.Checkpointer.maybe_save
+  due, save_now = checkpoint.Checkpointer.due, checkpoint.Checkpointer.save_now
 
-  def maybe_save(self, step, state, extra=None, metrics=None, *, force=False):
-    started = save(self, step, state, extra, metrics, force=force)
-    if (extra or {}).get("stage") != stage or force:
-      return started
-    if step == args.hang_after_save and started:
-      self.wait()
-      log(args.log, event="saved", step=step)
-      time.sleep(3600)
-    if step == args.wait_for_signal_at:
+  def ours(self):
+    return self.directory.rstrip("/").split("/")[-2] == stage
+
+  def hooked_due(self, step, *, force=False):
+    answer = due(self, step, force=force)
+    if not force and ours(self) and step == args.wait_for_signal_at:
       log(args.log, event="waiting", step=step)
       while not handlers[-1].requested:
         time.sleep(0.02)
+    return answer
+
+  def hooked_save_now(self, step, state, extra=None, metrics=None):
+    started = save_now(self, step, state, extra, metrics)
+    if ours(self) and step == args.hang_after_save and started:
+      self.wait()
+      log(args.log, event="saved", step=step)
+      time.sleep(3600)
     return started
 
-  checkpoint.Checkpointer.maybe_save = maybe_save
+  checkpoint.Checkpointer.due = hooked_due
+  checkpoint.Checkpointer.save_now = hooked_save_now
 
 
 def main():
