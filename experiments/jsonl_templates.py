@@ -56,7 +56,8 @@ def _base(name: str, stages: tuple[str, ...], description: str) -> ExperimentCon
   return ExperimentConfig(
       name=name, description=description, stages=stages, model=HF_MODEL, data=HF_DATA,
       required=("model.hf_path", "data.tokenizer", data_file),
-      rollout=RolloutConfig(max_new_tokens=256, temperature=1.0))
+      # Prompts padded to each batch's longest, in four buckets (64, 128, 192, 256 columns).
+      rollout=RolloutConfig(max_new_tokens=256, temperature=1.0, prompt_buckets=4))
 
 
 @register("sft_jsonl")

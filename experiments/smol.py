@@ -74,7 +74,7 @@ def build_sft():
   return _base(
       "smol_gsm8k_sft", ("sft",), "SmolLM2-135M-Instruct, SFT on GSM8K solutions (held-out "
       "loss); prepare the model first", data, "data.sft_path",
-      rollout=RolloutConfig(max_new_tokens=128, temperature=1.0),
+      rollout=RolloutConfig(max_new_tokens=128, temperature=1.0, prompt_buckets=4),
       sft=SFTConfig(steps=20, batch_size=8, eval_every=10, eval_reward="host:math_verify",
                     optim=OptimizerConfig(lr=1e-5, warmup_steps=5, warmup_start="first_step",
                                           schedule="constant")))
@@ -87,7 +87,7 @@ def build_grpo():
   return _base(
       "smol_gsm8k_grpo", ("grpo",), "SmolLM2-135M-Instruct, GRPO on GSM8K (math_verify + "
       "boxed format rewards); prepare the model first", data, "data.prompts_path",
-      rollout=RolloutConfig(max_new_tokens=128, temperature=1.0),
+      rollout=RolloutConfig(max_new_tokens=128, temperature=1.0, prompt_buckets=4),
       grpo=GRPOConfig(steps=20, batch_size=4, num_samples=4, eval_every=10,
                       kl=KLConfig(coef=0.04, estimator="k3", placement="loss"),
                       reward=RewardConfig(sources=("host:math_verify", "host:math_format"),

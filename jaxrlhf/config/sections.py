@@ -196,6 +196,12 @@ class RolloutConfig:
   # (ceil(max_new_tokens / k) x 1..k), each compiled once: the same losses and gradients up
   # to float rounding, cheaper when every response of a step is short (refill's batches).
   length_buckets: int = 0
+  # Prompt buckets (RL steps and the evaluations' generation, docs/rollout.md): 0 (off) pads
+  # every batch's prompts to data.max_prompt_len; k > 0 pads them to the batch's longest
+  # prompt rounded up to one of k widths (ceil(max_prompt_len / k) x 1..k), each compiled
+  # once: the same step up to float rounding, and generation, the forwards and the update
+  # run on fewer prompt columns when the prompts are short of the limit.
+  prompt_buckets: int = 0
   # Packing for the phases after generation (RL steps, docs/rollout.md, "Packed forwards"):
   # the reference, reward, values and the update's forward and backward run on packed rows,
   # each sequence's real tokens placed first-fit into rows of max_prompt_len +

@@ -204,6 +204,10 @@ class RLConfig(StageConfig):
     c.need(0 <= ro.length_buckets <= ro.max_new_tokens, "rollout.length_buckets",
            ro.length_buckets, f"must be in [0, rollout.max_new_tokens={ro.max_new_tokens}] "
            "(0 is off; e.g. 4: the update runs on a quarter, half, ... of the slots)")
+    P = cfg.data.max_prompt_len
+    c.need(0 <= ro.prompt_buckets <= P, "rollout.prompt_buckets", ro.prompt_buckets,
+           f"must be in [0, data.max_prompt_len={P}] (0 is off; e.g. 4: prompts padded to a "
+           "quarter, half, ... of max_prompt_len, the batch's longest rounded up)")
     c.at_least(ro, "rollout", ("pack_buckets",), 1)
     if ro.pack and getattr(self, "dynamic_sampling", False):
       # The layout is made from the generated rows; the selection then replaces them.

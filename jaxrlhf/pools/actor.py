@@ -51,7 +51,7 @@ def is_correction(stage, frozen, batch, c: StepCarry) -> StepCarry:
   # (off_policy=tis), here against the policy's lag behind its stale rollouts.
   ro, sh = c.rollout, c.shaped
   prox, _ = M.token_logprobs(c.state.params["policy"], ro.tokens_BT, ro.mask_BT,
-                             cfg=stage.model_cfg("policy"), start=stage.P,
+                             cfg=stage.model_cfg("policy"), start=ro.prompt_len,
                              kernels=stage.cfg.kernels)
   prox = jax.lax.stop_gradient(prox)
   w, _, m = off_policy_weights(prox, ro.behaviour_logp_BN, sh.update_mask_BN, mode="tis",

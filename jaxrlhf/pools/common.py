@@ -52,6 +52,10 @@ def check_config(cfg: ExperimentConfig) -> None:
     raise ConfigError(f"rollout.length_buckets={cfg.rollout.length_buckets}: the pools "
                       "exchange full-width rollouts; set rollout.length_buckets=0 for "
                       "--role=actor|critic, or run the colocated step (no --role)")
+  if cfg.rollout.prompt_buckets:
+    raise ConfigError(f"rollout.prompt_buckets={cfg.rollout.prompt_buckets}: the pools "
+                      "exchange full-width rollouts; set rollout.prompt_buckets=0 for "
+                      "--role=actor|critic, or run the colocated step (no --role)")
   if cfg.rollout.pack:
     raise ConfigError("rollout.pack=true: the pools exchange the rollout's own rows, not a "
                       "packed layout; set rollout.pack=false for --role=actor|critic, or run "

@@ -22,6 +22,7 @@ from jaxrlhf.config import ConfigError, RewardConfig
 from jaxrlhf.rollout import generate
 from jaxrlhf.train.common import put_batch
 from jaxrlhf.train.episodes import EnvEval
+from jaxrlhf.train.program import bucket_widths, trim_prompts
 
 # Reward sources that check an answer's correctness, in the order "auto" prefers them among a
 # stage's reward sources (token_accuracy gives partial credit: not a correctness check).
@@ -198,6 +199,7 @@ class GenerationEval:
     self.batch_size = cfg.data.eval_batch_size
     self.n_samples = cfg.logging.samples
     self.P = cfg.data.max_prompt_len
+    self.widths = bucket_widths(self.P, cfg.rollout.prompt_buckets)  # each compiled once
     self.tok = stage.data.tokenizer
     model_cfg = cfg.role_model(role)
     eos, pad = self.tok.eos_id, self.tok.pad_id
@@ -253,7 +255,8 @@ class GenerationEval:
       chunk = examples[lo:hi]
       if len(spans) > 1 and len(chunk) < rows_per_batch:  # one compiled shape
         chunk = chunk + [chunk[-1]] * (rows_per_batch - len(chunk))
-      batch = put_batch(self.stage.mesh, self.stage.data.encoder.prompts(chunk))
+      batch = put_batch(self.stage.mesh, trim_prompts(self.stage.data.encoder.prompts(chunk),
+                                                      self.widths))
       with jax.set_mesh(self.stage.mesh):
         # Greedy answers do not read the key; sampled ones get their own per batch.
         key = jax.random.key(0) if greedy else jax.random.fold_in(self._key, b)

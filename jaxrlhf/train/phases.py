@@ -78,7 +78,11 @@ def generate(stage, frozen, batch, c: StepCarry) -> StepCarry:
   rollout = Rollout(tokens_BT=ro.tokens, mask_BT=ro.mask, response_mask_BN=ro.response_mask,
                     behaviour_logp_BN=ro.logprobs, lengths_B=ro.lengths,
                     finished_B=ro.finished)
-  return c.replace(state=c.state.replace(rng=rng), rollout=rollout)
+  # A prompt bucket's columns (rollout.prompt_buckets), for the work accounting.
+  width = ({"rollout/prompt_width": jnp.float32(rollout.prompt_len)}
+           if rollout.prompt_len != stage.P else {})
+  return c.replace(state=c.state.replace(rng=rng), rollout=rollout,
+                   metrics={**c.metrics, **width})
 
 
 def _refill(stage, batch, c: StepCarry, ro) -> StepCarry:
@@ -159,7 +163,7 @@ def reference(stage, frozen, batch, c: StepCarry) -> StepCarry:
     ref = policy = ro.behaviour_logp_BN
   else:
     ref, _ = PK.token_logprobs(stage, frozen["reference"], ro.tokens_BT, ro.mask_BT,
-                               packed_rows(c), role="reference", start=stage.P)
+                               packed_rows(c), role="reference", start=ro.prompt_len)
     same = same_weights(stage.view(c.state.params, frozen, "policy"), frozen["reference"])
     policy = jnp.where(same, ref, ro.behaviour_logp_BN)
   kl = jnp.where(ro.response_mask_BN, kl_of(stage.scfg.kl, policy, ref), 0.0)
@@ -171,11 +175,11 @@ def reward(stage, frozen, batch, c: StepCarry) -> StepCarry:
   the guard, and which rows stay in the update."""
   ro = c.rollout
   parts = []
-  response = ro.tokens_BT[:, stage.P:]
+  response = ro.tokens_BT[:, ro.prompt_len:]
   for kind, name, w in stage.device_sources:
     if kind == "model":
       s = PK.sequence_scores(stage, frozen["reward"], ro.tokens_BT, ro.mask_BT,
-                             packed_rows(c), role="reward", start=stage.P)
+                             packed_rows(c), role="reward", start=ro.prompt_len)
     else:
       if ro.answer_BR is not None:  # refill: the answers came with the rows
         answer, answer_mask = ro.answer_BR, ro.answer_mask_BR
@@ -199,7 +203,7 @@ def reward(stage, frozen, batch, c: StepCarry) -> StepCarry:
                                      penalty=rcfg.overlong_penalty)
   if rcfg.guard:
     g = PK.sequence_scores(stage, frozen["guard"], ro.tokens_BT, ro.mask_BT, packed_rows(c),
-                           role="guard", start=stage.P)
+                           role="guard", start=ro.prompt_len)
     score, keep_guard, gm = RW.apply_guard(score, jax.nn.sigmoid(g),
                                            threshold=rcfg.guard_threshold,
                                            action=rcfg.guard_action, penalty=rcfg.guard_penalty)
@@ -214,8 +218,8 @@ def values(stage, frozen, batch, c: StepCarry) -> StepCarry:
   ro = c.rollout
   v = PK.token_scores(stage, stage.value_params(stage.views(c.state.params, frozen)),
                       ro.tokens_BT, ro.mask_BT, packed_rows(c), role="value")
-  n = ro.response_mask_BN.shape[1]  # max_new_tokens, or the length bucket's width
-  return c.replace(scored=c.scored.replace(values_BN=v[:, stage.P - 1:stage.P - 1 + n]))
+  n, p = ro.response_mask_BN.shape[1], ro.prompt_len  # each its bucket's width, if any
+  return c.replace(scored=c.scored.replace(values_BN=v[:, p - 1:p - 1 + n]))
 
 
 def shape(stage, frozen, batch, c: StepCarry) -> StepCarry:
@@ -312,7 +316,7 @@ def off_policy(stage, frozen, batch, c: StepCarry) -> StepCarry:
   ro, sh = c.rollout, c.shaped
   trainer, _ = PK.token_logprobs(stage, stage.view(c.state.params, frozen, "policy"),
                                  ro.tokens_BT, ro.mask_BT, packed_rows(c), role="policy",
-                                 start=stage.P)
+                                 start=ro.prompt_len)
   trainer = jax.lax.stop_gradient(trainer)
   w, keep, m = off_policy_weights(trainer, ro.behaviour_logp_BN, sh.update_mask_BN,
                                   mode=stage.scfg.off_policy, cap=stage.scfg.off_policy_cap)
@@ -434,7 +438,7 @@ def policy_term(stage, params, mb: UpdateBatch, *, denom, n_seq, kl_coef):
   ``loss_agg`` says; reads ``params["policy"]`` only."""
   scfg = stage.scfg
   logp, ent = PK.token_logprobs(stage, params["policy"], mb.tokens_BT, mb.mask_BT, mb.packed,
-                                role="policy", start=stage.P)
+                                role="policy", start=mb.prompt_len)
   mask = mb.update_mask_BN
   agg = dict(agg=scfg.loss_agg, denom=denom if scfg.loss_agg == "token_mean" else n_seq,
              max_len=stage.N)

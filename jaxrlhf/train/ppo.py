@@ -41,7 +41,7 @@ def value_term(stage, params, mb, *, denom, n_seq, kl_coef):
   del n_seq, kl_coef
   scfg = stage.scfg
   v = PK.token_scores(stage, stage.value_params(params), mb.tokens_BT, mb.mask_BT, mb.packed,
-                      role="value")[:, stage.P - 1:stage.P - 1 + mb.update_mask_BN.shape[1]]
+                      role="value")[:, mb.prompt_len - 1:mb.tokens_BT.shape[1] - 1]
   vl, vm = value_loss(v, mb.values_BN, mb.returns_BN, mb.update_mask_BN, clip=scfg.value_clip,
                       agg="token_mean", denom=denom)
   return scfg.vf_coef * vl, {"value/loss": vl,

@@ -149,6 +149,23 @@ def trim_rollout(rollout: Rollout, widths: Sequence[int]) -> tuple[Rollout, int]
   return _cut(rollout, width), width
 
 
+def trim_prompts(batch: dict, widths: Sequence[int]) -> dict:
+  """A host batch of left-padded prompts (``prompt``, ``prompt_mask`` ``[b, P]``) cut to the
+  smallest of ``widths`` that holds its longest prompt (only padding columns are cut; the
+  positions come from the mask, so the model sees the same sequences)."""
+  if not widths:
+    return batch
+  mask = np.asarray(batch["prompt_mask"], bool)
+  P = mask.shape[1]
+  used = mask.any(axis=0)
+  need = P - int(np.argmax(used)) if used.any() else 1
+  width = next((w for w in widths if w >= need), P)
+  if width >= P:
+    return batch
+  return {**batch, "prompt": np.asarray(batch["prompt"])[:, P - width:],
+          "prompt_mask": mask[:, P - width:]}
+
+
 class PhasedProgram:
   """The step as several jitted programs: around a host reward, or each timing group timed.
 
@@ -214,7 +231,8 @@ class PhasedProgram:
           index = carry.rollout.prompt_index_B
           if index is not None:  # refill: the trained groups' prompts, in completion order
             host = host.take(to_host(index)[::self.stage.n])
-          scores, got = self.host_fn(to_host(carry.rollout.tokens_BT), host)
+          ro = carry.rollout
+          scores, got = self.host_fn(to_host(ro.tokens_BT)[:, ro.prompt_len:], host)
           if carry.host_score_B is not None:  # an environment's returns are host scores too
             scores = to_host(carry.host_score_B) + scores
           scores = np.asarray(scores, np.float32)

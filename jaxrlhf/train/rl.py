@@ -79,6 +79,11 @@ class RLStage(Stage):
     self.n = self.scfg.num_samples
     self.N = cfg.rollout.max_new_tokens
     self.decode_shardings = self.decode_layout_shardings("policy")
+    # rollout.prompt_buckets: each batch's prompts cut to its bucket (refill's queues and the
+    # episodes' layout keep max_prompt_len: their carried prompts have a fixed width).
+    ro = cfg.rollout
+    self.prompt_widths = () if ro.refill or cfg.env.name else program.bucket_widths(
+        self.P, ro.prompt_buckets)
     # logging.samples_every: the rollout's rows come to the host on those steps (the step
     # then runs as a PhasedProgram, which hands them over).
     self.rollout_samples = bool(cfg.logging.samples and cfg.logging.samples_every)
@@ -134,7 +139,7 @@ class RLStage(Stage):
 
   def batch(self, step):
     examples = self.data.examples("prompts", step, self.prompts_per_step)
-    batch = self.data.encoder.prompts(examples)
+    batch = program.trim_prompts(self.data.encoder.prompts(examples), self.prompt_widths)
     if self.host_sources or self.episodes or self.rollout_samples:
       batch["host"] = HostInputs(tuple(examples))
     return batch
@@ -196,12 +201,13 @@ class RLStage(Stage):
                    **({"answer": ex.answer} if ex.answer else {})})
     self._samples += rows
 
-  def host_scores(self, tokens_BT, host: HostInputs) -> tuple[np.ndarray, dict]:
-    """The host reward functions on the decoded responses (the split point of the step): the
-    weighted scores, float32 ``[B]`` (NaN where a function failed: masked), and the failure
-    counts.  Each function gets every field of the examples behind the batch's prompts."""
+  def host_scores(self, responses_BN, host: HostInputs) -> tuple[np.ndarray, dict]:
+    """The host reward functions on the decoded responses (the split point of the step;
+    ``responses_BN``: the rollout's response columns): the weighted scores, float32 ``[B]``
+    (NaN where a function failed: masked), and the failure counts.  Each function gets every
+    field of the examples behind the batch's prompts."""
     examples = [ex.record() for ex in host.examples]
-    tokens = np.asarray(tokens_BT)[:, self.P:]
+    tokens = np.asarray(responses_BN)
     responses = [self.tok.decode(t) for t in tokens]
     ids = None
     if any(reward.style == "trl" for reward, _ in self.host_sources):

@@ -63,6 +63,12 @@ class Rollout:
   # weights are the reference's (phases.reference)
   kl_BN: Optional[jax.Array] = None
 
+  @property
+  def prompt_len(self) -> int:
+    """The prompt's columns: ``data.max_prompt_len``, or the batch's prompt bucket
+    (``rollout.prompt_buckets``); the response starts there."""
+    return self.tokens_BT.shape[1] - self.response_mask_BN.shape[1]
+
 
 @flax.struct.dataclass
 class Scored:
@@ -101,6 +107,11 @@ class UpdateBatch:
   # rollout.pack: where the minibatch's rows sit in its packed rows (a
   # jaxrlhf.train.packed.PackedRows; the forwards read it, the losses never).
   packed: Optional[Any] = None
+
+  @property
+  def prompt_len(self) -> int:
+    """The prompt's columns (see :attr:`Rollout.prompt_len`)."""
+    return self.tokens_BT.shape[1] - self.update_mask_BN.shape[1]
 
 
 @flax.struct.dataclass

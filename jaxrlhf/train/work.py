@@ -39,10 +39,12 @@ def rl_flops(stage, shape: dict | None = None) -> dict[str, float]:
   ran (``shape``, from its metrics: :func:`step_shape`) or, by default, the
   unpacked full width."""
   P, N, n = stage.P, stage.N, stage.n
+  if shape is not None:  # rollout.prompt_buckets: the prompt's columns this step
+    P = shape.get("prompt", P)
   # Generation, the reference and the reward see every generated prompt (over-sampled for
   # dynamic sampling); the update the trained batch only.
   b = stage.decode_prompts  # refill: the loop's groups (at most N steps of them)
-  rows, T = b * n, stage.P + stage.N
+  rows, T = b * n, P + N
   trained = stage.scfg.batch_size * n
   policy = stage.model_cfg("policy")
   frozen = stage.frozen()
@@ -83,12 +85,14 @@ def rl_flops(stage, shape: dict | None = None) -> dict[str, float]:
 
 def step_shape(stage, metrics: dict) -> dict | None:
   """The shapes a step ran at where they vary from step to step, from its metrics; None when
-  they are the stage's fixed ones.  An RL step: the length bucket's width
-  (``rollout/update_width``) and the packed rows of the batch and of one epoch of the update
+  they are the stage's fixed ones.  An RL step: the prompt bucket's width
+  (``rollout/prompt_width``), the length bucket's width (``rollout/update_width``) and the packed rows of the batch and of one epoch of the update
   (``pack/rows``, ``pack/update_rows`` x minibatches).  A packed SFT, reward-model or DPO step:
   its rows (``pack/rows``) of the packer's row length."""
   if stage.spec.generates:
     shape = {}
+    if "rollout/prompt_width" in metrics:  # a prompt bucket narrower than max_prompt_len
+      shape["prompt"] = int(metrics["rollout/prompt_width"])
     if "rollout/update_width" in metrics:
       shape["width"] = int(metrics["rollout/update_width"])
     if "pack/rows" in metrics:
@@ -100,9 +104,15 @@ def step_shape(stage, metrics: dict) -> dict | None:
   return None
 
 
-def _flops_of_step(stage, metrics: dict):
+def _work_of_step(stage, tp: int, n_devices: int, metrics: dict):
+  """What :meth:`StepWork.of_step` replaces for a step at its own shapes (None: nothing)."""
   shape = step_shape(stage, metrics)
-  return None if shape is None else stage.spec.flops(stage, shape)
+  if shape is None:
+    return None
+  out = {"flops": stage.spec.flops(stage, shape)}
+  if "prompt" in shape:
+    out["gen_bytes"] = generation_bytes(stage, tp, n_devices, prompt_len=shape["prompt"])
+  return out
 
 
 def _itemsize(dtype_name: str) -> int:
@@ -110,20 +120,21 @@ def _itemsize(dtype_name: str) -> int:
   return np.dtype(jnp.dtype(dtype_name)).itemsize
 
 
-def generation_bytes(stage, tp: int, n_devices: int) -> float:
+def generation_bytes(stage, tp: int, n_devices: int, prompt_len: int | None = None) -> float:
   """Bytes read from device memory by one step's decoding, all devices together.
 
   Each decode step reads every parameter once per tensor-parallel group (``n_devices / tp``
   groups each hold, or gather, a whole copy) and the whole KV cache (attention runs over all
   ``P + N - 1`` slots, masked).  Activations are left out: at decode they are tiny next to
-  these.
+  these.  ``prompt_len``: the prompt's columns (default ``data.max_prompt_len``).
   """
   if not stage.spec.generates:
     return math.nan
   cfg = stage.model_cfg("policy")
   rows = stage.decode_prompts * stage.n
   params = cfg.num_params("lm") * _itemsize(cfg.param_dtype)
-  cache = (2 * cfg.n_layers * rows * (stage.P + stage.N - 1) * cfg.n_kv_heads * cfg.head_dim
+  P = stage.P if prompt_len is None else prompt_len
+  cache = (2 * cfg.n_layers * rows * (P + stage.N - 1) * cfg.n_kv_heads * cfg.head_dim
            * _itemsize(cfg.compute_dtype))
   return float((stage.N - 1) * (params * max(n_devices // tp, 1) + cache))
 
@@ -147,8 +158,9 @@ class StepWork:
   flops: dict  # phase -> model FLOPs of the global batch
   gen_bytes: float  # memory read by decoding (NaN for stages that do not generate)
   ceiling: object  # hardware.Accelerator for the whole mesh
-  # metrics -> the FLOPs of the step that reported them, or None where its shapes are the
-  # fixed ones (:func:`step_shape`); None: ``flops`` always.
+  # metrics -> the fields that differ for the step that reported them (``flops``, and
+  # ``gen_bytes`` for a prompt bucket), or None where its shapes are the fixed ones
+  # (:func:`step_shape`); None: these fields always.
   shaped: Optional[Callable[[dict], dict]] = None
 
   @property
@@ -159,14 +171,14 @@ class StepWork:
     """This work at the shapes one step reported (itself when they do not vary)."""
     if self.shaped is None:
       return self
-    flops = self.shaped(metrics)
-    return self if flops is None else dataclasses.replace(self, flops=flops, shaped=None)
+    changes = self.shaped(metrics)
+    return self if changes is None else dataclasses.replace(self, **changes, shaped=None)
 
 
 def step_work(stage, accelerator, *, tp: int, n_devices: int, n_processes: int) -> StepWork:
   return StepWork(flops=step_flops(stage), gen_bytes=generation_bytes(stage, tp, n_devices),
                   ceiling=mesh_ceiling(accelerator, n_devices, n_processes),
-                  shaped=functools.partial(_flops_of_step, stage))
+                  shaped=functools.partial(_work_of_step, stage, tp, n_devices))
 
 
 def step_utilisation(work: StepWork, metrics: dict) -> dict[str, float]:
