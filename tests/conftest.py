@@ -5,6 +5,14 @@ imports jax.  The simulated devices are threads of one process: XLA aborts the w
 when one of them waits more than 40 s (its default) for the others at a collective, which a
 2-core machine running 8 device threads next to other work can reach without any deadlock
 (one suite run aborted so, inside a trainer step on 8 devices).  Ten minutes here.
+
+A real deadlock also met that limit (CI, tests/test_samples.py, a GRPO step on 8 devices):
+XLA's CPU client runs every device's part of a program, and the dispatch of the next one, on
+one pool sized to the larger of the cores and the devices, 8 threads here; with two programs
+in flight the 8 threads can all hold parts waiting at collectives for a part that has no
+thread left (gdb: seven devices in an all-reduce, one in another program's all-gather, 0%
+CPU).  Two threads per device (``PJRT_NPROC``, read when the client starts; inherited by
+the tests' subprocesses) leave room for both.
 """
 
 import os
@@ -13,6 +21,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8"
                            " --xla_cpu_collective_call_terminate_timeout_seconds=600").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("PJRT_NPROC", "16")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
