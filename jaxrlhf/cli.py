@@ -1,13 +1,22 @@
 """The error boundary every command shares (``python -m jaxrlhf.main``, ``jaxrlhf.export``,
 ``jaxrlhf.model.hf.prepare``): a user's mistake is one ``error:`` line and an exit status, never
-a traceback; an unexpected exception keeps its traceback (that is a bug report)."""
+a traceback; an unexpected exception keeps its traceback (that is a bug report).  And the
+argument parser of the commands beside ``main``."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Callable
 
 from jaxrlhf.config import ConfigError
+
+
+def argument_parser(prog: str, description: str) -> argparse.ArgumentParser:
+  """The parser of ``python -m PROG`` (export, report, prepare).  argparse, not absl: absl's
+  global flag registry would clash with ``jaxrlhf.main``'s flags (``--workdir``) when both
+  modules are imported in one process (tests, notebooks)."""
+  return argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
 
 
 def say_error(message: str) -> None:

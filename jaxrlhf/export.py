@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
-from jaxrlhf.cli import guarded
+from jaxrlhf.cli import argument_parser, guarded
 from jaxrlhf.config import ConfigError
 
 
@@ -84,11 +84,7 @@ def export_run(workdir: str, out: str, stage: str = "", role: str = "policy",
 
 
 def main(argv=None) -> int:
-  # argparse, not absl: absl's global flags would clash with jaxrlhf.main's --workdir when
-  # both modules are imported in one process (tests, notebooks).
-  import argparse
-  parser = argparse.ArgumentParser(prog="python -m jaxrlhf.export",
-                                   description=__doc__.split("\n\n")[0])
+  parser = argument_parser("jaxrlhf.export", __doc__.split("\n\n")[0])
   parser.add_argument("--workdir", required=True, help="the run's output folder")
   parser.add_argument("--out", required=True, help="the Hugging Face folder to write")
   parser.add_argument("--stage", default="",

@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Optional
 
-from jaxrlhf.cli import guarded
+from jaxrlhf.cli import argument_parser, guarded
 from jaxrlhf.config import ConfigError
 from jaxrlhf.metrics import read_jsonl
 
@@ -274,11 +274,7 @@ def make_report(workdir: str, out_dir: Optional[str] = None) -> tuple[list[str],
 
 
 def main(argv=None) -> int:
-  # argparse, not absl: absl's global flag registry would clash with jaxrlhf.main's
-  # --workdir when both modules are imported in one process (tests, notebooks).
-  import argparse
-  parser = argparse.ArgumentParser(prog="python -m jaxrlhf.report",
-                                   description=__doc__.split("\n\n")[0])
+  parser = argument_parser("jaxrlhf.report", __doc__.split("\n\n")[0])
   parser.add_argument("--workdir", required=True, help="a run's output folder")
   parser.add_argument("--out", default=None, help="where plots go (default WORKDIR/report)")
   args = parser.parse_args(argv)

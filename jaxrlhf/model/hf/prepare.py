@@ -55,7 +55,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from jaxrlhf.cli import guarded
+from jaxrlhf.cli import argument_parser, guarded
 from jaxrlhf.config import ModelConfig
 from jaxrlhf.model.hf.export import rope_fields
 from jaxrlhf.model.hf.mapping import HFError
@@ -414,13 +414,10 @@ def prepare(name: str, out: Optional[str] = None, cache: Optional[str] = None,
 
 
 def main(argv=None) -> int:
-  # argparse, not absl: absl's global flags would clash with jaxrlhf.main's in one process.
-  import argparse
-  parser = argparse.ArgumentParser(
-      prog="python -m jaxrlhf.model.hf.prepare",
-      description="Prepares a known pretrained model as a Hugging Face folder and prints its "
-                  "path. Known: " + "; ".join(f"{k}: {v.description}"
-                                              for k, v in MODELS.items()))
+  parser = argument_parser(
+      "jaxrlhf.model.hf.prepare",
+      "Prepares a known pretrained model as a Hugging Face folder and prints its path. Known: "
+      + "; ".join(f"{k}: {v.description}" for k, v in MODELS.items()))
   parser.add_argument("name", help=f"one of {', '.join(sorted(MODELS))}")
   parser.add_argument("--out", default=None, help="the model folder (default CACHE/NAME)")
   parser.add_argument("--cache", default=None,
