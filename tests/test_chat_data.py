@@ -298,6 +298,22 @@ def test_the_summary_names_the_evaluation_set_as_the_console_did(tmp_path, capsy
     assert ("held-out" in out) == bool(extra)
 
 
+def test_the_summary_shows_the_held_out_sft_loss(tmp_path, capsys):
+  """SFT's headline figure, the held-out loss, is in the summary at the start and the end."""
+  from jaxrlhf.train.pipeline import print_summary
+  sft = write_jsonl(tmp_path / "sft.jsonl",
+                    [{"prompt": f"{i}+1=", "response": str(i + 1)} for i in range(8)])
+  cfg = ExperimentConfig(stages=("sft",))
+  summary = {"sft": {"eval/loss": 1.044, "time_s": 1.0, "steps": cfg.sft.steps},
+             "sft/start": {"eval/loss": 1.417}}
+  print_summary(cfg, summary, DataSource(DataConfig(task="jsonl", sft_path=sft,
+                                                    eval_split=0.25)))
+  out = capsys.readouterr().out
+  row = next(line for line in out.splitlines() if "loss" in line)
+  assert row.split() == ["sft:", "held-out", "loss", "(per", "response", "token)", "1.417",
+                         "1.044"], out
+
+
 def test_chat_lengths_follow_the_overlong_policy(tmp_path, tok_dir, capsys):
   rows = [{"prompt": [{"role": "user", "content": "1+1="}], "response": "2"},
           {"prompt": [{"role": "user", "content": "1+1="}], "response": "a long reply"}]

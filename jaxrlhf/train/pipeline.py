@@ -379,6 +379,10 @@ def print_summary(cfg: ExperimentConfig, summary: dict, data: DataSource) -> Non
               else evaluate.metric_label(getattr(cfg, name)))
       rows.append((f"{name}: {named('prompts', what)}", start.get("eval/accuracy"),
                    s["eval/accuracy"]))
+    if "eval/loss" in s:  # SFT: the token-mean NLL of its targets (lower is better)
+      per = "response token" if getattr(getattr(cfg, name), "response_only", True) else "token"
+      rows.append((f"{name}: {named('sft', f'loss (per {per})')}",
+                   start.get("eval/loss"), s["eval/loss"]))
     if "eval/pair_accuracy" in s:
       rows.append((f"{name}: {named('pairs', 'pair accuracy')}",
                    start.get("eval/pair_accuracy"), s["eval/pair_accuracy"]))
