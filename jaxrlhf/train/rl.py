@@ -191,7 +191,7 @@ class RLStage(Stage):
     tokens = np.asarray(to_host(ro.tokens_BT))
     scores = (np.asarray(to_host(carry.scored.score_B), np.float32)
               if carry.scored is not None else np.full(len(tokens), np.nan, np.float32))
-    P = tokens.shape[1] - ro.response_mask_BN.shape[1]
+    P = ro.prompt_len
     order = sorted(range(len(tokens)), key=lambda i: (i % self.n, i))[:want]
     rows = []
     for i in order:
