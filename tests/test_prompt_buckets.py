@@ -73,6 +73,14 @@ def test_the_work_of_a_bucketed_step_counts_its_columns():
   full, cut = rl_flops(stage), rl_flops(stage, shape)
   for phase in full:  # every phase runs on 8 fewer columns of each row
     assert cut[phase] < full[phase], phase
+  # The step's work follows its metrics: FLOPs and the decode's bytes (a shorter KV cache).
+  import functools
+  from jaxrlhf.train import work as W
+  whole = W.StepWork(flops=full, gen_bytes=W.generation_bytes(stage, 1, 1), ceiling=None,
+                     shaped=functools.partial(W._work_of_step, stage, 1, 1))
+  assert whole.of_step({}) is whole
+  bucketed = whole.of_step({"rollout/prompt_width": 8.0})
+  assert bucketed.flops == cut and bucketed.gen_bytes < whole.gen_bytes
 
 
 def test_bucketed_evaluation_equals_full_width():

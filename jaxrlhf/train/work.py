@@ -86,7 +86,8 @@ def rl_flops(stage, shape: dict | None = None) -> dict[str, float]:
 def step_shape(stage, metrics: dict) -> dict | None:
   """The shapes a step ran at where they vary from step to step, from its metrics; None when
   they are the stage's fixed ones.  An RL step: the prompt bucket's width
-  (``rollout/prompt_width``), the length bucket's width (``rollout/update_width``) and the packed rows of the batch and of one epoch of the update
+  (``rollout/prompt_width``), the length bucket's width (``rollout/update_width``) and the
+  packed rows of the batch and of one epoch of the update
   (``pack/rows``, ``pack/update_rows`` x minibatches).  A packed SFT, reward-model or DPO step:
   its rows (``pack/rows``) of the packer's row length."""
   if stage.spec.generates:
