@@ -39,6 +39,7 @@ import json
 import os
 import time
 import uuid
+from collections import Counter
 from typing import Any, Optional, Union
 
 import jax
@@ -414,6 +415,7 @@ class Checkpointer:
     mesh the checkpoint was written from.
     """
     step = self._pick(step)
+    self._say_conversions(step, abstract_state)
     args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state),
                                  EXTRA: ocp.args.JsonRestore()})
     try:
@@ -425,6 +427,24 @@ class Checkpointer:
           f"current config: {str(e).strip()[:2000]}\nUse a new --workdir for this config, or "
           "--resume=none to start over") from e
     return _checked(out[STATE], abstract_state, f"{self.directory}/{step}"), dict(out[EXTRA] or {})
+
+  def _say_conversions(self, step: int, abstract_state) -> None:
+    """One line when arrays are restored in another dtype than they were saved in: a
+    checkpoint of bfloat16 weights and moments (``optim.precision=pure_bf16``, or any run
+    before mixed precision existed) resumed with float32 masters, or the other way round."""
+    try:
+      meta = self._manager.item_metadata(step)[STATE]
+      saved = Counter(str(x.dtype) for x in jax.tree.leaves(getattr(meta, "tree", meta))
+                      if hasattr(x, "dtype"))
+    except Exception:  # noqa: BLE001 - no metadata to read: restore reports what it finds
+      return
+    wanted = Counter(str(a.dtype) for a in jax.tree.leaves(abstract_state))
+    gone, new = saved - wanted, wanted - saved
+    if gone:
+      _say(f"checkpoint {self.directory}/{step}: {sum(gone.values())} arrays saved in "
+           f"{', '.join(sorted(gone))} are restored in {', '.join(sorted(new))}, as the current "
+           "config keeps them (optim.precision or moment_dtype differs from the saved run's; "
+           "float32 masters from bfloat16 are exact, the other way rounds)")
 
   def resume(self, abstract_state, policy: ResumePolicy,
              current: ExperimentConfig) -> Optional[ResumePoint]:

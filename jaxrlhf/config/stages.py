@@ -42,6 +42,15 @@ class _Checks:
     self.at_least(o, prefix, ("warmup_steps", "max_consecutive_skips"), 0)
     self.at_least(o, prefix, ("grad_accum",), 1)
 
+  def precision(self, o: OptimizerConfig, prefix: str, model):
+    self.need(o.precision in ("fp32", "bf16_sr", "pure_bf16"), f"{prefix}.precision",
+              o.precision, "must be fp32 (float32 masters), bf16_sr or pure_bf16")
+    self.need(o.moment_dtype in ("float32", "bfloat16"), f"{prefix}.moment_dtype",
+              o.moment_dtype, "must be float32 or bfloat16")
+    self.need(o.precision != "bf16_sr" or model.param_dtype in ("bfloat16", "float32"),
+              f"{prefix}.precision", o.precision, f"rounds updates to bfloat16 but the model's "
+              f"param_dtype is {model.param_dtype}; use precision=fp32 (float32 masters)")
+
   def lora(self, lo: LoraConfig, prefix: str):
     self.at_least(lo, prefix, ("rank",), 0)
     if not lo.rank:
@@ -89,6 +98,8 @@ class StageConfig:
     c.need(isinstance(self.eval_reward, str) and bool(self.eval_reward), f"{name}.eval_reward",
            self.eval_reward, "must be auto, exact_match, reward, rule:NAME or host:...")
     c.optimizer(self.optim, f"{name}.optim")
+    c.precision(self.optim, f"{name}.optim", cfg.role_model("reward" if name == "rm"
+                                                              else "policy"))
     c.lora(self.lora, f"{name}.lora")
 
 
@@ -265,6 +276,7 @@ class PPOConfig(RLConfig):
   def check(self, name, cfg, c):
     super().check(name, cfg, c)
     c.optimizer(self.value_optim, f"{name}.value_optim")
+    c.precision(self.value_optim, f"{name}.value_optim", cfg.role_model("value"))
     if self.shared_backbone and cfg.value_model is not None and cfg.value_model != cfg.model:
       # One model, two heads: the value head reads the policy's own hidden states, and the
       # value loss trains the shared backbone too (with ppo.optim; ppo.value_optim is unused).

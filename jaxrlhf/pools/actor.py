@@ -50,7 +50,7 @@ def is_correction(stage, frozen, batch, c: StepCarry) -> StepCarry:
   # The same truncated importance weights as the colocated off-policy correction
   # (off_policy=tis), here against the policy's lag behind its stale rollouts.
   ro, sh = c.rollout, c.shaped
-  prox, _ = M.token_logprobs(c.state.params["policy"], ro.tokens_BT, ro.mask_BT,
+  prox, _ = M.token_logprobs(stage.view(c.state.params, {}, "policy"), ro.tokens_BT, ro.mask_BT,
                              cfg=stage.model_cfg("policy"), start=ro.prompt_len,
                              kernels=stage.cfg.kernels)
   prox = jax.lax.stop_gradient(prox)
@@ -243,7 +243,7 @@ def _run_actor(cfg, workdir, store, mesh, roles, *, events, log, should_stop, co
   if done == steps and "eval/accuracy" not in last:
     last.update(stage.evaluate(state, frozen))
   if done == steps:
-    C.save_result(workdir, ROLE, {"policy": state.params["policy"]},
+    C.save_result(workdir, ROLE, {"policy": stage.merged(state.params, {}, "policy")},
                   {"summary": {name: {k: v for k, v in last.items() if k.startswith("eval/")}},
                    "start_eval": start_eval, "steps": steps})
     events(event="finished", done=done)

@@ -118,8 +118,9 @@ def init_roles(stage: PPOStage, key: jax.Array, roles: dict, trainable, frozen, 
   heads = stage.frozen()
   fz = {r: stage.role_params(roles, r, keys.get("policy", keys[r]) if r == "reference"
                              else keys[r], head=heads[r], frozen=True) for r in frozen}
+  params = {r: stage.precision[r].to_master(p) for r, p in params.items()}
   state = init_state(stage.mesh, params, {r: stage.opt[r] for r in trainable}, keys["state"],
-                     extras)
+                     extras, stage.precision)
   return state, fz
 
 

@@ -221,6 +221,7 @@ def _run_critic(cfg, workdir, store, mesh, roles, *, events, log, should_stop, c
       ck.save(done, state, extra_of(done), last, force=True)
       inbox.ack_through(done - 1)
   if done == steps:
-    C.save_result(workdir, ROLE, {"value": state.params["value"]}, {"summary": {}, "steps": steps})
+    C.save_result(workdir, ROLE, {"value": stage.merged(state.params, {}, "value")},
+                  {"summary": {}, "steps": steps})
     events(event="finished", done=done)
   return {**last, "state": state, "done": done}

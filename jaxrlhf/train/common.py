@@ -14,6 +14,7 @@ from jaxrlhf.config import OptimizerConfig
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrlhf.mesh import batch_sharding
+from jaxrlhf.train.precision import Precision
 # TrainState lives with the other typed pytrees; importing it from here still works.
 from jaxrlhf.train.types import HostInputs, TrainState  # noqa: F401
 
@@ -74,20 +75,24 @@ def accumulate_grads(loss_fn: Callable[[Any, dict], tuple[jax.Array, dict]], par
   """Sum of ``loss_fn`` values and gradients over ``n_micro`` micro-batches (one ``lax.scan``).
 
   ``loss_fn`` must normalise by *global* counts (the whole batch), so that the sum over
-  micro-batches equals the full-batch loss; metrics returned by it are averaged.
+  micro-batches equals the full-batch loss; metrics returned by it are averaged.  The
+  gradients come back in float32, and they are summed in float32 whatever the parameters'
+  dtype (a bfloat16 sum of micro-batch gradients loses the small ones).
   """
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  f32 = lambda tree: jax.tree.map(  # noqa: E731
+      lambda g: g.astype(jnp.float32) if jnp.issubdtype(g.dtype, jnp.floating) else g, tree)
   if n_micro == 1:
     (loss, aux), grads = grad_fn(params, batch)
-    return loss, grads, aux
+    return loss, f32(grads), aux
   micro = split_micro(batch, n_micro)
 
   def body(carry, mb):
     loss_sum, grad_sum = carry
     (loss, aux), grads = grad_fn(params, mb)
-    return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), aux
+    return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, f32(grads))), aux
 
-  zeros = jax.tree.map(jnp.zeros_like, params)
+  zeros = f32(jax.tree.map(jnp.zeros_like, params))
   (loss, grads), aux = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), micro)
   return loss, grads, jax.tree.map(lambda x: jnp.mean(x, axis=0), aux)
 
@@ -96,10 +101,12 @@ def accumulate_grads(loss_fn: Callable[[Any, dict], tuple[jax.Array, dict]], par
 _global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
 
 
-def apply_update(params, opt_state, grads, loss, optimizer: optax.GradientTransformation):
+def apply_update(params, opt_state, grads, loss, optimizer: optax.GradientTransformation,
+                 precision: Precision = Precision(), key=None):
   """One optimizer update, skipped (params and state unchanged) if the loss or any gradient is
   not finite, or if the gradient is exactly zero.  Returns ``(params, opt_state, finite,
-  grad_norm)``.
+  grad_norm)``.  ``precision`` says how the update reaches the weights (float32 masters,
+  bfloat16 rounded stochastically with ``key``, or plain bfloat16: jaxrlhf.train.precision).
 
   A zero gradient is a batch with no signal (an RL batch whose advantages are all zero, at
   policy = reference): AdamW would still move the weights by its decoupled weight decay and
@@ -111,27 +118,32 @@ def apply_update(params, opt_state, grads, loss, optimizer: optax.GradientTransf
   apply = finite & (grad_norm > 0)
   # Zero the gradients on a bad step so the update itself stays finite, then keep the old state.
   safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
-  updates, new_opt = optimizer.update(safe, opt_state, params)
-  # Materialise the updates and new moments before they are used: otherwise XLA recomputes
-  # the new moments inside the parameter update from the old ones, which the in-place moment
-  # update overwrites, so it copies every moment first (benchmarks/NOTES.md, change 9).
-  updates, new_opt = jax.lax.optimization_barrier((updates, new_opt))
-  new_params = optax.apply_updates(params, updates)
+  new_params, new_opt = precision.update(optimizer, params, opt_state, safe, key)
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
   return keep(new_params, params), keep(new_opt, opt_state), finite, grad_norm
 
 
 def update_role(state: "TrainState", role: str, loss_fn, batch: dict, n_micro: int,
-                optimizer: optax.GradientTransformation):
+                optimizer: optax.GradientTransformation, precision: Precision = Precision()):
   """One training step of a single role: accumulate gradients over ``n_micro`` micro-batches,
-  apply them (or skip a non-finite step), advance the step.  Returns ``(state, metrics)``."""
-  loss, grads, aux = accumulate_grads(loss_fn, state.params[role], batch, n_micro)
-  params, opt_state, finite, gnorm = apply_update(state.params[role], state.opt_state[role],
-                                                  grads, loss, optimizer)
+  apply them (or skip a non-finite step), advance the step.  Returns ``(state, metrics)``.
+  ``loss_fn`` reads the role's trained tree as the model does (``Stage.on_view``); it is
+  differentiated at ``precision.differentiable`` of the master."""
+  master = state.params[role]
+  loss, grads, aux = accumulate_grads(loss_fn, precision.differentiable(master), batch, n_micro)
+  params, opt_state, finite, gnorm = apply_update(master, state.opt_state[role], grads, loss,
+                                                  optimizer, precision,
+                                                  rounding_key(state.rng, state.step))
   extras = count_skip(state.extras, finite)
   state = state.replace(step=state.step + 1, params={**state.params, role: params},
                         opt_state={**state.opt_state, role: opt_state}, extras=extras)
   return state, {"loss": loss, "grad_norm": gnorm, **aux, "skips/total": extras["skips/total"]}
+
+
+def rounding_key(rng: jax.Array, step: jax.Array, index=0) -> jax.Array:
+  """The stochastic rounding's key of an update (precision ``bf16_sr``): from the state's key,
+  the step and the update's index within the step, so a resumed run rounds alike."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(rng, 0x5352), step), index)
 
 
 def minibatch_perms(key, rows: int, num_minibatches: int, epochs: int):
@@ -200,19 +212,24 @@ def state_shardings(mesh, optimizers: dict, abstract_state: TrainState, param_sh
                     extras=jax.tree.map(lambda _: rep, abstract_state.extras))
 
 
-def make_state_fn(optimizers: dict, extras: dict):
-  """``(params, key) -> TrainState`` with fresh optimizer states."""
+def make_state_fn(optimizers: dict, extras: dict, precisions: dict | None = None):
+  """``(params, key) -> TrainState`` with fresh optimizer states (moments in each role's
+  ``precisions[role].moments``)."""
+  precisions = precisions or {}
+
   def make(params, key):
-    opt_state = {role: optimizers[role].init(p) for role, p in params.items()}
+    opt_state = {role: precisions.get(role, Precision()).init_moments(optimizers[role], p)
+                 for role, p in params.items()}
     return TrainState(step=jnp.zeros((), jnp.int32), rng=key, params=params,
                       opt_state=opt_state, extras=extras)
   return make
 
 
-def init_state(mesh, params: dict, optimizers: dict, key: jax.Array, extras: dict) -> TrainState:
+def init_state(mesh, params: dict, optimizers: dict, key: jax.Array, extras: dict,
+               precisions: dict | None = None) -> TrainState:
   """A TrainState whose optimizer states are created on the mesh, sharded like their
-  parameters."""
-  make = make_state_fn(optimizers, extras)
+  parameters.  ``params`` are the trained roles' masters (``Precision.to_master``)."""
+  make = make_state_fn(optimizers, extras, precisions)
   abstract = jax.eval_shape(make, params, key)
   shardings = state_shardings(mesh, optimizers, abstract, shardings_of(params))
   with jax.set_mesh(mesh):

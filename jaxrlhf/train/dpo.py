@@ -16,7 +16,7 @@ from jaxrlhf.algorithms import dpo_loss, orpo_loss, simpo_loss
 from jaxrlhf.config import DPOConfig
 from jaxrlhf.perf import decoder_flops
 from jaxrlhf.train import spec
-from jaxrlhf.train.common import put_batch, update_role
+from jaxrlhf.train.common import put_batch
 from jaxrlhf.train.evaluate import GenerationEval, as_text, pair_batches
 from jaxrlhf.train.sequences import (packing_metrics, pair_logp_sums, pair_response_lengths,
                                      pair_rows)
@@ -98,8 +98,7 @@ class DPOStage(Stage):
       loss, metrics = self.pref_loss(pc, pr, b.get("ref_chosen"), b.get("ref_rejected"), b)
       return loss / n_micro, metrics
 
-    state, metrics = update_role(state, "policy", self.on_view(loss_fn, frozen, "policy"), mb,
-                                 n_micro, self.opt["policy"])
+    state, metrics = self.update_role(state, frozen, "policy", loss_fn, mb, n_micro)
     return state, {**metrics, **packing_metrics(batch)}
 
   def evaluate(self, state, frozen):
@@ -110,7 +109,7 @@ class DPOStage(Stage):
       m, logps = jax.device_get(self._eval(policy, frozen.get("reference"), self._eval_pairs))
     out = {"eval/pair_accuracy": float(m["pref_accuracy"]),
            "eval/reward_margin": float(m["reward_margin"])}
-    out.update(self.evaluator(policy))
+    out.update(self.evaluator(self.view(state.params, frozen, "policy", decode=True)))
     self._samples = self.pair_samples(logps)
     return out
 

@@ -261,7 +261,7 @@ def episode_rollout(stage, runner: EpisodeRunner, weight: float):
   def run(state, frozen, batch, carry, host):
     del batch
     rng, key = jax.random.split(state.rng)
-    policy = runner.decode_layout(stage.view(state.params, frozen, "policy"))
+    policy = runner.decode_layout(stage.view(state.params, frozen, "policy", decode=True))
     ep = runner.run(policy, host.examples, key, n=stage.n)
     placed = put_batch(stage.mesh, {
         "tokens": ep.tokens, "mask": ep.mask, "policy": ep.policy, "logp": ep.logp,

@@ -13,7 +13,6 @@ from jaxrlhf.algorithms import kto_loss, preference_metrics
 from jaxrlhf.config import ConfigError, KTOConfig
 from jaxrlhf.perf import decoder_flops
 from jaxrlhf.train import spec
-from jaxrlhf.train.common import update_role
 from jaxrlhf.train.evaluate import GenerationEval, pair_batches
 from jaxrlhf.train.stage import Stage, stack_pairs
 
@@ -63,8 +62,7 @@ class KTOStage(Stage):
                       desirable_weight=scfg.desirable_weight,
                       undesirable_weight=scfg.undesirable_weight)
 
-    return update_role(state, "policy", self.on_view(loss_fn, frozen, "policy"), mb, 1,
-                       self.opt["policy"])
+    return self.update_role(state, frozen, "policy", loss_fn, mb, 1)
 
   def evaluate(self, state, frozen):
     if self._eval_pairs is None:
@@ -74,7 +72,7 @@ class KTOStage(Stage):
                                     self._eval_pairs))
     out = {"eval/pair_accuracy": float(m["pref_accuracy"]),
            "eval/reward_margin": float(m["reward_margin"])}
-    out.update(self.evaluator(self.view(state.params, frozen, "policy")))
+    out.update(self.evaluator(self.view(state.params, frozen, "policy", decode=True)))
     return out
 
 

@@ -26,7 +26,8 @@ from jaxrlhf.rollout import carry_queue, carry_take
 from jaxrlhf.rollout import generate as sample
 from jaxrlhf.rollout import generate_refill as sample_refill
 from jaxrlhf.train import packed as PK
-from jaxrlhf.train.common import accumulate_grads, apply_update, count_skip, minibatch_perms
+from jaxrlhf.train.common import (accumulate_grads, apply_update, count_skip, minibatch_perms,
+                                  rounding_key)
 from jaxrlhf.train.program import HOST, Phase
 from jaxrlhf.train.types import Rollout, Scored, Shaped, StepCarry, UpdateBatch
 
@@ -60,7 +61,7 @@ def generate(stage, frozen, batch, c: StepCarry) -> StepCarry:
   instead of one per decoded token; the copy lives only while this phase runs."""
   rng, k = jax.random.split(c.state.rng)
   tok = stage.tok
-  policy = stage.view(c.state.params, frozen, "policy")
+  policy = stage.view(c.state.params, frozen, "policy", decode=True)
   if stage.decode_shardings is not None:
     policy = jax.lax.with_sharding_constraint(policy, stage.decode_shardings)
   kw = dict(cfg=stage.model_cfg("policy"), rollout=stage.cfg.rollout, eos_id=tok.eos_id,
@@ -377,7 +378,7 @@ def epochs(stage, frozen, state, ub: UpdateBatch, kl_coef, *, roles, terms, pack
 
   def body(carry, xs):
     params, opt_state, extras = carry
-    mb, is_first = xs
+    mb, is_first, index = xs
     denom = jnp.maximum(jnp.sum(mb.update_mask_BN), 1).astype(jnp.float32)
     n_seq = jnp.maximum(jnp.sum(jnp.any(mb.update_mask_BN, axis=-1)), 1).astype(jnp.float32)
 
@@ -393,11 +394,15 @@ def epochs(stage, frozen, state, ub: UpdateBatch, kl_coef, *, roles, terms, pack
         metrics.update(m)
       return total, metrics
 
-    loss, grads, aux = accumulate_grads(loss_fn, params, mb, scfg.optim.grad_accum)
+    prec = stage.precision
+    loss, grads, aux = accumulate_grads(
+        loss_fn, {r: prec[r].differentiable(x) for r, x in params.items()}, mb,
+        scfg.optim.grad_accum)
     new_params, new_opt, finites, norms = {}, {}, [], {}
-    for role in params:
+    for i, role in enumerate(params):
       new_params[role], new_opt[role], fin, norms[role] = apply_update(
-          params[role], opt_state[role], grads[role], loss, stage.opt[role])
+          params[role], opt_state[role], grads[role], loss, stage.opt[role], prec[role],
+          rounding_key(state.rng, state.step, index * len(params) + i))
       finites.append(fin)
     finite = jnp.all(jnp.stack(finites))
     if len(params) > 1:
@@ -413,7 +418,7 @@ def epochs(stage, frozen, state, ub: UpdateBatch, kl_coef, *, roles, terms, pack
     return (new_params, new_opt, extras), aux
 
   (params, opt_state, extras), aux = jax.lax.scan(body, (params0, opt0, state.extras),
-                                                  (mbs, first))
+                                                  (mbs, first, jnp.arange(first.shape[0])))
   metrics = {k: jnp.mean(v) for k, v in aux.items() if not k.startswith("_")}
   if "rollout/logprob_mismatch" in aux:
     metrics["rollout/logprob_mismatch"] = jnp.sum(aux["rollout/logprob_mismatch"])
@@ -424,12 +429,16 @@ def epochs(stage, frozen, state, ub: UpdateBatch, kl_coef, *, roles, terms, pack
 
 def same_weights(a, b) -> jax.Array:
   """Whether two parameter trees hold the same values (a traced bool; False when their
-  structure, shapes or dtypes differ).  Reads both once: cheap beside a forward pass."""
+  structure or shapes differ).  A float32 master ``a`` is compared rounded to ``b``'s 16-bit
+  dtype (the reference's): with a 16-bit ``compute_dtype`` the model reads it so rounded,
+  and the two compute alike.  Reads both once: cheap beside a forward pass."""
   la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
   if jax.tree.structure(a) != jax.tree.structure(b) or any(
-      x.shape != y.shape or x.dtype != y.dtype for x, y in zip(la, lb)):
+      x.shape != y.shape or (x.dtype != y.dtype and not (
+          jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(y.dtype, jnp.floating)))
+      for x, y in zip(la, lb)):
     return jnp.asarray(False)
-  return jnp.all(jnp.stack([jnp.array_equal(x, y) for x, y in zip(la, lb)]))
+  return jnp.all(jnp.stack([jnp.array_equal(x.astype(y.dtype), y) for x, y in zip(la, lb)]))
 
 
 def policy_term(stage, params, mb: UpdateBatch, *, denom, n_seq, kl_coef):

@@ -53,12 +53,13 @@ def state_bytes(cfg: ExperimentConfig) -> float:
   best = 0.0
   for name in cfg.stages:
     stage = build_stage(name, cfg, None, data)
-    total = sum(3 * param_bytes(cfg.role_model(r), h) for r, h in stage.trainable.items()
-                if r not in stage.lora)
+    # Trained roles: master weights and Adam's two moments, in their precision's dtypes.
+    total = sum(stage.precision[r].trained_bytes(cfg.role_model(r).num_params(h))
+                for r, h in stage.trainable.items() if r not in stage.lora)
     total += sum(param_bytes(cfg.role_model(r), h) for r, h in stage.frozen().items())
     for r, key in stage.base_keys.items():  # LoRA: adapters x 3, the base once
-      total += 3 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
-          stage.abstract_trainable(r)))
+      total += stage.precision[r].trained_bytes(sum(x.size for x in jax.tree.leaves(
+          stage.abstract_trainable(r))))
       if key not in stage.frozen():
         total += param_bytes(cfg.role_model(r), stage.trainable[r])
     best = max(best, total)

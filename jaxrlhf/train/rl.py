@@ -145,7 +145,7 @@ class RLStage(Stage):
     return batch
 
   def evaluate(self, state, frozen):
-    return self.evaluator(self.view(state.params, frozen, "policy"))
+    return self.evaluator(self.view(state.params, frozen, "policy", decode=True))
 
   def value_params(self, params):
     """The parameters the value head reads: the value model's, or the policy's when it

@@ -9,7 +9,6 @@ from jaxrlhf.algorithms import bradley_terry_loss
 from jaxrlhf.config import RMConfig
 from jaxrlhf.perf import decoder_flops
 from jaxrlhf.train import spec
-from jaxrlhf.train.common import update_role
 from jaxrlhf.train.evaluate import pair_batches
 from jaxrlhf.train.sequences import (is_packed, packing_metrics, pair_rows, pooled_scores,
                                      split_pairs)
@@ -52,8 +51,7 @@ class RMStage(Stage):
       loss, metrics = bradley_terry_loss(*self.pair_scores(params, mb))
       return loss / n_micro, metrics
 
-    state, metrics = update_role(state, "reward", self.on_view(loss_fn, frozen, "reward"), batch,
-                                 n_micro, self.opt["reward"])
+    state, metrics = self.update_role(state, frozen, "reward", loss_fn, batch, n_micro)
     return state, {**metrics, **packing_metrics(batch)}
 
   def evaluate(self, state, frozen):

@@ -12,7 +12,7 @@ from jaxrlhf.algorithms import sft_loss
 from jaxrlhf.config import ConfigError, SFTConfig
 from jaxrlhf.perf import decoder_flops
 from jaxrlhf.train import spec
-from jaxrlhf.train.common import TrainState, put_batch, update_role
+from jaxrlhf.train.common import TrainState, put_batch
 from jaxrlhf.train.evaluate import make_evaluator, metric_label
 from jaxrlhf.train.sequences import next_token_target, packing_metrics
 from jaxrlhf.train.stage import Stage
@@ -56,13 +56,13 @@ class SFTStage(Stage):
 
   def step(self, state: TrainState, frozen, batch):
     loss_fn, mb = self.objective(batch)
-    state, metrics = update_role(state, "policy", self.on_view(loss_fn, frozen, "policy"), mb,
-                                 self.scfg.optim.grad_accum, self.opt["policy"])
+    state, metrics = self.update_role(state, frozen, "policy", loss_fn, mb,
+                                      self.scfg.optim.grad_accum)
     return state, {**metrics, **packing_metrics(batch)}
 
   def evaluate(self, state, frozen):
     params = self.view(state.params, frozen, "policy")
-    out = self.evaluator(params)
+    out = self.evaluator(self.view(state.params, frozen, "policy", decode=True))
     if self.data.task is None:  # your files: the held-out responses' loss too
       out.update(self.held_out_loss(params))
     return out

@@ -19,10 +19,11 @@ from jaxrlhf.data import DataSource
 from jaxrlhf.data.packing import Packer, interleave_pairs
 from jaxrlhf.mesh import (DECODE_PARAM_RULES, FROZEN_PARAM_RULES, PARAM_RULES, batch_sharding,
                           replicated, tree_shardings)
-from jaxrlhf.train import spec
+from jaxrlhf.train import precision as PREC, spec
 from jaxrlhf.train.sequences import pair_rows
 from jaxrlhf.train.common import (TrainState, init_state, jit_step, make_optimizer,
-                                  make_state_fn, shardings_of, skip_counters, state_shardings)
+                                  make_state_fn, shardings_of, skip_counters, state_shardings,
+                                  update_role)
 
 
 class Stage:
@@ -63,6 +64,9 @@ class Stage:
     lo = self.scfg.lora
     self.lora = {r: lo for r in self.trainable if lo.rank and r in lo.roles}
     self.base_keys = {r: self._base_key(r) for r in self.lora}
+    # How each trained role's weights are kept and updated (float32 masters by default).
+    self.precision = PREC.of_stage(self.scfg, self.model_cfg, self.lora,
+                                   {r: self.optim_fields[r] for r in self.trainable}, self.name)
     self.packer = make_packer(cfg.data, mesh, self.tok.pad_id, self.scfg.optim.grad_accum) if (
         cfg.data.pack and self.spec.packs) else None
 
@@ -134,7 +138,9 @@ class Stage:
       params[r] = self.lora_params(r, keys[r], head)
     for r, bk in self.base_keys.items():
       frozen[bk] = LORA.cast_base(frozen[bk], self.lora[r].base_dtype)
-    state = init_state(self.mesh, params, self.opt, keys["state"], self.initial_extras())
+    params = {r: self.precision[r].to_master(p) for r, p in params.items()}
+    state = init_state(self.mesh, params, self.opt, keys["state"], self.initial_extras(),
+                       self.precision)
     return state, frozen
 
   def abstract_init(self) -> tuple[TrainState, dict]:
@@ -162,8 +168,9 @@ class Stage:
         frozen[bk] = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(dt) if jnp.issubdtype(
                 a.dtype, jnp.floating) else a.dtype, sharding=a.sharding), frozen[bk])
+    params = {r: self.precision[r].abstract_master(p) for r, p in params.items()}
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated(self.mesh))
-    make = make_state_fn(self.opt, self.initial_extras())
+    make = make_state_fn(self.opt, self.initial_extras(), self.precision)
     shapes = jax.eval_shape(make, params, key)
     shardings = state_shardings(self.mesh, self.opt, shapes, shardings_of(params))
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -240,19 +247,31 @@ class Stage:
     cfg, head = self.model_cfg(role), self.trainable[role]
     return LORA.split_full(M.param_shardings(cfg, self.mesh, head, FROZEN_PARAM_RULES))[0]
 
-  def view(self, params: dict, frozen: dict, role: str) -> dict:
-    """The parameters the model reads for ``role``: its trained ones as they are, a LoRA
-    role's adapters over its frozen base, or a frozen role's."""
+  def view(self, params: dict, frozen: dict, role: str, *, decode: bool = False) -> dict:
+    """The parameters the model reads for ``role``: a LoRA role's adapters over its frozen
+    base, a frozen role's, or a trained role's master as it is (the model casts each weight
+    to ``compute_dtype`` where it uses it, so with a 16-bit ``compute_dtype`` a float32 master
+    computes exactly as its rounded copy would, and a loss's gradient reaches it in float32).
+    ``decode``: for generation, whose every token reads the weights again, the master cast
+    to ``param_dtype`` once (``self.precision``; a copy that lives while decoding)."""
     if role in self.lora:
       return LORA.view(params[role], frozen[self.base_keys[role]], self.lora[role])
-    return params[role] if role in params else frozen[role]
+    if role not in params:
+      return frozen[role]
+    return self.precision[role].view(params[role]) if decode else params[role]
 
   def on_view(self, loss_fn, frozen: dict, role: str):
-    """``loss_fn(params, batch)`` of ``role``'s model as a function of its *trained* tree (a
-    LoRA role's adapters and head; the base stays frozen, closed over)."""
-    if role not in self.lora:
-      return loss_fn
-    return lambda p, mb: loss_fn(LORA.view(p, frozen[self.base_keys[role]], self.lora[role]), mb)
+    """``loss_fn(params, batch)`` of ``role``'s model as a function of its *trained* tree (the
+    master; a LoRA role's adapters and head, the base frozen, closed over)."""
+    return lambda p, mb: loss_fn(self.view({role: p}, frozen, role), mb)
+
+  def update_role(self, state: TrainState, frozen: dict, role: str, loss_fn, batch: dict,
+                  n_micro: int):
+    """One training step of ``role`` alone (SFT, RM, DPO, KTO): ``loss_fn(params, batch)`` of
+    the model as it reads the role (:meth:`on_view`), its gradients summed over ``n_micro``
+    micro-batches and applied by the role's optimizer at its precision."""
+    return update_role(state, role, self.on_view(loss_fn, frozen, role), batch, n_micro,
+                       self.opt[role], self.precision[role])
 
   def views(self, params: dict, frozen: dict) -> dict:
     """:meth:`view` of every role in ``params`` (a dict like ``state.params``)."""
@@ -270,7 +289,7 @@ class Stage:
   def merged(self, params: dict, frozen: dict, role: str) -> dict:
     """``role``'s whole model as plain weights (adapters merged, in ``param_dtype``)."""
     if role not in self.lora:
-      return params[role]
+      return self.precision[role].stored(params[role])
     return LORA.merge(params[role], frozen[self.base_keys[role]], self.lora[role],
                       self.model_cfg(role).param_dtype)
 
