@@ -36,7 +36,8 @@ def main(cfg: ExperimentConfig, workdir: str, search: bool = False) -> int:
     mesh_cfg = MeshConfig(**found.mesh)
     print(f"smallest: {found.devices} x {acc.name}, mesh tp={mesh_cfg.tp} "
           f"fsdp={mesh_cfg.fsdp} dp={mesh_cfg.dp}; full plan:\n")
-    plan = build_plan(cfg, found.devices, acc, mesh_cfg=mesh_cfg)
+    # The configuration that fitted: its decode layout may be the training one.
+    plan = build_plan(found.cfg, found.devices, acc, mesh_cfg=mesh_cfg)
   else:
     plan = build_plan(cfg, n, acc)
   print(format_plan(plan))

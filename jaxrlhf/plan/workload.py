@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrlhf.config import ModelConfig
-from jaxrlhf.train.preflight import param_bytes
+from jaxrlhf.train.preflight import dtype_bytes, param_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,16 +24,21 @@ def tp_share(m: ModelConfig, tp: int) -> int:
   return tp if m.n_kv_heads % tp == 0 and m.n_heads % tp == 0 else 1
 
 
-def train_bytes(m: ModelConfig, head: str, sizes: dict, passes: int) -> float:
+def train_bytes(m: ModelConfig, head: str, sizes: dict, passes: int, precision=None) -> float:
   """HBM bytes per device of ``passes`` forward+backward passes and one AdamW update: each
-  pass reads the device's tensor-parallel slice of every weight (fsdp gathers it) once
-  forward, once backward and once more to recompute with ``remat=full``; the update reads
-  and writes the device's shard of params and both moments and reads its gradients."""
+  pass reads the device's tensor-parallel slice of every weight (fsdp gathers it, in
+  ``param_dtype``) once forward, once backward and once more to recompute with
+  ``remat=full``; the update reads and writes the device's shard of the master weights and
+  both moments (in ``precision``'s dtypes: jaxrlhf.train.precision) and reads its float32
+  gradients."""
+  master = precision.master if precision else m.param_dtype
+  moments = precision.moments if precision else m.param_dtype
   w = param_bytes(m, head)
   tp = tp_share(m, sizes["tp"])
   reads = 3 if m.remat == "full" else 2
-  shard = w / (tp * sizes["fsdp"])
-  return passes * reads * w / tp + 7 * shard
+  shard = m.num_params(head) / (tp * sizes["fsdp"])
+  update = shard * (2 * dtype_bytes(master) + 4 * dtype_bytes(moments) + 4)
+  return passes * reads * w / tp + update
 
 
 def workload(stage, sizes: dict) -> dict[str, Work]:
@@ -52,7 +57,7 @@ def workload(stage, sizes: dict) -> dict[str, Work]:
     role = next(iter(stage.trainable))
     m, head = cfg.role_model(role), stage.trainable[role]
     rows = scfg.batch_size * stage.spec.rows_per_example
-    hbm = train_bytes(m, head, sizes, scfg.optim.grad_accum)
+    hbm = train_bytes(m, head, sizes, scfg.optim.grad_accum, stage.precision[role])
     if "reference" in flops:  # DPO computing reference log-probs in the step
       hbm += param_bytes(m, head) / tp_share(m, tp)
     return {"step": Work(sum(flops.values()), hbm, rows * (stage.P + stage.R))}
@@ -69,7 +74,7 @@ def workload(stage, sizes: dict) -> dict[str, Work]:
   out["reward"] = Work(flops.get("reward", 0.0),
                        sum(forward(r, "scalar") for r in ("reward", "guard") if r in frozen))
   passes = scfg.ppo_epochs * scfg.num_minibatches * scfg.optim.grad_accum
-  upd_bytes = sum(train_bytes(cfg.role_model(r), h, sizes, passes)
+  upd_bytes = sum(train_bytes(cfg.role_model(r), h, sizes, passes, stage.precision[r])
                   for r, h in stage.trainable.items())
   if "values" in flops:
     out["values"] = Work(flops["values"], forward("value", "scalar"))

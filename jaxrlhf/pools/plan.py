@@ -107,14 +107,14 @@ def plan_pool(stage, role: str, n: int, acc, mesh: dict = None) -> PoolPlan:
     m = cfg.role_model("policy")
     upd = Work(scfg.ppo_epochs * decoder_flops(m, rows, T, head_positions=stage.N,
                                                  train=True),
-                 train_bytes(m, "lm", mesh, passes))
+                 train_bytes(m, "lm", mesh, passes, stage.precision["policy"]))
     phases = {"generate": work["generate"], "update_policy": upd}
     if "reference" in work:
       phases["reference"] = work["reference"]
   else:
     m = cfg.role_model("value")
     upd = Work(scfg.ppo_epochs * decoder_flops(m, rows, T, head="scalar", train=True),
-                 train_bytes(m, "scalar", mesh, passes))
+                 train_bytes(m, "scalar", mesh, passes, stage.precision["value"]))
     phases = {"reward": work["reward"], "values": work["values"], "update_value": upd}
   return PoolPlan(role=role, devices=n, accelerator=acc, mesh=mesh,
                   phases={k: _seconds(w, n, acc) for k, w in phases.items()})
