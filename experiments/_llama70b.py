@@ -1,9 +1,15 @@
-"""Shared shape and cluster of the 70B experiments: Llama-3-70B on 4 nodes x 8 GPUs."""
+"""Shared shape and cluster of the 70B experiments: Llama-3-70B on 4 nodes x 8 GPUs (ppo70b
+takes 8 nodes).
+
+The weights are stored in bfloat16 (what every forward and the rollout read); the trained
+roles keep float32 master weights and Adam moments (``optim.precision="fp32"``, the default:
+docs/training.md, "Mixed precision").  Each experiment's optimizer and algorithm settings
+come from a published 70B-class recipe, cited beside them and in docs/plan.md, "Recipes"."""
 
 import dataclasses
 
 from jaxrlhf.config import (CheckpointConfig, DataConfig, ExperimentConfig, MeshConfig,
-                            ModelConfig, PlanConfig, RolloutConfig)
+                            ModelConfig, OptimizerConfig, PlanConfig, RolloutConfig)
 
 LLAMA3_70B = ModelConfig(
     vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
@@ -23,3 +29,13 @@ def base_70b(name: str, stages: tuple[str, ...], description: str) -> Experiment
       data=DataConfig(task="jsonl", max_prompt_len=512, max_response_len=512),
       checkpoint=CheckpointConfig(every_steps=100, keep=3),
       plan=PlanConfig(accelerator="h100", devices=32))
+
+
+def warmup(steps: int, ratio: float) -> int:
+  """A recipe's warm-up ratio as steps of this experiment's budget."""
+  return max(1, round(steps * ratio))
+
+
+# AdamW as Llama 2 trained its chat models (Touvron et al. 2023, arXiv 2307.09288, section 2.2
+# and section 3.2.3: beta1 0.9, beta2 0.95, eps 1e-5, gradient clipping 1.0).
+LLAMA2_ADAMW = OptimizerConfig(b1=0.9, b2=0.95, eps=1e-5, grad_clip=1.0)

@@ -219,5 +219,5 @@ def test_the_literal_70b_command_fails_fast_before_allocating(tmp_path):
   assert time.perf_counter() - t0 < 60
   err = res.stderr
   assert "GB per device" in err and "a device holds" in err
-  assert "--plan --devices=32 --accelerator=h100" in err and "--plan_search" in err
+  assert "--plan --devices=64 --accelerator=h100" in err and "--plan_search" in err
   assert not workdir.exists()  # nothing written, nothing allocated
