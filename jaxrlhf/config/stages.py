@@ -89,6 +89,8 @@ class StageConfig:
   eval_samples_k: int = 0
   # Low-rank adapters for the roles this stage trains (rank 0: full fine-tuning).
   lora: LoraConfig = LoraConfig()
+  # The role ``optim`` trains (its model's param_dtype decides what ``optim.precision`` means).
+  optim_role: ClassVar[str] = "policy"
 
   def check(self, name: str, cfg, c: _Checks) -> None:
     """Adds the problems of this stage's settings to ``c``; ``cfg`` is the whole
@@ -98,8 +100,7 @@ class StageConfig:
     c.need(isinstance(self.eval_reward, str) and bool(self.eval_reward), f"{name}.eval_reward",
            self.eval_reward, "must be auto, exact_match, reward, rule:NAME or host:...")
     c.optimizer(self.optim, f"{name}.optim")
-    c.precision(self.optim, f"{name}.optim", cfg.role_model("reward" if name == "rm"
-                                                              else "policy"))
+    c.precision(self.optim, f"{name}.optim", cfg.role_model(self.optim_role))
     c.lora(self.lora, f"{name}.lora")
 
 
@@ -135,6 +136,7 @@ class SFTConfig(StageConfig):
 
 @dataclasses.dataclass(frozen=True)
 class RMConfig(StageConfig):
+  optim_role: ClassVar[str] = "reward"
   steps: int = 200
   batch_size: int = 64
   optim: OptimizerConfig = OptimizerConfig(lr=1e-3)
