@@ -310,7 +310,7 @@ class LoraConfig:
   rslora: bool = False
   dropout: float = 0.0
   # The frozen base's dtype ("" keeps model.param_dtype; "bfloat16" halves it); the adapters
-  # and their optimizer state stay in model.param_dtype.
+  # and their optimizer state follow STAGE.optim.precision (float32 under the default "fp32").
   base_dtype: Literal["", "float32", "bfloat16"] = ""
   # A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to continue
   # from instead of a fresh init; its rank and targets must match the settings above.

@@ -70,7 +70,8 @@ def trainable_axes(cfg: ModelConfig, lora: LoraConfig, head: str) -> dict:
 
 
 def init_adapters(cfg: ModelConfig, lora: LoraConfig, key: jax.Array) -> dict:
-  """Fresh adapters ``{"layers": {"lora": ...}}`` in ``cfg.param_dtype``: ``a`` from
+  """Fresh adapters ``{"layers": {"lora": ...}}`` in ``cfg.param_dtype`` (a stage keeps them as
+  its precision's masters, float32 by default: jaxrlhf.train.precision): ``a`` from
   ``lora.init``, ``b`` zero (so the adapted model starts as the base, exactly)."""
   sizes = {**_SIZES(cfg), "lora": lora.rank}
   dtype = jnp.dtype(cfg.param_dtype)
