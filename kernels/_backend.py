@@ -2,7 +2,8 @@
 Pallas kernels use (a transposing dot with float32 accumulation, padded sizes).
 
 Choice policy, one place for every op:
-  * ``"auto"`` picks the op's entry in its ``auto`` table for ``jax.default_backend()``
+  * ``"auto"`` picks the op's entry in its ``auto`` table for the target platform
+    (:func:`target_platform`: the devices of the mesh the program is traced under)
     (Pallas on GPU, the XLA path on CPU and TPU: the Pallas kernels here are written for the
     Triton backend, see ``kernels/NOTES.md``).
   * ``"pallas"`` needs a GPU; on any other backend it fails with a message naming the fix.
@@ -16,12 +17,26 @@ import jax
 import jax.numpy as jnp
 
 
-def resolve_impl(op: str, impl: str, valid: tuple[str, ...], auto: dict[str, str]) -> str:
-  """The implementation to run for ``impl`` on this backend, or a ValueError naming choices."""
+def target_platform() -> str:
+  """The platform of the program being traced ("cpu", "gpu", "tpu"): the devices of the mesh
+  in context (``jax.set_mesh``, as every step, evaluation and plan is traced), so a program
+  compiled for other devices than the host's (the planner's, compile-only GPU or TPU
+  devices) makes that platform's choices, not the host's.  The default backend only when no
+  mesh is set (a bare call on one device)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+  platform = device.platform if device is not None else jax.default_backend()
+  return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def resolve_impl(op: str, impl: str, valid: tuple[str, ...], auto: dict[str, str],
+                 platform: str | None = None) -> str:
+  """The implementation to run for ``impl`` on ``platform`` (default: the target's,
+  :func:`target_platform`), or a ValueError naming the choices."""
   if impl not in valid:
     choices = ", ".join(repr(v) for v in valid)
     raise ValueError(f"kernels.{op}={impl!r} is not valid; choose one of {choices}")
-  backend = jax.default_backend()
+  backend = platform or target_platform()
   if impl == "auto":
     return auto.get(backend, "xla")
   if impl == "pallas" and backend != "gpu":

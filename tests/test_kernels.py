@@ -287,6 +287,41 @@ def test_dispatcher_errors_name_the_choices():
                     mask, interpret=True)
 
 
+def _mesh_on(platform: str):
+  """An abstract one-device mesh of ``platform``'s devices: what a program compiled for them
+  (the planner's compile-only targets) is traced under, on this CPU host."""
+  from jax._src.mesh import AbstractDevice
+  device = AbstractDevice(device_kind=platform, num_cores=None, platform=platform)
+  return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+
+
+def test_kernel_choices_follow_the_target_mesh_not_the_host():
+  """Traced for GPU devices on this CPU host, a program makes the GPU's choices, not the
+  host's: "auto" takes the Pallas kernels, and the reference attention keeps its matmuls in
+  bfloat16; traced for the CPU (or a TPU) "auto" is XLA, and on the CPU the reference upcasts
+  to float32 (XLA:CPU has no batched bf16 x bf16 -> f32 matmul)."""
+  q, k, v, kv_mask, _, _ = _attention_case(jax.random.key(7), 1, 20, 20, 2, 1, 16, 0,
+                                           jnp.bfloat16)
+  h, w, tgt, _ = _logprob_case(jax.random.key(8), 1, 3, 16, 40, jnp.bfloat16)
+  at = lambda q, k, v: attention(q, k, v, kv_mask, 0)
+  lp = lambda h, w, t: logprob_entropy(h, w, t)
+
+  def dot_dtypes():
+    jaxpr = jax.make_jaxpr(lambda q, k, v: attention_reference(q, k, v, kv_mask, 0))(q, k, v)
+    return {str(e.invars[0].aval.dtype) for e in jaxpr.eqns if e.primitive.name == "dot_general"}
+
+  with jax.sharding.use_abstract_mesh(_mesh_on("cuda")):
+    assert _has_pallas_call(at, q, k, v) and _has_pallas_call(lp, h, w, tgt)
+    assert dot_dtypes() == {"bfloat16"}
+  for platform in ("cpu", "tpu"):
+    with jax.sharding.use_abstract_mesh(_mesh_on(platform)):
+      assert not _has_pallas_call(at, q, k, v) and not _has_pallas_call(lp, h, w, tgt)
+  with jax.sharding.use_abstract_mesh(_mesh_on("cpu")):
+    assert dot_dtypes() == {"float32"}
+  with jax.sharding.use_abstract_mesh(_mesh_on("tpu")):
+    assert dot_dtypes() == {"bfloat16"}
+
+
 def _attention_loop(q, k, v, kv_mask, q_offset, scale, window, softcap):
   """Sliding-window, soft-capped GQA attention one query at a time in numpy (float64)."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))

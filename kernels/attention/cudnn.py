@@ -14,15 +14,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels._backend import target_platform
 from kernels.attention.reference import allowed_mask
 
 
 def attention_cudnn(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, scale=None,
                     window=None):
   """Causal GQA attention with a key mask on cuDNN; a ValueError when cuDNN cannot run it."""
-  if jax.default_backend() != "gpu":
-    raise ValueError(f"kernels.attention='cudnn' needs an NVIDIA GPU (this backend is "
-                     f"{jax.default_backend()!r}); use kernels.attention=xla")
+  platform = target_platform()
+  if platform != "gpu":
+    raise ValueError(f"kernels.attention='cudnn' needs an NVIDIA GPU (the target is "
+                     f"{platform!r}); use kernels.attention=xla")
   if q_BTHD.dtype not in (jnp.bfloat16, jnp.float16):
     raise ValueError(f"kernels.attention='cudnn' needs bfloat16 or float16 activations, got "
                      f"{q_BTHD.dtype}; set model.compute_dtype=bfloat16 or use another impl")

@@ -3,6 +3,8 @@
 import jax
 import jax.numpy as jnp
 
+from kernels._backend import target_platform
+
 # Large negative instead of -inf: a row with no allowed key (a left-pad query) gets a uniform
 # softmax rather than NaN; its output is never used.
 _MASKED = -1e30
@@ -56,7 +58,7 @@ def attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, scale
   g = h // k_heads
   scale = d ** -0.5 if scale is None else scale
   q = q_BTHD.reshape(b, t, k_heads, g, d)
-  if q.dtype != jnp.float32 and jax.default_backend() == "cpu":
+  if q.dtype != jnp.float32 and target_platform() == "cpu":
     # XLA's CPU runtime has no batched bf16 x bf16 -> f32 matmul; the head-major cache hands it
     # one directly (the slot-major layout's transpose copy used to convert on the way).
     q, k_BSKD, v_BSKD = (x.astype(jnp.float32) for x in (q, k_BSKD, v_BSKD))
