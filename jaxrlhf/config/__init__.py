@@ -8,7 +8,7 @@ list the valid choices, so a typo fails with a one-line message naming what woul
 from jaxrlhf.config.sections import (  # noqa: F401
     CheckpointConfig, ConfigError, DataConfig, DistributedConfig, EnvConfig, KLConfig, KernelsConfig,
     LoggingConfig, LoraConfig, LORA_TARGETS, MeshConfig, ModelConfig, OptimizerConfig, PlanConfig, PoolsConfig,
-    RewardConfig, RolloutConfig, SINK_PACKAGES, Sink, one_line)
+    PRECISIONS, RewardConfig, RolloutConfig, SINK_PACKAGES, Sink, one_line)
 from jaxrlhf.config.stages import (  # noqa: F401
     DPOConfig, GRPOConfig, KTOConfig, PPOConfig, RLConfig, RMConfig, SFTConfig, StageConfig)
 from jaxrlhf.config.experiment import (  # noqa: F401

@@ -274,9 +274,10 @@ class OptimizerConfig:
   # A step whose loss or gradients are not finite is skipped; this many in a row stop the run.
   max_consecutive_skips: int = 5
   # How the trained weights are kept when the model's param_dtype is 16-bit (a float32 model
-  # trains in float32 whatever this says; docs/training.md, "Mixed precision"):
+  # trains in float32 whatever this says; docs/training.md, "Mixed precision"; PRECISIONS):
   # "fp32": float32 master weights and Adam moments in the train state (and checkpoints);
-  # the model reads a copy cast to param_dtype inside the step; gradients sum in float32.
+  # the losses read the master (cast to compute_dtype where each weight is used), generation
+  # a copy cast to param_dtype once per step; gradients sum in float32.
   # "bf16_sr": the weights stay bfloat16 and each update is rounded stochastically (keyed by
   # the step: deterministic, bit-identical on resume); moments in moment_dtype.
   # "pure_bf16": weights, moments and updates all in param_dtype: an update below ~0.4% of a
@@ -285,6 +286,9 @@ class OptimizerConfig:
   # Adam's moments under "fp32" and "bf16_sr": "float32", or "bfloat16" to halve them.
   moment_dtype: Literal["float32", "bfloat16"] = "float32"
 
+
+# The values of OptimizerConfig.precision.
+PRECISIONS = ("fp32", "bf16_sr", "pure_bf16")
 
 # Projections a LoRA adapter may target (``lora.targets``), by their usual short names.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")

@@ -7,8 +7,8 @@ import dataclasses
 import math
 from typing import ClassVar, Literal
 
-from jaxrlhf.config.sections import (LORA_TARGETS, KLConfig, LoraConfig, OptimizerConfig,
-                                     RewardConfig)
+from jaxrlhf.config.sections import (LORA_TARGETS, PRECISIONS, KLConfig, LoraConfig,
+                                     OptimizerConfig, RewardConfig)
 
 
 class _Checks:
@@ -43,8 +43,8 @@ class _Checks:
     self.at_least(o, prefix, ("grad_accum",), 1)
 
   def precision(self, o: OptimizerConfig, prefix: str, model):
-    self.need(o.precision in ("fp32", "bf16_sr", "pure_bf16"), f"{prefix}.precision",
-              o.precision, "must be fp32 (float32 masters), bf16_sr or pure_bf16")
+    self.need(o.precision in PRECISIONS, f"{prefix}.precision", o.precision,
+              f"must be one of {', '.join(PRECISIONS)} (fp32: float32 masters)")
     self.need(o.moment_dtype in ("float32", "bfloat16"), f"{prefix}.moment_dtype",
               o.moment_dtype, "must be float32 or bfloat16")
     self.need(o.precision != "bf16_sr" or model.param_dtype in ("bfloat16", "float32"),

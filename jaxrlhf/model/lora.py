@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxrlhf.config import ConfigError, LoraConfig, ModelConfig
 from jaxrlhf.distributed import to_host
+from jaxrlhf.model.sharded import cast_floating
 from jaxrlhf.model.transformer import param_axes
 
 # Short target name -> (our layer parameter, its number of input dimensions, the Hugging Face
@@ -100,11 +101,7 @@ def split_full(params: dict) -> tuple[dict, dict]:
 
 def cast_base(base: dict, dtype: str) -> dict:
   """The frozen base in ``lora.base_dtype`` (floating arrays only; "" keeps them)."""
-  if not dtype:
-    return base
-  dt = jnp.dtype(dtype)
-  return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                      base)
+  return cast_floating(base, dtype) if dtype else base
 
 
 def view(trainable: dict, base: dict, lora: LoraConfig) -> dict:
@@ -133,8 +130,7 @@ def merge(trainable: dict, base: dict, lora: LoraConfig, dtype) -> dict:
   float32, stored in ``dtype``, the model's ``param_dtype``), the rest of the base cast to
   ``dtype``, and the trained head.  What later stages and the Hugging Face export read."""
   dt = jnp.dtype(dtype)
-  full = jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                      {k: v for k, v in base.items() if k != "score"})
+  full = cast_floating({k: v for k, v in base.items() if k != "score"}, dt)
   layers = dict(full["layers"])
   s = lora.scale()
   for w, ab in trainable["layers"]["lora"].items():

@@ -155,8 +155,7 @@ def decode_plan(stage, state, frozen, mesh, acc) -> dict:
     base = frozen[stage.base_keys["policy"]]
     policy = {**base, "layers": {**base["layers"], "lora": policy["layers"]["lora"]}}
   else:  # the master's copy in param_dtype (Stage.view(decode=True))
-    from jaxrlhf.train.precision import cast_abstract
-    policy = cast_abstract(policy, stage.precision["policy"].storage)
+    policy = stage.precision["policy"].view(policy)
   train_bytes = tree_bytes(policy)
   if layout == "train":
     return {"layout": "train" if stage.cfg.rollout.decode_layout == "train" else

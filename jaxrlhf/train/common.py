@@ -14,6 +14,7 @@ from jaxrlhf.config import OptimizerConfig
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxrlhf.mesh import batch_sharding
+from jaxrlhf.model import cast_floating
 from jaxrlhf.train.precision import Precision
 # TrainState lives with the other typed pytrees; importing it from here still works.
 from jaxrlhf.train.types import HostInputs, TrainState  # noqa: F401
@@ -80,8 +81,7 @@ def accumulate_grads(loss_fn: Callable[[Any, dict], tuple[jax.Array, dict]], par
   dtype (a bfloat16 sum of micro-batch gradients loses the small ones).
   """
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  f32 = lambda tree: jax.tree.map(  # noqa: E731
-      lambda g: g.astype(jnp.float32) if jnp.issubdtype(g.dtype, jnp.floating) else g, tree)
+  f32 = lambda tree: cast_floating(tree, jnp.float32)  # noqa: E731
   if n_micro == 1:
     (loss, aux), grads = grad_fn(params, batch)
     return loss, f32(grads), aux

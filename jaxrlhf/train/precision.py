@@ -8,9 +8,10 @@ nearly all of them.  So each trained role has a :class:`Precision`, from its opt
 ``precision`` setting:
 
 ``fp32``       the train state holds float32 *master* weights and float32 Adam moments; the
-               model reads a copy cast to ``param_dtype``, made inside the step (the rollout's
-               once, before decoding; the update's inside the differentiated loss, so the
-               gradient reaches the master in float32); gradients sum in float32 over
+               losses read the master as it is (the model casts each weight to
+               ``compute_dtype`` where it uses it, so the gradient reaches the master in
+               float32), generation a copy cast to ``param_dtype`` once per step (every
+               decoded token reads the weights again); gradients sum in float32 over
                micro-batches.  The default.
 ``bf16_sr``    the weights stay in bfloat16 and each update is added in float32 and rounded
                *stochastically* back (up with probability equal to the remainder over the
@@ -33,27 +34,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrlhf.config import ConfigError, ModelConfig, OptimizerConfig
+from jaxrlhf.config import ModelConfig, OptimizerConfig
+from jaxrlhf.model import cast_floating as _cast
 
-PRECISIONS = ("fp32", "bf16_sr", "pure_bf16")
 _F32 = jnp.dtype(jnp.float32)
 _warned: set = set()
-
-
-def _cast(tree, dtype):
-  """``tree`` with its floating leaves in ``dtype`` (a leaf already in it is kept as is)."""
-  dt = jnp.dtype(dtype)
-  return jax.tree.map(
-      lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dt else x,
-      tree)
-
-
-def cast_abstract(tree, dtype):
-  """:func:`_cast` of a tree of ``jax.ShapeDtypeStruct`` (shardings kept)."""
-  dt = jnp.dtype(dtype)
-  return jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, dt if jnp.issubdtype(a.dtype, jnp.floating)
-                                     else a.dtype, sharding=getattr(a, "sharding", None)), tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,15 +55,10 @@ class Precision:
   def of(cls, optim: OptimizerConfig, model: ModelConfig, *, adapters: bool = False,
          field: str = "optim") -> "Precision":
     """The precision of a role trained with ``optim`` on ``model`` (``field`` names the
-    optimizer setting in errors and the warning)."""
+    optimizer setting in the warning; the settings are checked by ``config.validate``)."""
     mode, storage = optim.precision, model.param_dtype
-    if mode not in PRECISIONS:
-      raise ConfigError(f"{field}.precision={mode!r}: choose one of {', '.join(PRECISIONS)}")
     if storage == "float32":
       return cls(mode, storage, "float32", "float32", adapters)
-    if mode == "bf16_sr" and storage != "bfloat16":
-      raise ConfigError(f"{field}.precision=bf16_sr rounds updates to bfloat16 but the model's "
-                        f"param_dtype is {storage}; use precision=fp32 (float32 masters)")
     if mode == "pure_bf16":
       if field not in _warned:
         _warned.add(field)
@@ -102,20 +82,14 @@ class Precision:
 
   # -- the weights ---------------------------------------------------------------------------
   def to_master(self, tree):
-    """Fresh or loaded weights (in ``param_dtype``) as the train state keeps them."""
+    """Fresh or loaded weights (in ``param_dtype``; arrays or ShapeDtypeStructs) as the train
+    state keeps them."""
     return _cast(tree, self.master)
 
-  def abstract_master(self, tree):
-    return cast_abstract(tree, self.master)
-
   def view(self, tree):
-    """What the model reads of the trained tree: the master cast to ``param_dtype`` (LoRA
-    adapters as they are).  Rounding to nearest, so the copy is the master rounded."""
+    """The trained tree in ``param_dtype``: generation's copy, what a stage hands on and an
+    export writes (LoRA adapters as they are).  Rounded to nearest: the master rounded."""
     return tree if self.adapters else _cast(tree, self.storage)
-
-  def stored(self, tree):
-    """The trained weights in ``param_dtype``: what a stage hands on and an export writes."""
-    return _cast(tree, self.storage)
 
   def differentiable(self, tree):
     """The tree the loss is differentiated at: float32 (so each micro-batch's gradient comes

@@ -163,12 +163,8 @@ class Stage:
       params[r] = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                self.abstract_trainable(r), self.trainable_shardings(r))
     for r, bk in self.base_keys.items():
-      dt = self.lora[r].base_dtype
-      if dt:
-        frozen[bk] = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(dt) if jnp.issubdtype(
-                a.dtype, jnp.floating) else a.dtype, sharding=a.sharding), frozen[bk])
-    params = {r: self.precision[r].abstract_master(p) for r, p in params.items()}
+      frozen[bk] = LORA.cast_base(frozen[bk], self.lora[r].base_dtype)
+    params = {r: self.precision[r].to_master(p) for r, p in params.items()}
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated(self.mesh))
     make = make_state_fn(self.opt, self.initial_extras(), self.precision)
     shapes = jax.eval_shape(make, params, key)
@@ -289,7 +285,7 @@ class Stage:
   def merged(self, params: dict, frozen: dict, role: str) -> dict:
     """``role``'s whole model as plain weights (adapters merged, in ``param_dtype``)."""
     if role not in self.lora:
-      return self.precision[role].stored(params[role])
+      return self.precision[role].view(params[role])
     return LORA.merge(params[role], frozen[self.base_keys[role]], self.lora[role],
                       self.model_cfg(role).param_dtype)
 
