@@ -26,34 +26,57 @@ STAGE_NAMES: tuple[str, ...] = typing.get_args(Stage)
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
+  # The run's name (a registered experiment's own); the default workdir is runs/NAME.
   name: str = "unnamed"
+  # One line about the experiment, shown by --list.
   description: str = ""
   # Dotted fields the command line must set before the experiment can run (templates for the
   # user's model and data), e.g. ("model.hf_path", "data.tokenizer"); see validate().
   required: tuple[str, ...] = ()
+  # The run's seed: initialisation, sampling and (with data.seed) the batches.
   seed: int = 0
   # The stages run in order; each later stage starts from the earlier stages' results.
   stages: tuple[Stage, ...] = ("sft",)
+  # The policy's model (the reference is its frozen copy); with hf_path, the architecture is
+  # read from the checkpoint.
   model: ModelConfig = ModelConfig()
   # Reward / value / guard models; None means "same shape as model".
   reward_model: Optional[ModelConfig] = None
+  # The value model (PPO); None: the shape of model.
   value_model: Optional[ModelConfig] = None
+  # The guard classifier (STAGE.reward.guard); None: the shape of model.
   guard_model: Optional[ModelConfig] = None
+  # How the devices are split: dp x fsdp x tp.
   mesh: MeshConfig = MeshConfig()
+  # Multi-process (multi-host) start-up.
   distributed: DistributedConfig = DistributedConfig()
+  # Generation: the RL steps' rollouts and the evaluations' answers.
   rollout: RolloutConfig = RolloutConfig()
+  # Multi-turn episodes against an environment (off unless env.name is set).
   env: EnvConfig = EnvConfig()
+  # Supervised fine-tuning (stage "sft").
   sft: SFTConfig = SFTConfig()
+  # Reward-model training (stage "rm").
   rm: RMConfig = RMConfig()
+  # PPO (stage "ppo").
   ppo: PPOConfig = PPOConfig()
+  # GRPO and its variants: GSPO, CISPO, DAPO's settings (stage "grpo").
   grpo: GRPOConfig = GRPOConfig()
+  # DPO and the other pairwise losses: IPO, cDPO, SimPO, ORPO (stage "dpo").
   dpo: DPOConfig = DPOConfig()
+  # KTO on unpaired examples (stage "kto").
   kto: KTOConfig = KTOConfig()
+  # The training and evaluation data and the tokenizer.
   data: DataConfig = DataConfig()
+  # Step checkpoints and their retention (docs/checkpointing.md).
   checkpoint: CheckpointConfig = CheckpointConfig()
+  # Metrics, samples, the console and the trackers (docs/observability.md).
   logging: LoggingConfig = LoggingConfig()
+  # Which implementation each hot op uses.
   kernels: KernelsConfig = KernelsConfig()
+  # The cluster --plan sizes the run for (docs/plan.md).
   plan: PlanConfig = PlanConfig()
+  # Disaggregated RL's actor and critic pools (--role, docs/pools.md).
   pools: PoolsConfig = PoolsConfig()
 
   def role_model(self, role: str) -> ModelConfig:

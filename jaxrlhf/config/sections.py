@@ -27,34 +27,60 @@ class ModelConfig:
   """A Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU), with the Qwen3 / Gemma variants
   below (off by default)."""
 
+  # Token ids the model embeds and predicts.  With hf_path: the checkpoint's, padded up to a
+  # multiple of mesh.tp (unpadded_vocab_size below).
   vocab_size: int = 512
+  # Width of the residual stream (the hidden size).
   d_model: int = 128
+  # Decoder layers.
   n_layers: int = 2
+  # Attention query heads per layer.
   n_heads: int = 4
+  # Key/value heads per layer (grouped-query attention): n_heads must be a multiple of it;
+  # equal to n_heads is plain multi-head attention.
   n_kv_heads: int = 4
+  # Features per attention head (need not be d_model / n_heads).
   head_dim: int = 32
+  # Hidden width of the gated MLP (a checkpoint's intermediate_size).
   mlp_dim: int = 512
+  # The longest prompt + generated response a generation may hold (checked before decoding;
+  # rotary positions need no table).  With hf_path: the checkpoint's max_position_embeddings.
   max_seq_len: int = 256
+  # The base of the rotary embedding's frequencies.
   rope_theta: float = 10000.0
   # Rotary frequency scaling of long-context checkpoints: "none"; "linear" (every frequency
   # divided by rope_factor); "llama3" (Llama 3.1+: wavelengths longer than
   # rope_original_max_len / rope_low_freq_factor divided by rope_factor, those shorter than
   # rope_original_max_len / rope_high_freq_factor kept, a smooth ramp between).
   rope_scaling: Literal["none", "linear", "llama3"] = "none"
+  # The factor rope_scaling divides the scaled frequencies by (the context extension).
   rope_factor: float = 1.0
+  # llama3 scaling: wavelengths longer than rope_original_max_len / this are fully scaled.
   rope_low_freq_factor: float = 1.0
+  # llama3 scaling: wavelengths shorter than rope_original_max_len / this are kept as they are.
   rope_high_freq_factor: float = 4.0
+  # llama3 scaling: the context length the model was pretrained at (a checkpoint's
+  # original_max_position_embeddings).
   rope_original_max_len: int = 8192
+  # Epsilon added to the mean square inside every RMSNorm.
   norm_eps: float = 1e-5
+  # The LM head reads the token embedding (transposed) instead of an output matrix of its own.
   tie_embeddings: bool = False
   # Qwen2-style biases on the q/k/v projections.
   qkv_bias: bool = False
+  # How the weights are stored for reading: the frozen roles, generation and each stage's
+  # result use it; a trained role's own copy follows STAGE.optim.precision (docs/training.md).
   param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+  # The activations' and matmuls' dtype: each weight is cast to it where it is used (logits and
+  # log-probs are float32 whatever it is).
   compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
   # What the backward pass keeps: "none" keeps everything, "full" recomputes each layer,
   # "dots" keeps matmul outputs only, "dots_no_batch" keeps weight-only matmuls.
   remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+  # Run the layers as one lax.scan (one layer compiled: faster compiles); false unrolls them.
   scan_layers: bool = True
+  # Standard deviation of the random normal init of the weight matrices (a model that is not
+  # loaded from hf_path).
   init_std: float = 0.02
   # How a scalar-head model (reward, guard) turns per-token scores into one sequence score:
   # "last" reads the last real token (the usual reward model); "mean" averages the response
@@ -82,6 +108,7 @@ class ModelConfig:
   query_pre_attn_scalar: float = 0.0
   # Gemma 2: logits soft-capped as cap * tanh(x / cap), in attention and at the LM head.  0: off.
   attn_softcap: float = 0.0
+  # Gemma 2: the LM head's logits soft-capped the same way, with this cap.  0: off.
   final_softcap: float = 0.0
   # Sliding-window attention: a query sees the last sliding_window slots (itself included), on
   # the layers that layer_types marks "sliding" (all layers when layer_types is empty).  0: off.
@@ -137,8 +164,14 @@ class ModelConfig:
 class MeshConfig:
   """Device mesh ``dp x fsdp x tp``; -1 on one axis means "all remaining devices"."""
 
+  # Data-parallel axis: the batch is split over it; trained weights are replicated on it (frozen
+  # roles are sharded over it too).
   dp: int = -1
+  # Fully sharded data-parallel axis: the batch is split over it, and the weights and optimizer
+  # state are sharded over d_model (ZeRO-3 style).
   fsdp: int = 1
+  # Tensor-parallel axis: heads, MLP hidden units and the vocabulary are split over it (Megatron
+  # style); keep it within a host.
   tp: int = 1
 
 
@@ -146,9 +179,14 @@ class MeshConfig:
 class DistributedConfig:
   """Multi-process (multi-host) start-up; used only when asked for (see BUILD.md)."""
 
+  # Join a multi-process run through jax.distributed (also done when coordinator_address is
+  # set, or all three JAX_* variables below are); alone, for clusters JAX detects (SLURM, TPU).
   enabled: bool = False
+  # host:port of process 0; empty: $JAX_COORDINATOR_ADDRESS, else JAX's own detection.
   coordinator_address: str = ""
+  # Processes in the run; 0: $JAX_NUM_PROCESSES, else JAX's own detection.
   num_processes: int = 0
+  # This process's id, 0 to num_processes - 1; -1: $JAX_PROCESS_ID, else JAX's own detection.
   process_id: int = -1
   # CPU collectives for multi-process CPU runs (tests, laptops): "gloo" or "none".
   cpu_collectives: Literal["gloo", "none"] = "gloo"
@@ -158,10 +196,17 @@ class DistributedConfig:
 class RolloutConfig:
   """Generation: sampling settings and lengths."""
 
+  # Response slots generated per prompt, by the RL rollouts and the evaluations: a response
+  # ends at EOS, a stop id or this many tokens (with env.name: the whole episode's budget).
   max_new_tokens: int = 16
+  # Sampling temperature of the rollouts and sampled evaluations; 0: greedy (top_k and top_p
+  # ignored).  Evaluations' greedy answers always use 0.
   temperature: float = 1.0
-  top_k: int = 0  # 0: off
-  top_p: float = 1.0  # 1.0: off
+  # Sample among the k most likely tokens only.  0: off.
+  top_k: int = 0
+  # Nucleus sampling: the smallest set of most likely tokens (after top_k) whose probability
+  # reaches top_p.  1.0: off.
+  top_p: float = 1.0
   # Extra token ids that end a sequence besides the tokenizer's EOS.
   stop_token_ids: tuple[int, ...] = ()
   # The policy's layout while the RL step generates: "tp" reshards it once per step into
@@ -233,16 +278,19 @@ class EnvConfig:
   # "text": observations are tokenised as they are and appended; "chat": each observation is a
   # message of ``observation_role`` rendered by the tokenizer's chat template (append-only).
   format: Literal["text", "chat"] = "text"
+  # The role of each observation's message in format "chat".
   observation_role: str = "user"
   # An episode cut short by max_turns or by the token budget (rollout.max_new_tokens, which
   # holds actions and observations): "truncate" keeps the rewards it earned, "penalize" sets
   # its return to limit_penalty.
   on_limit: Literal["truncate", "penalize"] = "truncate"
+  # The return of a cut episode under on_limit="penalize".
   limit_penalty: float = 0.0
   # Host stepping: 0 steps the rows one after another, N in N threads.  A call still running
   # after timeout_s (any worker count) fails its row and is abandoned on a daemon thread,
   # which never keeps the process from exiting.
   workers: int = 0
+  # Seconds one reset or step call may run before its row fails (see errors).
   timeout_s: float = 30.0
   # A reset/step that raises or times out: "mask" ends that episode, drops it from the update
   # and counts it (env/errors, env/timeouts); "raise" stops the run.
@@ -255,8 +303,13 @@ class EnvConfig:
 class OptimizerConfig:
   """optax AdamW with warm-up + decay, global-norm clipping, gradient accumulation."""
 
+  # The peak learning rate, reached at the end of warm-up.
   lr: float = 1e-3
+  # The learning rate after warm-up: "constant" at lr, or a "cosine" or "linear" decay that
+  # reaches lr x end_lr_ratio after as many optimizer updates as the stage has steps (an RL step
+  # makes ppo_epochs x num_minibatches updates, so its decay ends that much sooner).
   schedule: Literal["constant", "cosine", "linear"] = "cosine"
+  # Optimizer updates of linear warm-up to lr (see warmup_start).  0: none.
   warmup_steps: int = 10
   # Where warm-up starts: "zero" ramps from 0 at the first update, as optax's linear schedule
   # and transformers' warm-up do (step 1 trains at lr 0; the tiny experiments' documented
@@ -265,11 +318,18 @@ class OptimizerConfig:
   warmup_start: Literal["zero", "first_step"] = "zero"
   # Final learning rate as a fraction of ``lr`` for decaying schedules.
   end_lr_ratio: float = 0.1
+  # Adam's decay of the first moment (momentum), in [0, 1).
   b1: float = 0.9
+  # Adam's decay of the second moment, in [0, 1).
   b2: float = 0.95
+  # Adam's epsilon, added to the root of the second moment.
   eps: float = 1e-8
+  # AdamW's decoupled weight decay (scaled by the learning rate), on every trained array.
   weight_decay: float = 0.0
-  grad_clip: float = 1.0  # 0: off
+  # Gradients are clipped to this global norm before the update.  0: off.
+  grad_clip: float = 1.0
+  # Micro-batches per update: the batch (an RL minibatch) is split into this many, their
+  # gradients summed in float32, which lowers activation memory; the batch must divide by it.
   grad_accum: int = 1
   # A step whose loss or gradients are not finite is skipped; this many in a row stop the run.
   max_consecutive_skips: int = 5
@@ -302,8 +362,12 @@ class LoraConfig:
   is the base exactly; the reference is the same base with the adapters off (no second copy).
   ``rank=0``: full fine-tuning."""
 
+  # The adapters' rank.  0: no adapters, the weights themselves train.
   rank: int = 0
+  # The numerator of the adapters' scale (alpha / rank; alpha / sqrt(rank) with rslora).
   alpha: float = 16.0
+  # The projections that get adapters, among LORA_TARGETS: attention q, k, v, o and the MLP's
+  # gate, up, down.
   targets: tuple[str, ...] = LORA_TARGETS
   # Which of the stage's trained roles get adapters (the others train fully); the default,
   # every one: the policy (SFT, DPO, PPO, GRPO), the value model (PPO), the reward model (RM).
@@ -311,7 +375,10 @@ class LoraConfig:
   # A's initialisation ("kaiming": PEFT's default, uniform with a = sqrt(5); "gaussian":
   # N(0, 1 / rank)); B is always zero.
   init: Literal["kaiming", "gaussian"] = "kaiming"
+  # Rank-stabilised LoRA: the scale is alpha / sqrt(rank) instead of alpha / rank.
   rslora: bool = False
+  # Dropout on the adapters' input: only 0 is accepted (it would make one batch's log-probs
+  # differ between the rollout, the reference and the update).
   dropout: float = 0.0
   # The frozen base's dtype ("" keeps model.param_dtype; "bfloat16" halves it); the adapters
   # and their optimizer state follow STAGE.optim.precision (float32 under the default "fp32").
@@ -328,16 +395,25 @@ class LoraConfig:
 class KLConfig:
   """KL to the frozen reference.  ``logr = logp_ref - logp`` per token."""
 
+  # The KL coefficient (the starting one with adaptive).  0 with adaptive off: no KL term, and
+  # no reference model is loaded.
   coef: float = 0.05
+  # The per-token estimate of KL(policy || reference): "k1" -logr (unbiased, can be negative),
+  # "k2" logr^2 / 2, "k3" exp(logr) - 1 - logr (unbiased, >= 0).
   estimator: Literal["k1", "k2", "k3"] = "k1"
   # "reward": -coef * kl per token in the reward (PPO).  "loss": coef * mean kl in the loss (GRPO).
   placement: Literal["reward", "loss"] = "reward"
+  # Adapt coef after each step towards target (Ziegler et al. 2019; docs/conventions.md).
   adaptive: bool = False
+  # adaptive: the KL aimed at, per sequence (summed over its tokens, mean of the batch).
   target: float = 6.0
+  # adaptive: how slowly coef moves: each step multiplies it by 1 + e x (sequences in the step) /
+  # horizon, e the relative error clipped to [-0.2, 0.2].
   horizon: int = 10000
   # logr is clamped to [-clamp_logr, clamp_logr] before the estimator; the estimate to
   # [-clamp_kl, clamp_kl] after it.
   clamp_logr: float = 20.0
+  # The bound of the per-token estimate, after the estimator; a clamp <= 0 is off.
   clamp_kl: float = 10.0
 
 
@@ -348,17 +424,28 @@ class RewardConfig:
   # Weighted sources: "model" (the learned reward model), "rule:NAME" (a jittable rule from
   # jaxrlhf.rewards), "host:NAME" (a host Python function).  Weights align with sources.
   sources: tuple[str, ...] = ("model",)
+  # One weight per source, in the same order: the reward is the weighted sum of the sources'
+  # scores (a source weighted 0 is off).
   weights: tuple[float, ...] = (1.0,)
+  # Reward normalisation before the advantages: "none"; "batch" (z-score over the step's
+  # valid rows); "running" (z-score with running statistics kept in the train state).
   normalize: Literal["none", "batch", "running"] = "none"
-  clip: float = 0.0  # 0: off; else rewards are clipped to [-clip, clip] after normalisation
+  # Rewards are clipped to [-clip, clip] after normalisation.  0: off.
+  clip: float = 0.0
   # Sequences without EOS within max_new_tokens: "none", "penalty" (add missing_eos_penalty),
   # or "mask" (drop from the update).
   missing_eos: Literal["none", "penalty", "mask"] = "none"
+  # Added to the reward of a response without EOS under missing_eos="penalty".
   missing_eos_penalty: float = -1.0
   # Reward-hacking guard: a smaller scalar-head classifier.
   guard: bool = False
+  # The guard flags a response whose probability (the sigmoid of its score) is above this, or
+  # NaN.
   guard_threshold: float = 0.5
+  # A flagged response: "penalty" adds guard_penalty to its reward, "mask" drops it from the
+  # update.
   guard_action: Literal["penalty", "mask"] = "penalty"
+  # Added to a flagged response's reward under guard_action="penalty".
   guard_penalty: float = -1.0
   # A host reward that raises or returns a non-number for a response: "mask" scores it as
   # unscorable (masked out of the update, counted in reward/host_errors and
@@ -374,6 +461,8 @@ class RewardConfig:
   # DAPO's overlong shaping: > 0 adds a penalty over the last this many tokens before
   # rollout.max_new_tokens, falling linearly from 0 to -overlong_penalty at the limit; 0: off.
   overlong_buffer: int = 0
+  # The overlong penalty at the limit: a response of rollout.max_new_tokens tokens gets
+  # -overlong_penalty.
   overlong_penalty: float = 1.0
 
 
@@ -382,11 +471,15 @@ class DataConfig:
   # A built-in synthetic task ("addition"; "calculator" and "guess", the data of the built-in
   # environments) or "jsonl" for the user's files below.
   task: str = "addition"
+  # The addition task's operand digits, 1 to 6 (the sum is written with one more).
   digits: int = 2
   # Write the sum least-significant digit first ("07+45=" -> "250"): each digit then depends
   # only on two operand digits and the carry already written, which small models learn fast.
   reverse_answer: bool = False
+  # Added to the experiment's seed to draw the batches; alone, it picks the examples that
+  # data.eval_split holds out.
   seed: int = 0
+  # The most examples evaluated per evaluation set.
   eval_size: int = 256
   # Evaluation generates for this many prompts at a time (the last batch padded to it; a set
   # that fits in one batch runs as one batch of its own size), printing progress when there are
@@ -395,14 +488,23 @@ class DataConfig:
   # "char" or "char_tools" (built-ins for synthetic tasks; char_tools adds "<>/") or a local
   # transformers tokenizer directory.
   tokenizer: str = "char"
-  prompts_path: str = ""  # JSONL {"prompt", optional "answer"}
-  sft_path: str = ""  # JSONL {"prompt", "response"}
-  pairs_path: str = ""  # JSONL {"prompt", "chosen", "rejected"}
+  # Prompts (PPO, GRPO): rows {"prompt", optional "answer"}, in any data.format.
+  prompts_path: str = ""
+  # SFT examples: rows {"prompt", "response"} or {"messages": [...]}.
+  sft_path: str = ""
+  # Preference pairs (RM, DPO, KTO): rows {"prompt", "chosen", "rejected"}.
+  pairs_path: str = ""
   # KTO's unpaired examples, JSONL {"prompt", "completion", "label": true|false}; empty: each
   # pair's two sides (chosen desirable, rejected undesirable).
   unpaired_path: str = ""
+  # One evaluation file for every stage, used when a kind has no file of its own below;
+  # refused when the stages read both kinds (prompts and pairs).
   eval_path: str = ""
+  # Prompt slots of a batch, prompts left-padded to it (or to a rollout.prompt_buckets width);
+  # a longer prompt follows data.overlong.
   max_prompt_len: int = 16
+  # Response slots of the training batches (SFT, RM, DPO, KTO), the end token included, and
+  # the longest answer; RL responses are rollout.max_new_tokens long.
   max_response_len: int = 16
   # Over-long prompts and responses (files only): "error" stops with file:line, "truncate" cuts
   # them (a prompt keeps its last tokens, a response its first), "skip" drops the example;
@@ -435,6 +537,7 @@ class DataConfig:
   # SFT, PPO and GRPO evaluate greedy answers on prompts with an "answer"; RM and DPO
   # evaluate preference pairs.
   prompts_eval_path: str = ""
+  # Held-out preference pairs (RM, DPO, KTO), rows as in data.pairs_path.
   pairs_eval_path: str = ""
   # > 0: this fraction of each training file (chosen by data.seed) is held out for evaluation
   # and never trained on (at most data.eval_size examples of it are evaluated).
@@ -445,18 +548,30 @@ class DataConfig:
   # restarting; the row count is rounded up to one of data.pack_buckets sizes (one compiled
   # program each).  Off (the default): one left/right-padded row per sequence, as before.
   pack: bool = False
+  # Slots of a packed row; 0: max_prompt_len + max_response_len (the shortest allowed).
   pack_length: int = 0
+  # Row counts are rounded up to a multiple of ceil(examples / pack_buckets): at most this
+  # many compiled step programs.
   pack_buckets: int = 8
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
+  # Write step checkpoints; false: none at all (stage results are still written).
   enabled: bool = True
+  # Save when step % every_steps == 0 (the stage's last step is always saved).  0: off.
   every_steps: int = 50
-  every_seconds: float = 0.0  # 0: off
+  # Also save when this many seconds have passed since the last save (process 0's clock
+  # decides for every host).  0: off.
+  every_seconds: float = 0.0
+  # The last this many checkpoints of each stage are kept (at least 1), plus best_metric's best.
   keep: int = 2
-  best_metric: str = ""  # e.g. "eval/accuracy"; empty: no best-checkpoint tracking
+  # A metric (e.g. "eval/accuracy") whose best checkpoint is kept besides the last keep;
+  # empty: no best-checkpoint tracking.
+  best_metric: str = ""
+  # Whether the highest ("max") or the lowest ("min") best_metric is best.
   best_mode: Literal["max", "min"] = "max"
+  # Write checkpoints on a background thread; the loop waits only for the copy to host.
   async_save: bool = True
 
 
@@ -469,7 +584,9 @@ SINK_PACKAGES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
+  # Write the metrics every this many steps (and at evaluations and each stage's last step).
   every_steps: int = 1
+  # Show each stage's progress line (and samples) on standard output.
   console: bool = True
   # Where the console is not a terminal (CI logs), one plain line per stage at most this often
   # (plus each stage's first and last step); on a terminal the bar updates in place.
@@ -488,6 +605,7 @@ class LoggingConfig:
   # WORKDIR/samples.jsonl, the console (the first few, shortened) and the trackers of
   # ``sinks`` (docs/observability.md); 0: no samples.
   samples: int = 8
+  # RL stages: steps between the rollout's samples; 0: samples at evaluations only.
   samples_every: int = 0
   # Run the step as separately-timed phases (generation, scoring, update) to see where the
   # time goes; the default one-program step reports total time only.
@@ -499,8 +617,13 @@ class KernelsConfig:
   """Which implementation each hot op uses: "auto" picks by backend (Pallas on GPU, XLA
   elsewhere); "pallas_interpret" runs the Pallas kernels in the slow interpreter (debugging)."""
 
+  # Log-prob and entropy over the vocabulary: "xla" blockwise, "pallas" fused kernels (GPU),
+  # "naive" full logits (the reference, for tests and tiny vocabularies).
   logprob: Literal["auto", "xla", "pallas", "pallas_interpret", "naive"] = "auto"
+  # Attention: "xla", "pallas" (flash and decode kernels, GPU), "cudnn" (NVIDIA GPUs, 16-bit
+  # compute_dtype; no soft-capping or packed rows).
   attention: Literal["auto", "xla", "pallas", "pallas_interpret", "cudnn"] = "auto"
+  # Vocabulary columns per block of the XLA log-prob path (the Pallas kernel has its own).
   logprob_block_v: int = 8192
 
 
@@ -508,8 +631,11 @@ class KernelsConfig:
 class PlanConfig:
   """Settings for ``--plan``: the cluster a run is sized for."""
 
+  # The accelerator --plan sizes for: "h100", "h200", "b200" or "tpu-v5p" (--accelerator).
   accelerator: str = "h100"
+  # The device count --plan sizes for (--devices).
   devices: int = 8
+  # Runs a month, for --plan's monthly cost.
   runs_per_month: float = 1.0
 
 
@@ -520,6 +646,8 @@ class PoolsConfig:
   through Redis streams.  The Redis password comes from ``JAXRLHF_REDIS_PASSWORD`` only, so it
   never lands in a saved config."""
 
+  # "sync": the actor waits for each batch's advantages before generating the next (the
+  # colocated step's math); "async": it generates up to max_staleness batches ahead.
   mode: Literal["sync", "async"] = "sync"
   # async: rollouts the actor may generate ahead of its updates (policy-version lag bound).
   max_staleness: int = 1

@@ -75,9 +75,14 @@ class StageConfig:
   """What every stage has: a step budget, a batch, an optimizer, an evaluation interval.
   Each stage's :meth:`check` lists the problems of its settings (one place for them all)."""
 
+  # Training steps of the stage, one batch each.
   steps: int = 100
+  # Examples per step, over all devices and micro-batches.
   batch_size: int = 32
+  # The optimizer of the role the stage trains (optim_role), and its precision.
   optim: OptimizerConfig = OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant")
+  # Evaluate every this many steps and at the stage's last step (several stages also before
+  # training).  0: no evaluation at all.
   eval_every: int = 20
   # What scores an evaluation's responses (docs/training.md): "auto" (the stage's correctness
   # reward when it has one, host:math_verify or an exact match among its reward sources, else
@@ -106,10 +111,16 @@ class StageConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig(StageConfig):
+  # SFT's step budget (stop_accuracy may end it sooner).
   steps: int = 300
+  # Examples (prompt + response) per step.
   batch_size: int = 64
+  # The loss on the response tokens only (in chats, every assistant turn); false: on every
+  # real token, the prompt's too.
   response_only: bool = True
+  # The policy's optimizer.
   optim: OptimizerConfig = OptimizerConfig(lr=3e-3)
+  # Evaluate the greedy answers (scored by sft.eval_reward) every this many steps.  0: never.
   eval_every: int = 100
   # Stop at the first evaluation (every ``eval_every`` steps) whose held-out exact match
   # reaches this; 0 trains all ``steps``.  A stage stopped here counts as finished.
@@ -119,6 +130,8 @@ class SFTConfig(StageConfig):
   # Once an evaluation reaches ``stop_eval_from`` x ``stop_accuracy``, held-out accuracy is
   # evaluated every ``stop_eval_every`` steps instead (0: only every ``eval_every``).
   stop_eval_every: int = 0
+  # The fraction of stop_accuracy from which held-out accuracy is evaluated every
+  # stop_eval_every steps.
   stop_eval_from: float = 0.2
 
   def check(self, name, cfg, c):
@@ -136,10 +149,15 @@ class SFTConfig(StageConfig):
 
 @dataclasses.dataclass(frozen=True)
 class RMConfig(StageConfig):
+  # rm.optim trains the reward model (its param_dtype decides what optim.precision means).
   optim_role: ClassVar[str] = "reward"
+  # Reward-model training steps.
   steps: int = 200
+  # Preference pairs per step (two sequences each).
   batch_size: int = 64
+  # The reward model's optimizer.
   optim: OptimizerConfig = OptimizerConfig(lr=1e-3)
+  # Evaluate pair accuracy every this many steps.  0: never.
   eval_every: int = 100
 
 
@@ -150,13 +168,25 @@ class RLConfig(StageConfig):
 
   # Whether the algorithm's step takes rollout.refill (groups of a queue decoded in flight).
   supports_refill: ClassVar[bool] = False
-  num_samples: int = 1  # responses per prompt
+  # Responses sampled per prompt.
+  num_samples: int = 1
+  # Passes of the update over each step's rollout.
   ppo_epochs: int = 1
+  # Shuffled minibatches per epoch, one optimizer update each; batch_size x num_samples must
+  # divide by it.
   num_minibatches: int = 1
+  # The ratio is clipped below at 1 - clip_low (CISPO: a value >= 1 removes the lower bound).
   clip_low: float = 0.2
+  # The ratio is clipped above at 1 + clip_high (above clip_low: DAPO's clip-higher).
   clip_high: float = 0.2
-  dual_clip: float = 0.0  # 0: off; else c > 1 bounds the loss for negative advantages
+  # Dual-clip PPO (policy_loss=ppo only): c > 1 bounds the loss of negative-advantage tokens
+  # at -c x A.  0: off.
+  dual_clip: float = 0.0
+  # Weight of the entropy bonus (-entropy_coef x the aggregated entropy, added to the loss).
   entropy_coef: float = 0.0
+  # How the token losses make the loss: "token_mean" over every valid token of the batch;
+  # "seq_mean_token_mean" the mean of each sequence's mean; "seq_mean_token_sum_norm" the mean of
+  # each sequence's sum / rollout.max_new_tokens (Dr. GRPO).
   loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
   # The policy loss (jaxrlhf.algorithms.POLICY_LOSSES): "ppo" the clipped token surrogate;
   # "gspo" / "gspo_token" the sequence-level ratio (GSPO; clips of a few 1e-4, and
@@ -168,8 +198,12 @@ class RLConfig(StageConfig):
   # "tis" truncated at off_policy_cap, "mis" tokens outside [1/cap, cap] masked, "seq_tis" /
   # "seq_mis" the same on each sequence's ratio; "none": the behaviour log-probs as they are.
   off_policy: Literal["none", "tis", "mis", "seq_tis", "seq_mis"] = "none"
+  # The off_policy weights' cap (> 1): "tis" truncates at it, "mis" masks the tokens (or
+  # sequences) whose weight is outside [1 / cap, cap].
   off_policy_cap: float = 2.0
+  # The KL penalty to the frozen reference.
   kl: KLConfig = KLConfig()
+  # Where the rewards come from and how they are shaped.
   reward: RewardConfig = RewardConfig()
 
   def check(self, name, cfg, c):
@@ -266,13 +300,23 @@ def _check_refill(scfg, name, cfg, c):
 
 @dataclasses.dataclass(frozen=True)
 class PPOConfig(RLConfig):
-  batch_size: int = 32  # prompts per step
+  # Prompts per step (each with num_samples responses).
+  batch_size: int = 32
+  # New values are clipped to the rollout's values +- this in the value loss; <= 0: the plain
+  # squared error.
   value_clip: float = 0.2
+  # Weight of the value loss in the step's loss.
   vf_coef: float = 0.5
+  # GAE's discount per response token.
   gamma: float = 1.0
+  # GAE's lambda: 1 takes the full return, lower values lean on the value model.
   lam: float = 0.95
+  # Z-score the advantages over the batch's valid tokens before the update.
   whiten_advantages: bool = True
+  # One model with two heads: the value head on the policy, trained with ppo.optim
+  # (value_model must be unset; docs/training.md).
   shared_backbone: bool = False
+  # The value model's optimizer (unused with shared_backbone).
   value_optim: OptimizerConfig = OptimizerConfig(lr=1e-4, warmup_steps=5, schedule="constant")
 
   def check(self, name, cfg, c):
@@ -294,17 +338,27 @@ class PPOConfig(RLConfig):
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig(RLConfig):
+  # GRPO's step takes rollout.refill.
   supports_refill: ClassVar[bool] = True
-  batch_size: int = 16  # prompts per step
-  num_samples: int = 8  # group size
+  # Prompts per step, each a group of num_samples responses.
+  batch_size: int = 16
+  # The group size: responses per prompt, whose rewards are compared.
+  num_samples: int = 8
+  # Group advantages: "grpo" (r - mean) / (std + std_eps); "drgrpo" r - mean; "rloo" r - the
+  # mean of the others; "reinforce_pp" r - group mean, z-scored over the batch.
   advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp"] = "grpo"
+  # Added to the std of the advantages' z-scores ("grpo", "reinforce_pp"), so a group of
+  # equal rewards gets 0 rather than NaN; must be > 0.
   std_eps: float = 1e-6
+  # The KL penalty to the frozen reference.
   kl: KLConfig = KLConfig(coef=0.04, estimator="k3", placement="loss")
+  # Where the rewards come from and how they are shaped.
   reward: RewardConfig = RewardConfig(sources=("rule:exact_match",))
   # DAPO's dynamic sampling: generate ceil(batch_size * max_oversample) prompts' groups and
   # train on the first batch_size whose rewards are not all equal; short of them, the rest
   # are masked (dynamic/shortfall_groups).  Shapes stay fixed (docs/training.md).
   dynamic_sampling: bool = False
+  # dynamic_sampling: prompts generated per trained prompt (at least 1).
   max_oversample: float = 2.0
 
   @property
@@ -336,13 +390,19 @@ class GRPOConfig(RLConfig):
 
 @dataclasses.dataclass(frozen=True)
 class DPOConfig(StageConfig):
-  batch_size: int = 32  # pairs per step
+  # Preference pairs per step (two sequences each).
+  batch_size: int = 32
+  # The implicit reward's scale, beta x (policy - reference log-prob) (SimPO: of the
+  # length-normalised log-prob); IPO's target margin is 1 / (2 beta); ORPO's lambda.
   beta: float = 0.1
   # sigmoid / ipo / cdpo: DPO and its variants; simpo, orpo: reference-free (no reference
   # model in memory) (jaxrlhf.algorithms.losses; beta is ORPO's lambda).
   loss: Literal["sigmoid", "ipo", "cdpo", "simpo", "orpo"] = "sigmoid"
-  label_smoothing: float = 0.0  # cDPO
-  simpo_gamma: float = 1.0  # SimPO's target reward margin
+  # cDPO's label smoothing (losses sigmoid and cdpo): the assumed chance that a pair's
+  # preference is wrong.  0: plain DPO.
+  label_smoothing: float = 0.0
+  # SimPO's target reward margin.
+  simpo_gamma: float = 1.0
   # RPO: + sft_weight x the chosen responses' per-token NLL (0: off; not with orpo, whose
   # loss has its own SFT term).
   sft_weight: float = 0.0
@@ -370,10 +430,13 @@ class DPOConfig(StageConfig):
 class KTOConfig(StageConfig):
   """KTO on unpaired examples (data.unpaired_path, or each pair's two sides)."""
 
-  batch_size: int = 64  # examples per step
+  # Examples per step (from pairs: both sides of half as many pairs).
+  batch_size: int = 64
+  # The implicit reward's scale, beta x (policy - reference summed log-prob).
   beta: float = 0.1
   # lambda_D, lambda_U: the paper keeps lambda_D n_D / (lambda_U n_U) in [1, 4/3].
   desirable_weight: float = 1.0
+  # lambda_U: the weight of the undesirable examples' loss (desirable_weight is lambda_D).
   undesirable_weight: float = 1.0
 
   def check(self, name, cfg, c):
