@@ -203,6 +203,7 @@ class _StageProgress:
   metrics: dict = dataclasses.field(default_factory=dict)
   last_print: float = -math.inf
   printed_step: Optional[int] = None
+  note: str = ""  # shown at the end of the line (the latest checkpoint)
 
 
 class ConsoleSink:
@@ -251,6 +252,8 @@ class ConsoleSink:
     for key in self.keys:
       if key in p.metrics:
         parts.append(f"{key} {p.metrics[key]:.4g}")
+    if p.note:
+      parts.append(p.note)
     return "  ".join(parts)
 
   def _emit(self, stage: str):
@@ -277,6 +280,14 @@ class ConsoleSink:
     last = bool(total) and p.step >= total
     if self.tty or p.printed_step is None or last or now - p.last_print >= self.every_s:
       self._emit(stage)
+
+  def note(self, stage: str, text: str):
+    """``text`` at the end of ``stage``'s progress line from its next drawing on (replacing
+    the previous note): e.g. ``ckpt 200 (12.3 MiB)``."""
+    p = self._stages.get(stage)
+    if p is None:
+      p = self._stages[stage] = _StageProgress(first_step=0, first_time=self.clock())
+    p.note = text
 
   def end(self, stage: str):
     """The stage has finished at its latest step, before its planned total (e.g. it reached
@@ -461,8 +472,14 @@ class MetricsWriter:
     if self.primary and self._console is not None:
       self._console.end(stage)
 
+  def note(self, stage: str, text: str):
+    """A short status at the end of ``stage``'s progress line (the latest checkpoint); not
+    printed on its own where there is no console."""
+    if self.primary and self._console is not None:
+      self._console.note(stage, text)
+
   def message(self, text: str):
-    """A line for the user (e.g. "saved checkpoint 200") that keeps the progress bar intact."""
+    """A line for the user (e.g. where checkpoints go) that keeps the progress bar intact."""
     if not self.primary:
       return
     if self._console is not None:

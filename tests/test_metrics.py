@@ -292,6 +292,26 @@ def test_console_on_a_terminal_redraws_in_place():
   assert len(screen) == 4
 
 
+def test_checkpoint_saves_are_a_note_on_the_progress_line_not_lines_of_their_own(tmp_path):
+  """24 saves of a reward model used to print 24 lines; now the folder is said once and the
+  latest save rides on the progress line."""
+  import dataclasses
+  from jaxrlhf.config import LoggingConfig
+  out = io.StringIO()
+  w = metrics.MetricsWriter(str(tmp_path), dataclasses.replace(LoggingConfig(), sinks=("jsonl",)),
+                            {"rm": 24})
+  w._console.stream, w._console.tty = out, False
+  w.message("rm: checkpoints -> /runs/x/rm/checkpoints")
+  for step in range(1, 25):
+    w.note("rm", f"ckpt {step} (1.5 MiB)")
+    w.write("rm", step, {"loss": 1.0})
+  w.close()
+  lines = out.getvalue().splitlines()
+  assert lines[0] == "rm: checkpoints -> /runs/x/rm/checkpoints"
+  assert all(l.startswith("rm  ") for l in lines[1:]) and len(lines) <= 4  # first, last, timed
+  assert lines[-1].endswith("loss 1  ckpt 24 (1.5 MiB)")
+
+
 def test_writer_without_totals_shows_the_step():
   out = io.StringIO()
   c = metrics.ConsoleSink({}, keys=(), stream=out, tty=False)

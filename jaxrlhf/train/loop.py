@@ -50,6 +50,7 @@ def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer
   log_every = max(stage.cfg.logging.every_steps, 1)
   n_samples = stage.cfg.logging.samples
   samples_every = stage.cfg.logging.samples_every if n_samples else 0
+  said_where = False
   for step in range(start_step, stage.steps):
     done = step + 1
     if profiler is not None:
@@ -108,17 +109,16 @@ def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer
     save = checkpointer is not None and checkpointer.due(done, force=force)
     if save:
       metrics["checkpoint/bytes"] = float(checkpointer.save_bytes(state, extra_now))
+      if not said_where:  # the folder once; each save is a note on the progress line
+        writer.message(f"{stage.name}: checkpoints -> {checkpointer.directory}")
+        said_where = True
+      writer.note(stage.name, f"ckpt {done} ({metrics['checkpoint/bytes'] / 2**20:.1f} MiB)")
     if evaluated or done % log_every == 0 or done == stage.steps:
       writer.write(stage.name, done, metrics)
     writer.write_samples(stage.name, done, stage.take_samples())
     last = metrics
     if save:  # decided once above (every_seconds reads the clock, across hosts a collective)
-      t0 = time.perf_counter()
       checkpointer.save_now(done, state, extra_now, metrics)
-      how = "writing in the background" if checkpointer.cfg.async_save else "written"
-      writer.message(f"{stage.name}: checkpoint {done} -> {checkpointer.directory} "
-                     f"({metrics['checkpoint/bytes'] / 2**20:.1f} MiB, "
-                     f"{time.perf_counter() - t0:.2f}s, {how})")
     if reason:
       writer.end_stage(stage.name)
       writer.message(f"{stage.name}: {reason} at step {done} of {stage.steps}; "
