@@ -3,7 +3,7 @@
     python -m benchmarks.learning_matrix                      # 3 seeds x {AVX2, native}, all 5
     python -m benchmarks.learning_matrix --experiments=tiny_grpo --seeds=0 --set=grpo.steps=90
     python -m benchmarks.learning_matrix --write              # also rewrite the documented figures
-    python -m benchmarks.learning_matrix --markdown           # the README's table, from the file
+    python -m benchmarks.learning_matrix --markdown           # docs/results.md's and the README's tables
 
 Each run is its own ``python -m jaxrlhf.main`` subprocess (under ``nice``) with the codegen set
 by ``XLA_FLAGS`` (``jaxrlhf.results.ISAS``) and a compilation cache of its own per codegen.
@@ -174,8 +174,9 @@ def table(runs, seeds, isas) -> tuple[str, bool]:
   return "\n".join(lines), all_ok
 
 
-def markdown(measured) -> str:
-  """The README's results table, from the documented figures."""
+def markdown(measured, claims_only: bool = False) -> str:
+  """The results table of docs/results.md, from the documented figures; ``claims_only``: the
+  README's, only the rows that carry a claim."""
   rows = ["| experiment | metric | median [range over the runs] | claim | runs meeting it |",
           "|---|---|---|---|---|"]
   for e, by_run in measured["runs"].items():
@@ -186,7 +187,7 @@ def markdown(measured) -> str:
         met.setdefault(metric, []).append(ok)
     for m in R.METRICS:
       sp = R.spread(measured, e, m)
-      if sp is None:
+      if sp is None or (claims_only and m not in claims):
         continue
       count = f"{sum(met[m])} of {len(met[m])}" if m in met else ""
       rows.append(f"| `{e}` | {R.label(e, m)} | {R.fmt_spread(m, sp)} | {claims.get(m, '')} "
@@ -245,6 +246,8 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.markdown:
     print(markdown(R.load_measured()))
+    print()
+    print(markdown(R.load_measured(), claims_only=True))
     return 0
   experiments = [e for e in args.experiments.split(",") if e]
   seeds = [int(s) for s in args.seeds.split(",")]

@@ -23,7 +23,7 @@ MODEL = ModelConfig(vocab_size=51, d_model=32, n_layers=2, n_heads=4, n_kv_heads
                     mlp_dim=64, max_seq_len=64)
 OPT = OptimizerConfig(lr=1e-3, warmup_steps=0, schedule="constant")
 
-# A user's environment, as docs/training.md shows one: echo the digits of the prompt back, one
+# A user's environment, as docs/environments.md shows one: echo the digits of the prompt back, one
 # turn per digit, "ok " or "no " after each.
 ECHO = textwrap.dedent('''
     class Echo:
@@ -225,14 +225,14 @@ def test_ppo_puts_each_turn_s_reward_where_its_action_ends():
 
 
 def test_the_documented_user_environment_works_as_written(tmp_path):
-  """The example in docs/training.md ("Environments"), saved as the file it says, resolves and
+  """The example in docs/environments.md, saved as the file it says, resolves and
   plays the calculator's demonstrations to a full reward."""
   import os
   import re
   from jaxrlhf.data.tasks import CalculatorTask
   from jaxrlhf.envs import resolve_env
   doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
-                          "training.md")).read()
+                          "environments.md")).read()
   code = re.search(r"```python\n(# calc_env.py.*?)```", doc, re.S).group(1)
   (tmp_path / "calc_env.py").write_text(code)
   spec = resolve_env(f"{tmp_path / 'calc_env.py'}:Calc")

@@ -262,7 +262,7 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
-  """Multi-turn rollouts against an environment (docs/training.md, "Environments"): the
+  """Multi-turn rollouts against an environment (docs/environments.md): the
   policy's actions alternate with the environment's observations inside one KV cache."""
 
   # "" (off: one prompt, one response), a built-in ("calculator", "guess"), or the user's class:
@@ -356,7 +356,7 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
-  """Low-rank adapters (docs/training.md, "LoRA"): the stage's trained roles keep their weights
+  """Low-rank adapters (docs/lora.md): the stage's trained roles keep their weights
   frozen and train ``W + scale * A @ B`` on the ``targets`` projections, ``scale = alpha /
   rank`` (``alpha / sqrt(rank)`` with ``rslora``).  B starts at zero, so the first step's model
   is the base exactly; the reference is the same base with the adapters off (no second copy).
@@ -516,7 +516,7 @@ class DataConfig:
   # Column renames applied to every row before use, "SOURCE:TARGET" pairs, e.g.
   # ("question:prompt", "solution:answer"); other columns pass through to host rewards.
   fields: tuple[str, ...] = ()
-  # How each row's text is read, after the renames (docs/training.md, *Data*):
+  # How each row's text is read, after the renames (docs/data.md):
   # "hh": prompts, responses and chosen/rejected written as Anthropic HH-RLHF transcripts
   # ("\n\nHuman: ...\n\nAssistant: ...") are read as chat messages, so whole-conversation pairs
   # share their prompt turns; "": plain text.
@@ -542,7 +542,7 @@ class DataConfig:
   # > 0: this fraction of each training file (chosen by data.seed) is held out for evaluation
   # and never trained on (at most data.eval_size examples of it are evaluated).
   eval_split: float = 0.0
-  # Packing (the SFT, reward-model and DPO batches; docs/training.md): each step's sequences are
+  # Packing (the SFT, reward-model and DPO batches; docs/data.md): each step's sequences are
   # placed first-fit into rows of data.pack_length tokens (0: max_prompt_len +
   # max_response_len), several per row, each attending only to itself with its positions
   # restarting; the row count is rounded up to one of data.pack_buckets sizes (one compiled

@@ -84,7 +84,7 @@ class StageConfig:
   # Evaluate every this many steps and at the stage's last step (several stages also before
   # training).  0: no evaluation at all.
   eval_every: int = 20
-  # What scores an evaluation's responses (docs/training.md): "auto" (the stage's correctness
+  # What scores an evaluation's responses (docs/data.md): "auto" (the stage's correctness
   # reward when it has one, host:math_verify or an exact match among its reward sources, else
   # exact match), "exact_match", "reward" (an RL stage's own weighted reward sources),
   # "rule:NAME" or "host:..." (any rule or host reward source).

@@ -46,9 +46,8 @@ def main(cfg: ExperimentConfig, workdir: str, search: bool = False) -> int:
 
 
 def _cli(argv=None) -> int:
-  import argparse
-  ap = argparse.ArgumentParser(prog="python -m jaxrlhf.plan",
-                               description="Plan the 70B experiments next to the seed figures.")
+  from jaxrlhf.cli import argument_parser
+  ap = argument_parser("jaxrlhf.plan", "Plan the 70B experiments next to the seed figures.")
   ap.add_argument("--compare", action="store_true", help="plan sft70b, dpo70b, grpo70b, ppo70b")
   ap.add_argument("--accelerator", default="h100", help="h100, h200, b200 or tpu-v5p")
   ap.add_argument("--workdir", default="runs/compare70b")
