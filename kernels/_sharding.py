@@ -34,6 +34,17 @@ def per_shard(fn, rule: str, *, replicated: tuple[str, ...] = (), reduced: str |
   order = _factors(rule)
   replicated = tuple(sorted(replicated, key=order.index))  # Shardy wants them in rule order
   operand_rules = [r.split() for r in rule.split("->")[0].split(",")]
+  result_rules = [r.split() for r in rule.split("->")[1].split(",")]
+
+  def whole(mesh, dims, sharding):
+    """``sharding`` with the ``replicated`` dimensions gathered.  Shardy's propagation does
+    not always replicate them (an fsdp-sharded d of W reached the kernel as a shard), and
+    the shardings returned here are the ones the operands are resharded to."""
+    if not isinstance(sharding, NamedSharding):
+      return sharding
+    spec = tuple(sharding.spec) + (None,) * (len(dims) - len(sharding.spec))
+    return NamedSharding(mesh, PartitionSpec(*[None if d in replicated else e
+                                               for d, e in zip(dims, spec)]))
 
   def positional(*args):  # custom_partitioning binds arguments by signature
     return fn(*args)
@@ -41,8 +52,12 @@ def per_shard(fn, rule: str, *, replicated: tuple[str, ...] = (), reduced: str |
   op = custom_partitioning(positional)
 
   def partition(mesh, arg_shapes, result_shape):
-    arg_shardings = jax.tree.map(lambda x: x.sharding, arg_shapes)
+    arg_shardings = tuple(whole(mesh, dims, x.sharding)
+                          for dims, x in zip(operand_rules, arg_shapes))
     result_shardings = jax.tree.map(lambda x: x.sharding, result_shape)
+    flat, tree = jax.tree.flatten(result_shardings)
+    result_shardings = jax.tree.unflatten(
+        tree, [whole(mesh, dims, s) for dims, s in zip(result_rules, flat)])
     lower = fn
     if reduced is not None:
       axes = ()

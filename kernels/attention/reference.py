@@ -69,7 +69,7 @@ def attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, scale
   allowed = allowed_mask(t, kv_mask_BS, q_offset, window, segment_ids)[:, None, None]
   scores = jnp.where(allowed, scores, _MASKED)
   probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum(f"bkgts,{kv}->btkgd", probs.astype(v_BSKD.dtype), v_BSKD,
+  out = jnp.einsum(f"{kv},bkgts->btkgd", v_BSKD, probs.astype(v_BSKD.dtype),
                    preferred_element_type=jnp.float32)
   return out.reshape(b, t, h, d).astype(q_BTHD.dtype)
 
