@@ -1,0 +1,331 @@
+"""Compiled by the real accelerators' compilers, on this CPU host (jaxrlhf/targets.py): every
+Pallas kernel for an H200 at production shapes, the one-program step of SFT, DPO, GRPO and
+PPO on 8 compile-only H200s (Pallas on and off) and on a TPU v5e slice, what the compiled
+programs hold (the kernels, the collectives) and need (``memory_analysis()`` against the
+device's memory).
+
+Skipped only where the ``aot`` extra is not installed (``pip install -e '.[aot]'``).  The
+tests set JAX_PLATFORMS=cpu (tests/conftest.py), which the CUDA plugin needs to load without
+CUDA.  Compiles are cached per module: about 40 s for the kernels and the CI steps, the
+other steps ``slow`` (15-45 s each on 2 cores).
+"""
+
+import dataclasses
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from helpers import TINY
+from jaxrlhf import registry, targets
+from jaxrlhf.config import ConfigError, MeshConfig, apply_overrides
+from jaxrlhf.data import DataSource
+from jaxrlhf.model.transformer import _matmul
+from jaxrlhf.train.spec import build_stage
+from kernels.attention import (BlockSizes, attention_reference, decode_attention,
+                               flash_attention)
+from kernels.logprob import logprob_entropy, logprob_entropy_pallas
+
+needs_gpu_compiler = pytest.mark.skipif(bool(targets.missing("h200")),
+                                        reason=targets.missing("h200") or "")
+needs_tpu_compiler = pytest.mark.skipif(bool(targets.missing("tpu-v5e")),
+                                        reason=targets.missing("tpu-v5e") or "")
+
+TRITON = 'custom_call_target="__gpu$xla.gpu.triton"'
+GiB = 2**30
+bf16, f32 = jnp.bfloat16, jnp.float32
+
+
+# --------------------------------------------------------------- the table, no plugin needed
+
+
+def test_gpu_target_configs_render_the_device_facts():
+  h200 = targets.GPUS["h200"].target_config(141e9, 4.8e12)
+  assert "core_count: 132" in h200 and "cuda_compute_capability { major: 9 minor: 0 }" in h200
+  assert "device_memory_size: 141000000000" in h200 and 'device_description_str: "NVIDIA H200"' in h200
+  assert "cuda_compute_capability { major: 10 minor: 0 }" in targets.GPUS["b200"].target_config(1, 1)
+  assert targets.memory_bytes("h200") == 141e9 and targets.memory_bytes("tpu-v5e") == 16 * GiB
+  with pytest.raises(ConfigError, match=r"unknown target accelerator 'a100'; choose one of h100"):
+    targets.platform_of("a100")
+
+
+def test_a_missing_extra_names_the_install_command(monkeypatch):
+  import importlib.util
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+  for acc, what in (("h100", "the CUDA plugin"), ("tpu-v5p", "libtpu")):
+    with pytest.raises(ConfigError, match=re.escape(f"needs {what}") + r".*pip install -e '\.\[aot\]'"):
+      targets._topology(acc, 8)
+
+
+# ------------------------------------------------------------------------ kernels, H200
+
+
+def _one_h200():
+  return targets.mesh("h200", MeshConfig(dp=1, fsdp=1, tp=1), 1)
+
+
+def _compile(mesh, f, *avals):
+  with jax.set_mesh(mesh):
+    return jax.jit(f).lower(*avals).compile()
+
+
+def _kernels_in(compiled) -> list[str]:
+  """The Pallas (Triton) kernels the executable launches, by name, in program order."""
+  return [re.search(r'name = \\?"(\w+)\\?"', line).group(1)
+          for line in compiled.as_text().splitlines() if TRITON in line]
+
+
+def _sum(*xs):
+  return sum(x.astype(f32).sum() for x in xs)
+
+
+def _kernel_cases():
+  """(name, function, abstract args, kernels it must hold): every kernel forward and backward
+  at production shapes (Llama-3 8B/70B log-prob head, 32 query / 8 KV heads of 128), with the
+  variants the models use (soft-cap, sliding window, packed segments, head_dim 256, float32,
+  the head-major cache)."""
+  sds = jax.ShapeDtypeStruct
+  lp_grad = lambda **kw: jax.grad(
+      lambda h, w, t: _sum(*logprob_entropy_pallas(h, w, t, **kw)), argnums=(0, 1))
+  fa_grad = lambda **kw: jax.grad(
+      lambda q, k, v, m, o: _sum(flash_attention(q, k, v, m, o, **kw)), argnums=(0, 1, 2))
+  lp_all = ["logprob_entropy_fwd", "logprob_entropy_bwd_dh", "logprob_entropy_bwd_dw"]
+  fa_all = ["flash_attention_fwd", "flash_attention_bwd_dq", "flash_attention_bwd_dkv"]
+  h, w, t = sds((8, 2048, 4096), bf16), sds((4096, 128256), bf16), sds((8, 2048), jnp.int32)
+  q, kv = sds((2, 4096, 32, 128), bf16), sds((2, 4096, 8, 128), bf16)
+  mask, off = sds((2, 4096), jnp.bool_), sds((), jnp.int32)
+  q256, kv256 = sds((1, 2048, 8, 256), bf16), sds((1, 2048, 4, 256), bf16)
+  qd, kv_bksd = sds((16, 1, 32, 128), bf16), sds((16, 8, 4096, 128), bf16)
+  mask16 = sds((16, 4096), jnp.bool_)
+  return [
+      ("logprob bf16 8x2048x4096 V128256", lp_grad(), (h, w, t), lp_all),
+      ("logprob soft-cap f32", lp_grad(softcap=30.0),
+       (sds((4, 1024, 2048), f32), sds((2048, 32000), f32), sds((4, 1024), jnp.int32)), lp_all),
+      ("flash bf16 32x128 heads T=S=4096", fa_grad(), (q, kv, kv, mask, off), fa_all),
+      ("flash window+soft-cap (Gemma)", jax.grad(
+          lambda q, k, v, m, o, wd: _sum(flash_attention(q, k, v, m, o, window=wd, softcap=50.0,
+                                                         scale=0.0625)), argnums=(0, 1, 2)),
+       (q, kv, kv, mask, off, off), fa_all),
+      ("flash packed segments", jax.grad(
+          lambda q, k, v, m, sg: _sum(flash_attention(q, k, v, m, segment_ids=sg)),
+          argnums=(0, 1, 2)), (q, kv, kv, mask, sds((2, 4096), jnp.int32)), fa_all),
+      ("flash head_dim 256", fa_grad(), (q256, kv256, kv256, sds((1, 2048), jnp.bool_), off),
+       fa_all),
+      ("flash f32", fa_grad(), (sds((2, 1024, 8, 64), f32), sds((2, 1024, 2, 64), f32),
+                                sds((2, 1024, 2, 64), f32), sds((2, 1024), jnp.bool_), off),
+       fa_all),
+      ("decode bf16 cache bskd", decode_attention, (qd, sds((16, 4096, 8, 128), bf16),
+                                                    sds((16, 4096, 8, 128), bf16), mask16, off),
+       ["decode_attention"]),
+      ("decode window+soft-cap cache bksd", lambda q, k, v, m, o, wd: decode_attention(
+          q, k, v, m, o, kv_layout="bksd", window=wd, softcap=50.0),
+       (qd, kv_bksd, kv_bksd, mask16, off, off), ["decode_attention"]),
+  ]
+
+
+@pytest.fixture(scope="module")
+def compiled_kernels():
+  """Each case compiled for one H200: (compiled, seconds)."""
+  mesh = _one_h200()
+  rep = NamedSharding(mesh, P())
+  out = {}
+  for name, f, avals, want in _kernel_cases():
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in avals]
+    t0 = time.perf_counter()
+    out[name] = (_compile(mesh, f, *avals), time.perf_counter() - t0, want)
+  return out
+
+
+@needs_gpu_compiler
+@pytest.mark.parametrize("case", [c[0] for c in _kernel_cases()])
+def test_every_pallas_kernel_compiles_for_h200(compiled_kernels, case):
+  """Triton's own compile (to PTX and a cubin, register and shared-memory limits included)
+  succeeds, and the executable launches our kernels, not an XLA fallback."""
+  compiled, _, want = compiled_kernels[case]
+  assert sorted(set(_kernels_in(compiled))) == sorted(want)
+  assert targets.check_fits(compiled, "h200") < targets.memory_bytes("h200")
+
+
+@needs_gpu_compiler
+def test_an_oversized_block_setting_is_rejected_by_the_gpu_compiler():
+  """Blocks whose tiles need more shared memory than an H200 SM has (227 KiB a block) fail in
+  Triton's compile, with the figures; the interpreter and the Triton IR lowering accept them."""
+  mesh = _one_h200()
+  rep = NamedSharding(mesh, P())
+  sds = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=rep)
+  q, kv = sds((1, 2048, 8, 256), bf16), sds((1, 2048, 8, 256), bf16)
+  big = BlockSizes(block_q=256, block_k=256, num_stages=4)
+  fa = lambda q, k, v, m: flash_attention(q, k, v, m, block_sizes=big)
+  with pytest.raises(Exception, match=r"(?i)shared memory"):
+    _compile(mesh, fa, q, kv, kv, sds((1, 2048), jnp.bool_))
+
+
+@needs_gpu_compiler
+def test_the_wo_projection_after_xla_attention_compiles_for_gpu():
+  """Regression: XLA:GPU's Triton GEMM fusion took the transpose of the attention output
+  ``[b, k, d, g, t]`` (t minor) into the output projection's matmul and then found no tiling
+  of the merged ``b*t`` rows when t is not a power of two ("Couldn't find output tile sizes",
+  the tiny GRPO step on the XLA path).  The reference attention now contracts v first, so
+  XLA lays the output out t-major; this is the failing shape (32 sequences of 13 tokens)."""
+  mesh = _one_h200()
+  rep = NamedSharding(mesh, P())
+  sds = lambda s: jax.ShapeDtypeStruct(s, f32, sharding=rep)
+
+  def layer(q, k, v, wo):
+    o = attention_reference(q, k, v, jnp.ones(k.shape[:2], bool))
+    return _matmul(o, wo)
+
+  args = (sds((32, 13, 2, 32)), sds((32, 13, 2, 32)), sds((32, 13, 2, 32)), sds((2, 32, 128)))
+  _compile(mesh, layer, *args)
+  _compile(mesh, jax.grad(lambda *a: layer(*a).sum(), argnums=(0, 1, 2, 3)), *args)
+
+
+# -------------------------------------------------------------- the algorithms' steps
+
+
+def _tiny(exp: str):
+  cfg = registry.get(exp)
+  rm = dataclasses.replace(TINY, score_pool="mean") if cfg.reward_model is not None else None
+  return dataclasses.replace(cfg, model=TINY, reward_model=rm)
+
+
+STEPS = {"sft": ("tiny_ppo", "sft"), "dpo": ("tiny_dpo", "dpo"), "grpo": ("tiny_grpo", "grpo"),
+         "ppo": ("tiny_ppo", "ppo")}
+# dp x fsdp x tp: every kind of sharding (batch, ZeRO-3 weights, tensor-parallel heads and
+# vocabulary) is in the program, so every kind of collective.
+MESH = MeshConfig(dp=2, fsdp=2, tp=2)
+_STEP_CACHE: dict = {}
+
+
+def compile_step(accelerator: str, algo: str, impl: str, n: int = 8):
+  """The one-program step of ``algo`` (TINY model) compiled on ``n`` compile-only devices:
+  ``(compiled, compile seconds)``, cached for the session."""
+  key = (accelerator, algo, impl, n)
+  if key not in _STEP_CACHE:
+    exp, stage_name = STEPS[algo]
+    # Prompts padded to 24 slots: sequences over 16 tokens take the flash kernels (16 and
+    # fewer, the decode kernel: kernels/attention/dispatch.py).
+    cfg = apply_overrides(_tiny(exp), [f"kernels.logprob={impl}", f"kernels.attention={impl}",
+                                       "data.max_prompt_len=24"])
+    mesh = targets.mesh(accelerator, MESH, n)
+    stage = build_stage(stage_name, cfg, mesh, DataSource(cfg.data, cfg.seed))
+    state, frozen = stage.abstract_init()
+    batch = stage.abstract_batch()
+    with jax.set_mesh(mesh):
+      t0 = time.perf_counter()
+      compiled = stage.make_step_fn(state, frozen, batch).lower(state, frozen, batch).compile()
+    _STEP_CACHE[key] = (compiled, time.perf_counter() - t0)
+  return _STEP_CACHE[key]
+
+
+def collectives(compiled) -> dict[str, int]:
+  """Collective ops of the compiled program by kind (GPU: the async ``*-start`` halves)."""
+  kinds = re.findall(r"= [^=]*?\b(all-reduce|all-gather|reduce-scatter|all-to-all|"
+                     r"collective-permute)(?:-start)?\(", compiled.as_text())
+  return {k: kinds.count(k) for k in sorted(set(kinds))}
+
+
+# In CI: the RL step with the kernels (generation's decode, attention, the log-prob head, the
+# fsdp-sharded unembedding) and SFT on the XLA path.  The other six: ``pytest -m slow``.
+_FAST = {("grpo", "pallas"), ("sft", "xla")}
+STEP_CASES = [pytest.param(a, i, marks=() if (a, i) in _FAST else pytest.mark.slow)
+              for a in STEPS for i in ("pallas", "xla")]
+
+
+@needs_gpu_compiler
+@pytest.mark.parametrize("algo,impl", STEP_CASES)
+def test_step_compiles_on_8_h200s(algo, impl):
+  compiled, _ = compile_step("h200", algo, impl)
+  kernels = set(_kernels_in(compiled))
+  if impl == "pallas":
+    want = {"flash_attention_fwd", "flash_attention_bwd_dq", "flash_attention_bwd_dkv",
+            "logprob_entropy_fwd", "logprob_entropy_bwd_dh", "logprob_entropy_bwd_dw"}
+    if algo in ("grpo", "ppo"):
+      want.add("decode_attention")
+    assert want <= kernels, want - kernels
+  else:
+    assert not kernels
+  coll = collectives(compiled)
+  # Gradients summed over the data shards; fsdp weights gathered for the matmuls.
+  assert coll.get("all-reduce", 0) > 0 and coll.get("all-gather", 0) > 0, coll
+  assert 0 < targets.check_fits(compiled, "h200", f"{algo} step") < 0.01 * GiB
+
+
+@needs_gpu_compiler
+def test_a_program_over_the_device_memory_is_reported_as_not_fitting():
+  """XLA:GPU compiles a program larger than the device with only a log line; check_fits is
+  the check.  80 GiB of float32 in and 80 out per device, on an H200 (141 GB)."""
+  mesh = _one_h200()
+  big = jax.ShapeDtypeStruct((80, 2**28), f32, sharding=NamedSharding(mesh, P()))
+  compiled = _compile(mesh, lambda x: x * 2, big)
+  with pytest.raises(ConfigError, match=r"needs 160\.00 GiB per device, over the 131\.3 GiB"):
+    targets.check_fits(compiled, "h200", "the test program")
+
+
+# ------------------------------------------------------------- the host does not leak in
+
+
+def _calls(jaxpr) -> list[str]:
+  """Every dot's operand dtypes and every Pallas kernel of ``jaxpr``, nested ones included,
+  in order: what differs when a program is traced for another platform."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      out.append("dot " + ",".join(str(v.aval.dtype) for v in eqn.invars))
+    elif eqn.primitive.name == "pallas_call":
+      out.append("pallas " + str(eqn.params["name"]).split()[0])
+    for sub in jax.core.jaxprs_in_params(eqn.params):
+      out += _calls(sub)
+  return out
+
+
+@needs_gpu_compiler
+def test_a_gpu_program_traced_on_this_host_is_the_one_a_gpu_host_traces(monkeypatch):
+  """The bf16 model's forward and log-prob head, kernels on ``auto``: traced here under the
+  compile-only H200 mesh, and traced as on a GPU host (no mesh, the default backend "gpu"),
+  the same dots in the same dtypes and the same kernels.  Traced for this CPU host it differs
+  (no kernels, float32 attention matmuls): the comparison would see a leak."""
+  from jaxrlhf.model.transformer import forward, init_params, unembedding
+  cfg = dataclasses.replace(TINY, param_dtype="bfloat16", compute_dtype="bfloat16")
+  params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+  sds = jax.ShapeDtypeStruct
+  tokens, mask = sds((2, 16), jnp.int32), sds((2, 16), jnp.bool_)
+
+  def head(params, tokens, mask):
+    h, _ = forward(params, tokens, jnp.cumsum(mask, 1) - 1, mask, cfg=cfg)
+    return logprob_entropy(h, unembedding(params, cfg), tokens)
+
+  def trace():  # jit's trace cache is keyed by the mesh, not by the default backend
+    jax.clear_caches()
+    return _calls(jax.make_jaxpr(head)(params, tokens, mask).jaxpr)
+
+  on_cpu = trace()
+  with jax.set_mesh(targets.mesh("h200", MeshConfig(dp=1, fsdp=1, tp=1), 1)):
+    for_h200 = trace()
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  on_gpu_host = trace()
+  assert for_h200 == on_gpu_host
+  assert {c for c in for_h200 if c.startswith("pallas")} == {
+      "pallas decode_attention", "pallas logprob_entropy_fwd"}  # 16 tokens: decode kernel
+  assert "dot float32,float32" not in for_h200
+  assert not any(c.startswith("pallas") for c in on_cpu) and "dot float32,float32" in on_cpu
+
+
+# ----------------------------------------------------------------------------- TPU v5e
+
+
+@needs_tpu_compiler
+@pytest.mark.parametrize("algo", [a if a in ("sft", "grpo") else pytest.param(
+    a, marks=pytest.mark.slow) for a in STEPS])
+def test_step_compiles_for_a_tpu_v5e_slice(algo):
+  """XLA:TPU on a v5e 2x4 slice, the XLA path ("auto" on TPU: our kernels are Triton-only,
+  kernels/NOTES.md): the compile succeeds, gathers and reduces across the slice, and fits
+  the chip's 16 GiB."""
+  compiled, _ = compile_step("tpu-v5e", algo, "auto")
+  assert not _kernels_in(compiled)
+  coll = collectives(compiled)
+  assert coll.get("all-reduce", 0) > 0, coll
+  assert 0 < targets.check_fits(compiled, "tpu-v5e", f"{algo} step") < 0.01 * GiB
