@@ -129,13 +129,20 @@ def missing(accelerator: str) -> str:
   """Why ``accelerator`` cannot be compiled for here ("" when it can): the package that is
   not installed, with the command that installs it."""
   if platform_of(accelerator) == "gpu":
-    need = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    have = _installed("jax_plugins.xla_cuda12") and _installed("jax_cuda12_plugin")
     what = "the CUDA plugin (jax-cuda12-plugin, jax-cuda12-pjrt)"
   else:
-    need = importlib.util.find_spec("libtpu") is not None
+    have = _installed("libtpu")
     what = "libtpu"
-  return "" if need else (f"compiling for {accelerator} needs {what}, which is not installed: "
+  return "" if have else (f"compiling for {accelerator} needs {what}, which is not installed: "
                           f"{INSTALL}")
+
+
+def _installed(module: str) -> bool:
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:  # its parent package is missing
+    return False
 
 
 def devices(accelerator: str, n: int) -> list:

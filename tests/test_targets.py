@@ -251,7 +251,7 @@ def test_step_compiles_on_8_h200s(algo, impl):
   coll = collectives(compiled)
   # Gradients summed over the data shards; fsdp weights gathered for the matmuls.
   assert coll.get("all-reduce", 0) > 0 and coll.get("all-gather", 0) > 0, coll
-  assert 0 < targets.check_fits(compiled, "h200", f"{algo} step") < 0.01 * GiB
+  assert 0 < targets.check_fits(compiled, "h200", f"{algo} step") < 0.1 * GiB
 
 
 @needs_gpu_compiler
@@ -328,4 +328,4 @@ def test_step_compiles_for_a_tpu_v5e_slice(algo):
   assert not _kernels_in(compiled)
   coll = collectives(compiled)
   assert coll.get("all-reduce", 0) > 0, coll
-  assert 0 < targets.check_fits(compiled, "tpu-v5e", f"{algo} step") < 0.01 * GiB
+  assert 0 < targets.check_fits(compiled, "tpu-v5e", f"{algo} step") < 0.1 * GiB
