@@ -150,6 +150,22 @@ def test_every_pallas_kernel_compiles_for_h200(compiled_kernels, case):
 
 
 @needs_gpu_compiler
+@pytest.mark.parametrize("accelerator", ["h100", "b200"])
+def test_the_other_gpus_of_the_table_compile_the_flash_kernels(accelerator):
+  """H100 (sm_90, 80 GB) and B200 (sm_100): the table's other entries give devices that
+  compile the flash kernels forward and backward."""
+  mesh = targets.mesh(accelerator, MeshConfig(dp=1, fsdp=1, tp=1), 1)
+  rep = NamedSharding(mesh, P())
+  sds = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=rep)
+  q, kv = sds((2, 1024, 32, 128), bf16), sds((2, 1024, 8, 128), bf16)
+  fa = jax.grad(lambda q, k, v, m: _sum(flash_attention(q, k, v, m)), argnums=(0, 1, 2))
+  compiled = _compile(mesh, fa, q, kv, kv, sds((2, 1024), jnp.bool_))
+  assert sorted(_kernels_in(compiled)) == ["flash_attention_bwd_dkv", "flash_attention_bwd_dq",
+                                           "flash_attention_fwd"]
+  assert mesh.devices.flat[0].device_kind == targets.GPUS[accelerator].description
+
+
+@needs_gpu_compiler
 def test_an_oversized_block_setting_is_rejected_by_the_gpu_compiler():
   """Blocks whose tiles need more shared memory than an H200 SM has (227 KiB a block) fail in
   Triton's compile, with the figures; the interpreter and the Triton IR lowering accept them."""
