@@ -15,6 +15,7 @@ import re
 import time
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -293,7 +294,7 @@ def _calls(jaxpr) -> list[str]:
       out.append("dot " + ",".join(str(v.aval.dtype) for v in eqn.invars))
     elif eqn.primitive.name == "pallas_call":
       out.append("pallas " + str(eqn.params["name"]).split()[0])
-    for sub in jax.core.jaxprs_in_params(eqn.params):
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       out += _calls(sub)
   return out
 
