@@ -110,3 +110,35 @@ def test_value_model_takes_the_reward_models_backbone_with_a_zero_head():
   np.testing.assert_array_equal(value["layers"]["w_up"], jax.device_get(reward["layers"]["w_up"]))
   # The frozen reward model keeps its own head.
   assert float(jax.device_get(frozen["reward"]["score"]["b"])) == float(reward["score"]["b"])
+
+
+def test_the_learning_rate_schedule_counts_steps_not_optimizer_updates():
+  """An RL step makes ppo_epochs x num_minibatches updates; warm-up over W *steps* (as the
+  published recipes count it) runs every update of step k at lr * k / W, and a GRPO stage
+  with two epochs of two minibatches builds its optimizers so."""
+  import jax.numpy as jnp
+  import optax
+  from jaxrlhf.config import OptimizerConfig
+  from jaxrlhf.train.common import make_optimizer
+  cfg = OptimizerConfig(lr=1e-2, warmup_steps=4, warmup_start="first_step", schedule="constant",
+                        grad_clip=0.0, weight_decay=0.0)
+  opt = make_optimizer(cfg, 20, updates_per_step=4)
+  params = {"w": jnp.zeros(())}
+  state = opt.init(params)
+  moves = []
+  for _ in range(12):  # a constant gradient: Adam moves each update by its learning rate
+    updates, state = opt.update({"w": jnp.ones(())}, state, params)
+    new = optax.apply_updates(params, updates)
+    moves.append(float(params["w"] - new["w"]))
+    params = new
+  want = [1e-2 * k / 4 for k in (1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)]
+  assert moves == pytest.approx(want, rel=1e-3)
+  # and the stage passes its updates per step on
+  c = config(stages=("grpo",))
+  c = dataclasses.replace(c, grpo=dataclasses.replace(c.grpo, steps=20, ppo_epochs=2,
+                                                      num_minibatches=2, optim=cfg))
+  stage = build_stage("grpo", c, mesh(), DataSource(c.data, c.seed))
+  s = stage.opt["policy"].init({"w": jnp.zeros(())})
+  for _ in range(4):
+    updates, s = stage.opt["policy"].update({"w": jnp.ones(())}, s, {"w": jnp.zeros(())})
+    assert float(updates["w"]) == pytest.approx(-1e-2 / 4, rel=1e-3)

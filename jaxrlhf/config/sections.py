@@ -306,10 +306,10 @@ class OptimizerConfig:
   # The peak learning rate, reached at the end of warm-up.
   lr: float = 1e-3
   # The learning rate after warm-up: "constant" at lr, or a "cosine" or "linear" decay that
-  # reaches lr x end_lr_ratio after as many optimizer updates as the stage has steps (an RL step
-  # makes ppo_epochs x num_minibatches updates, so its decay ends that much sooner).
+  # reaches lr x end_lr_ratio at the stage's last step.  The schedule counts steps: the
+  # ppo_epochs x num_minibatches updates of one RL step all run at that step's rate.
   schedule: Literal["constant", "cosine", "linear"] = "cosine"
-  # Optimizer updates of linear warm-up to lr (see warmup_start).  0: none.
+  # Steps of linear warm-up to lr (see warmup_start).  0: none.
   warmup_steps: int = 10
   # Where warm-up starts: "zero" ramps from 0 at the first update, as optax's linear schedule
   # and transformers' warm-up do (step 1 trains at lr 0; the tiny experiments' documented

@@ -48,12 +48,21 @@ def learning_rate(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
   return optax.join_schedules([ramp, after], [warm])
 
 
-def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
-  """AdamW with the schedule above, after global-norm clipping (when ``grad_clip > 0``)."""
+def make_optimizer(cfg: OptimizerConfig, total_steps: int,
+                   updates_per_step: int = 1) -> optax.GradientTransformation:
+  """AdamW with the schedule above, after global-norm clipping (when ``grad_clip > 0``).
+
+  The schedule counts the stage's steps: an RL step makes ``updates_per_step`` optimizer
+  updates (``ppo_epochs x num_minibatches``), and each of them runs at its step's learning
+  rate, so ``warmup_steps`` and the decay mean steps, as published recipes count them."""
   parts = []
   if cfg.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(cfg.grad_clip))
-  parts.append(optax.adamw(learning_rate(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+  schedule = learning_rate(cfg, total_steps)
+  if updates_per_step > 1:
+    inner = schedule
+    schedule = lambda count: inner(count // updates_per_step)  # noqa: E731
+  parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                            weight_decay=cfg.weight_decay))
   return optax.chain(*parts)
 
