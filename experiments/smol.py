@@ -48,7 +48,12 @@ def _shared(*parts) -> str:
 SMOL_MODEL = ModelConfig(param_dtype="float32", compute_dtype="float32", remat="none",
                          scan_layers=True)
 GSM8K_ANSWER = r"####\s*(\S+)\s*$"
-BOXED = "{prompt}\nPut your final answer within \\boxed{}."
+# The instruction the base model follows best (measured on 64 samples of 8 training questions
+# at temperature 0.8, benchmarks/NOTES.md): "Put your final answer within \\boxed{}" gave no
+# well-formed box; this one gives "The answer is \\boxed{}" in 44% of samples, nearly all
+# empty, so the format term has something to reward from the first step.
+BOXED = ("{prompt}\nWrite the final answer on the last line like this: The answer is "
+         "\\boxed{}, with the number inside the braces.")
 
 
 def _base(name, stages, description, data: DataConfig, required_data: str,
@@ -89,12 +94,16 @@ def build_grpo():
   return _base(
       "smol_gsm8k_grpo", ("grpo",), "SmolLM2-135M-Instruct, GRPO on GSM8K (math_verify + "
       "boxed format rewards); prepare the model first", data, "data.prompts_path",
-      rollout=RolloutConfig(max_new_tokens=128, temperature=1.0, prompt_buckets=4),
-      grpo=GRPOConfig(steps=20, batch_size=4, num_samples=4, eval_every=10,
+      # Temperature 0.8: at 1.0 the 135M model rambles past the answer line.
+      rollout=RolloutConfig(max_new_tokens=128, temperature=0.8, prompt_buckets=4),
+      # The held-out figure is the greedy format rate (a value check on top would read 0 at
+      # this size: SFT's greedy accuracy is 0-1 of 32).
+      grpo=GRPOConfig(steps=20, batch_size=4, num_samples=8, eval_every=10,
+                      eval_reward="host:math_format",
                       kl=KLConfig(coef=0.04, estimator="k3", placement="loss"),
                       reward=RewardConfig(sources=("host:math_verify", "host:math_format"),
                                           weights=(1.0, 0.5)),
-                      optim=OptimizerConfig(lr=2e-6, warmup_steps=5, warmup_start="first_step",
+                      optim=OptimizerConfig(lr=1e-5, warmup_steps=5, warmup_start="first_step",
                                             schedule="constant")),
       model_remat="full")
 
