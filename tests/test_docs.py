@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from jaxrlhf.cli import SUBCOMMANDS, console
+from jaxrlhf.console import SUBCOMMANDS, console
 from jaxrlhf.config import reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
