@@ -354,8 +354,7 @@ def test_step_compiles_for_a_tpu_v5e_slice(algo):
 @needs_gpu_compiler
 def test_the_planner_reads_a_program_compiled_for_h100s():
   """``plan.plan_stage`` takes any mesh: on compile-only H100s its memory and collective
-  traffic come from XLA:GPU's program (the CLI's ``--plan --accelerator`` still compiles on
-  simulated CPU devices).  SMALL_SFT on fsdp 4 x tp 2: 11.6 MiB per device here, 13.6 MiB
+  traffic come from XLA:GPU's program.  SMALL_SFT on fsdp 4 x tp 2: 11.6 MiB per device here, 13.6 MiB
   on the CPU; 8.49 vs 8.51 MB of collective traffic (kernels/NOTES.md)."""
   from jaxrlhf import hardware, plan
   from test_plan import SMALL_SFT
@@ -364,3 +363,41 @@ def test_the_planner_reads_a_program_compiled_for_h100s():
   assert step.name == "sft/step" and step.cpu_upcast_bytes == 0
   assert 0 < step.peak_bytes_per_device < 0.1 * GiB
   assert step.comm_intra_bytes > 0 and step.comm_inter_bytes == 0  # one node of 8
+
+
+@needs_gpu_compiler
+def test_plan_on_the_command_line_compiles_with_the_targets_compiler(tmp_path):
+  """``--plan --accelerator=h100`` with the plugin installed (plan.compiler=auto) compiles on
+  compile-only H100s, says so, and writes it in plan.json; plan.compiler=cpu keeps the
+  simulated CPU devices.  The same programs, so the same analytic FLOPs."""
+  import json
+  import os
+  import subprocess
+  import sys
+  out = {}
+  for compiler in ("auto", "cpu"):
+    wd = tmp_path / compiler
+    run = subprocess.run([sys.executable, "-m", "jaxrlhf.main", "--experiment=tiny_dpo",
+                          "--plan", "--devices=8", "--accelerator=h100", f"--workdir={wd}",
+                          "--steps=1", f"--set=plan.compiler={compiler}"],
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    out[compiler] = (run.stdout, json.loads((wd / "plan.json").read_text()))
+  (gpu_text, gpu), (cpu_text, cpu) = out["auto"], out["cpu"]
+  assert "by XLA:GPU for h100 itself" in gpu_text and gpu["compiler"] == "gpu"
+  assert "on simulated CPU devices" in cpu_text and cpu["compiler"] == "cpu"
+  assert gpu["fits"] and 0 < gpu["memory"]["peak_bytes_per_device"] < 0.1 * GiB
+  assert [p["flops"] for p in gpu["programs"]] == [p["flops"] for p in cpu["programs"]]
+
+
+def test_plan_compiler_target_without_the_plugin_is_one_line(monkeypatch):
+  """plan.compiler=target where the extra is missing names the install; auto falls back."""
+  from jaxrlhf import hardware
+  from jaxrlhf.plan.build import compiler_of
+  monkeypatch.setattr(targets, "missing", lambda acc: f"no plugin for {acc}: pip install -e '.[aot]'")
+  cfg = registry.get("tiny_dpo")
+  h100 = hardware.get_accelerator("h100")
+  with pytest.raises(ConfigError, match=r"plan.compiler=target: no plugin for h100.*\[aot\]"):
+    compiler_of(apply_overrides(cfg, ["plan.compiler=target"]), h100)
+  assert compiler_of(cfg, h100) == "cpu"

@@ -637,6 +637,11 @@ class PlanConfig:
   devices: int = 8
   # Runs a month, for --plan's monthly cost.
   runs_per_month: float = 1.0
+  # Which compiler --plan reads memory and collectives from: "target" compiles for the
+  # accelerator itself on compile-only devices (XLA:GPU through the CUDA plugin, XLA:TPU
+  # through libtpu: pip install -e '.[aot]'); "cpu" on simulated CPU devices; "auto" the
+  # target where its plugin is installed, else the CPU.  The plan says which it used.
+  compiler: Literal["auto", "target", "cpu"] = "auto"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,8 +8,8 @@ import re
 import time
 from typing import Optional
 
-from jaxrlhf import hardware
-from jaxrlhf.config import ExperimentConfig, MeshConfig
+from jaxrlhf import hardware, targets
+from jaxrlhf.config import ConfigError, ExperimentConfig, MeshConfig
 from jaxrlhf.plan.cluster import USABLE_FRACTION
 from jaxrlhf.plan.programs import StagePlan, plan_stage
 
@@ -24,6 +24,9 @@ class Plan:
   runs_per_month: float
   cfg: ExperimentConfig
   plan_seconds: float = 0.0
+  # Whose compiler the memory and collectives come from: "cpu" (simulated CPU devices) or the
+  # target platform ("gpu", "tpu": compile-only devices of the accelerator).
+  compiler: str = "cpu"
 
   @property
   def usable_bytes(self) -> float:
@@ -100,12 +103,33 @@ def build_plan(cfg: ExperimentConfig, n_devices: int, acc, *, full: bool = True,
   from jaxrlhf.mesh import make_mesh, resolve_mesh_shape
   from jaxrlhf.model.hf import resolve_models
   mesh_cfg = mesh_cfg or cfg.mesh
-  devices = jax.devices("cpu")[:n_devices]
   sizes = resolve_mesh_shape(mesh_cfg, n_devices)
   cfg = dataclasses.replace(cfg, mesh=MeshConfig(**sizes))
   cfg = resolve_models(cfg, sizes["tp"])
-  mesh = make_mesh(cfg.mesh, devices)
+  compiler = compiler_of(cfg, acc)
+  if compiler == "cpu":
+    mesh = make_mesh(cfg.mesh, jax.devices("cpu")[:n_devices])
+  else:
+    mesh = targets.mesh(acc.name, cfg.mesh, n_devices)
   t0 = time.perf_counter()
   stages = [plan_stage(cfg, s, mesh, acc, full=full) for s in cfg.stages]
   return Plan(cfg.name, n_devices, acc, sizes, stages, cfg.plan.runs_per_month, cfg,
-              time.perf_counter() - t0)
+              time.perf_counter() - t0, compiler)
+
+
+def compiler_of(cfg: ExperimentConfig, acc) -> str:
+  """``"cpu"``, or the target platform (``"gpu"``, ``"tpu"``) whose own compiler the plan
+  reads: ``plan.compiler=target`` insists (a ConfigError naming the install when the plugin
+  is missing), ``auto`` takes the target where its plugin is installed."""
+  want = cfg.plan.compiler
+  if want == "cpu" or acc.name not in targets.NAMES:
+    if want == "target":
+      raise ConfigError(f"plan.compiler=target: no compile-only devices for {acc.name}; "
+                        f"choose one of {', '.join(targets.NAMES)}")
+    return "cpu"
+  why = targets.missing(acc.name)
+  if why:
+    if want == "target":
+      raise ConfigError(f"plan.compiler=target: {why}")
+    return "cpu"
+  return targets.platform_of(acc.name)

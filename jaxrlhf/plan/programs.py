@@ -62,11 +62,13 @@ def abstract_outputs(fn, compiled, *args):
 
 def read_program(name: str, compiled, *, runs: bool, held: int, n_devices: int,
                  node_size: int, unknown_trip: int, half_f32_traffic: bool,
-                 compile_seconds: float) -> ProgramPlan:
+                 compile_seconds: float, cpu: bool = True) -> ProgramPlan:
   """Memory, raw cost and collective traffic of a compiled program.  ``held``: bytes per
   device resident while it runs (0 for a program that takes everything as arguments);
   what of it is not an argument of the compiled program counts towards its peak (jit drops
-  unused arguments, so the compiled argument size is the measure)."""
+  unused arguments, so the compiled argument size is the measure).  ``cpu``: compiled by
+  XLA:CPU, whose float32 copies of 16-bit arrays (and collectives) are taken out; a target's
+  own compile (``cpu=False``) is read as it is."""
   from jaxrlhf.plan import hlo as plan_hlo
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
@@ -74,7 +76,8 @@ def read_program(name: str, compiled, *, runs: bool, held: int, n_devices: int,
     cost = cost[0] if cost else {}
   cost = cost or {}
   module = plan_hlo.parse_hlo(compiled.as_text())
-  upcast = plan_hlo.cpu_upcast_bytes(module)
+  upcast = plan_hlo.cpu_upcast_bytes(module) if cpu else 0
+  half_f32_traffic = half_f32_traffic and cpu
   traffic = plan_hlo.collective_traffic(module, n_devices, node_size, unknown_trip,
                                         f32_scale=0.5 if half_f32_traffic else 1.0)
   arg, out = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes)
@@ -190,9 +193,11 @@ def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True
                     for r in (*stage.trainable, *stage.frozen()))
   rl = stage.spec.generates
   unknown_trip = max(stage.N - 1, 1) if rl else 1
+  on_cpu = mesh.devices.flat[0].platform == "cpu"
   read = lambda label, c, secs, runs, held=0: read_program(
       f"{name}/{label}", c, runs=runs, held=held, n_devices=n, node_size=node_size,
-      unknown_trip=unknown_trip, half_f32_traffic=sixteen_bit, compile_seconds=secs)
+      unknown_trip=unknown_trip, half_f32_traffic=sixteen_bit, compile_seconds=secs,
+      cpu=on_cpu)
   programs: list[ProgramPlan] = []
   with jax.set_mesh(mesh):
     if getattr(stage, "episodes", None) is not None:

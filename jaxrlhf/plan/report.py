@@ -51,6 +51,7 @@ def to_json(plan: Plan) -> dict:
   usd_month = plan.usd_per_run * plan.runs_per_month
   return {
       "experiment": plan.experiment, "devices": plan.devices, "accelerator": acc.name,
+      "compiler": plan.compiler,
       "mesh": plan.mesh, "fits": plan.fits, "est_step_seconds": main.est_step_seconds,
       "est_usd_per_step": plan.usd_per_step, "programs": progs,
       "memory": {"device_bytes": acc.memory_bytes, "usable_bytes": plan.usable_bytes,
@@ -76,12 +77,17 @@ def to_json(plan: Plan) -> dict:
 def format_plan(plan: Plan) -> str:
   acc = plan.accelerator
   mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh.items())
+  where = ("on simulated CPU devices (XLA:CPU; pip install -e '.[aot]' compiles for the "
+           "target itself)" if plan.compiler == "cpu" else
+           f"by XLA:{plan.compiler.upper()} for {acc.name} itself, on compile-only devices")
+  memory = ("temp and peak without the CPU compiler's f32 copies; 'cpu' keeps them"
+            if plan.compiler == "cpu" else "as the target's compiler laid the program out")
   lines = [f"{plan.experiment}: {plan.devices} x {acc.name} ({gb(acc.memory_bytes)} GB, "
-           f"{gb(plan.usable_bytes)} GB usable), mesh {mesh}; planned in "
-           f"{plan.plan_seconds:.0f}s on simulated devices",
-           "per device: args/temp/out/peak from XLA's memory analysis (temp and peak without "
-           "the CPU compiler's f32 copies; 'cpu' keeps them), FLOP and HBM bytes analytic, "
-           "NVLink/net = collective bytes inside/across nodes; est = roofline time"]
+           f"{gb(plan.usable_bytes)} GB usable), mesh {mesh}; compiled in "
+           f"{plan.plan_seconds:.0f}s {where}",
+           f"per device: args/temp/out/peak from XLA's memory analysis ({memory}), FLOP and "
+           "HBM bytes analytic, NVLink/net = collective bytes inside/across nodes; est = "
+           "roofline time"]
   head = (f"{'program':<16} {'runs':<4} {'args':>6} {'temp':>6} {'out':>6} {'peak':>6} "
           f"{'cpu':>6} {'fits':<4} {'FLOP':>6} {'HBM':>6} {'NVLink':>6} {'net':>6} "
           f"{'est':>7}  bound")
