@@ -245,9 +245,11 @@ def collectives(compiled) -> dict[str, int]:
   return {k: kinds.count(k) for k in sorted(set(kinds))}
 
 
-# In CI: the RL step with the kernels (generation's decode, attention, the log-prob head, the
-# fsdp-sharded unembedding) and SFT on the XLA path.  The other six: ``pytest -m slow``.
-_FAST = {("grpo", "pallas"), ("sft", "xla")}
+# In CI: every algorithm's step with the kernels (generation's decode, attention, the log-prob
+# head, the fsdp-sharded unembedding), and SFT on the XLA path (the dot XLA:GPU once refused).
+# The XLA path of the other three: ``pytest -m slow``.
+_FAST = {("sft", "pallas"), ("dpo", "pallas"), ("grpo", "pallas"), ("ppo", "pallas"),
+         ("sft", "xla")}
 STEP_CASES = [pytest.param(a, i, marks=() if (a, i) in _FAST else pytest.mark.slow)
               for a in STEPS for i in ("pallas", "xla")]
 
@@ -335,8 +337,7 @@ def test_a_gpu_program_traced_on_this_host_is_the_one_a_gpu_host_traces(monkeypa
 
 
 @needs_tpu_compiler
-@pytest.mark.parametrize("algo", [a if a in ("sft", "grpo") else pytest.param(
-    a, marks=pytest.mark.slow) for a in STEPS])
+@pytest.mark.parametrize("algo", list(STEPS))
 def test_step_compiles_for_a_tpu_v5e_slice(algo):
   """XLA:TPU on a v5e 2x4 slice, the XLA path ("auto" on TPU: our kernels are Triton-only,
   kernels/NOTES.md): the compile succeeds, gathers and reduces across the slice, and fits
