@@ -217,6 +217,9 @@ class ConsoleSink:
   BAR_WIDTH = 20
   SAMPLES_SHOWN = 3  # sample rows printed per batch of samples
   SAMPLE_WIDTH = 120  # characters of a response shown (a prompt: half)
+  # A stage's samples of one kind are printed at most this often (samples.jsonl keeps every
+  # batch): an SFT stop check evaluating every step would otherwise print four lines a step.
+  SAMPLES_EVERY_S = 30.0
 
   def __init__(self, total_steps: Mapping[str, int], keys=(), every_s: float = 10.0,
                stream: Optional[IO[str]] = None, tty: Optional[bool] = None,
@@ -229,6 +232,7 @@ class ConsoleSink:
     self.clock = clock
     self._stages: dict[str, _StageProgress] = {}
     self._open_line: Optional[str] = None  # stage whose bar is drawn and not yet ended
+    self._samples_shown: dict[tuple[str, str], float] = {}  # (stage, kind) -> when printed
 
   def line(self, stage: str) -> str:
     p = self._stages[stage]
@@ -303,6 +307,10 @@ class ConsoleSink:
     if not rows:
       return
     kind = rows[0].get("kind", "")
+    now, last = self.clock(), self._samples_shown.get((stage, kind))
+    if last is not None and now - last < self.SAMPLES_EVERY_S:
+      return
+    self._samples_shown[(stage, kind)] = now
     shown = rows[:self.SAMPLES_SHOWN]
     lines = [f"{stage} step {step}: {kind + ' ' if kind else ''}samples ({len(shown)} of "
              f"{len(rows)}" + (f"; all in {path})" if path else ")")]

@@ -312,6 +312,20 @@ def test_checkpoint_saves_are_a_note_on_the_progress_line_not_lines_of_their_own
   assert lines[-1].endswith("loss 1  ckpt 24 (1.5 MiB)")
 
 
+def test_console_samples_are_throttled_per_stage_and_kind():
+  """An SFT stop check evaluating every step printed four lines a step; the console shows a
+  stage's samples of one kind at most every SAMPLES_EVERY_S (the jsonl keeps them all)."""
+  clock, out = _Clock(), io.StringIO()
+  c = metrics.ConsoleSink({"sft": 100}, stream=out, tty=False, clock=clock)
+  for step in range(1, 101):
+    clock.t += 1.0
+    c.write_samples("sft", step, [{"kind": "eval", "prompt": "p", "response": "r"}])
+  c.write_samples("sft", 100, [{"kind": "rollout", "prompt": "p", "response": "r"}])
+  heads = [l for l in out.getvalue().splitlines() if " samples (" in l]
+  assert [h.split()[2] for h in heads] == ["1:", "31:", "61:", "91:", "100:"]
+  assert "rollout samples" in heads[-1]
+
+
 def test_writer_without_totals_shows_the_step():
   out = io.StringIO()
   c = metrics.ConsoleSink({}, keys=(), stream=out, tty=False)
