@@ -233,6 +233,7 @@ class ConsoleSink:
     self._stages: dict[str, _StageProgress] = {}
     self._open_line: Optional[str] = None  # stage whose bar is drawn and not yet ended
     self._samples_shown: dict[tuple[str, str], float] = {}  # (stage, kind) -> when printed
+    self._held: dict[tuple[str, str], tuple] = {}  # (stage, kind) -> latest batch not printed
 
   def line(self, stage: str) -> str:
     p = self._stages[stage]
@@ -300,6 +301,8 @@ class ConsoleSink:
     if p is not None:
       self.total_steps[stage] = p.step
       self._emit(stage)
+    for key in [k for k in self._held if k[0] == stage]:  # what the stage ended with
+      self._print_samples(stage, *self._held.pop(key))
 
   def write_samples(self, stage: str, step: int, rows: Sequence[Mapping], path: str = ""):
     """The first :attr:`SAMPLES_SHOWN` rows, one shortened line each: reward, prompt ->
@@ -308,9 +311,17 @@ class ConsoleSink:
       return
     kind = rows[0].get("kind", "")
     now, last = self.clock(), self._samples_shown.get((stage, kind))
-    if last is not None and now - last < self.SAMPLES_EVERY_S:
+    p, total = self._stages.get(stage), self.total_steps.get(stage)
+    final = p is not None and bool(total) and p.step >= total  # the stage's last step
+    if not final and last is not None and now - last < self.SAMPLES_EVERY_S:
+      self._held[(stage, kind)] = (step, rows, path)  # shown if the stage ends here
       return
+    self._held.pop((stage, kind), None)
     self._samples_shown[(stage, kind)] = now
+    self._print_samples(stage, step, rows, path)
+
+  def _print_samples(self, stage: str, step: int, rows: Sequence[Mapping], path: str):
+    kind = rows[0].get("kind", "")
     shown = rows[:self.SAMPLES_SHOWN]
     lines = [f"{stage} step {step}: {kind + ' ' if kind else ''}samples ({len(shown)} of "
              f"{len(rows)}" + (f"; all in {path})" if path else ")")]

@@ -324,6 +324,19 @@ def test_console_samples_are_throttled_per_stage_and_kind():
   heads = [l for l in out.getvalue().splitlines() if " samples (" in l]
   assert [h.split()[2] for h in heads] == ["1:", "31:", "61:", "91:", "100:"]
   assert "rollout samples" in heads[-1]
+  # The stage's last step, or where it ends early, always shows what it ended with.
+  for stage, last in (("dpo", 20), ("rm", 12)):
+    out.seek(0)
+    out.truncate()
+    c.total_steps[stage] = 20
+    for step in range(1, last + 1):
+      clock.t += 1.0
+      c.write(stage, step, {})
+      c.write_samples(stage, step, [{"kind": "eval", "prompt": "p", "response": f"{step}"}])
+    if last < 20:
+      c.end(stage)  # e.g. its target reached
+    heads = [l for l in out.getvalue().splitlines() if " samples (" in l]
+    assert [h.split()[2] for h in heads] == ["1:", f"{last}:"], heads
 
 
 def test_writer_without_totals_shows_the_step():
