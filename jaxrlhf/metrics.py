@@ -234,6 +234,7 @@ class ConsoleSink:
     self._open_line: Optional[str] = None  # stage whose bar is drawn and not yet ended
     self._samples_shown: dict[tuple[str, str], float] = {}  # (stage, kind) -> when printed
     self._held: dict[tuple[str, str], tuple] = {}  # (stage, kind) -> latest batch not printed
+    self._early_notes: dict[str, str] = {}  # notes for stages not yet drawn
 
   def line(self, stage: str) -> str:
     p = self._stages[stage]
@@ -278,7 +279,8 @@ class ConsoleSink:
     now = self.clock()
     p = self._stages.get(stage)
     if p is None:
-      p = self._stages[stage] = _StageProgress(first_step=int(step), first_time=now)
+      p = self._stages[stage] = _StageProgress(first_step=int(step), first_time=now,
+                                               note=self._early_notes.pop(stage, ""))
     p.step, p.now = int(step), now
     p.metrics.update(metrics)  # eval metrics arrive on some steps only; keep the latest
     total = self.total_steps.get(stage)
@@ -290,9 +292,10 @@ class ConsoleSink:
     """``text`` at the end of ``stage``'s progress line from its next drawing on (replacing
     the previous note): e.g. ``ckpt 200 (12.3 MiB)``."""
     p = self._stages.get(stage)
-    if p is None:
-      p = self._stages[stage] = _StageProgress(first_step=0, first_time=self.clock())
-    p.note = text
+    if p is None:  # before the stage's first line: it starts with the note
+      self._early_notes[stage] = text
+    else:
+      p.note = text
 
   def end(self, stage: str):
     """The stage has finished at its latest step, before its planned total (e.g. it reached

@@ -21,8 +21,9 @@ def target_platform() -> str:
   """The platform of the program being traced ("cpu", "gpu", "tpu"): the devices of the mesh
   in context (``jax.set_mesh``, as every step, evaluation and plan is traced), so a program
   compiled for other devices than the host's (the planner's, compile-only GPU or TPU
-  devices) makes that platform's choices, not the host's.  The default backend only when no
-  mesh is set (a bare call on one device)."""
+  devices) makes that platform's choices, not the host's.  With no mesh set (a bare call in a
+  test or benchmark) a jit compiles for the default backend's device, so that is the target
+  there; every step, evaluation and plan of the trainer is traced under its mesh."""
   mesh = jax.sharding.get_abstract_mesh()
   device = None if mesh.empty else getattr(mesh, "abstract_device", None)
   platform = device.platform if device is not None else jax.default_backend()

@@ -115,7 +115,7 @@ def train_all(cfg: ExperimentConfig, workdir: str, policy, profiler, written: di
     stage.spec.validate(cfg, data)
   spec.check_packing(cfg)
   print(f"{cfg.name}: stages {' -> '.join(cfg.stages)} on mesh {dict(mesh.shape)} "
-        f"({jax.device_count()} {jax.default_backend()} devices); outputs in {workdir}")
+        f"({mesh.devices.size} {mesh.devices.flat[0].platform} devices); outputs in {workdir}")
   if policy == "none":
     start_over(workdir, cfg.stages)
   accelerator = hardware.detect_accelerator()

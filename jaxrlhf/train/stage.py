@@ -56,8 +56,7 @@ class Stage:
     self._samples: list[dict] = []  # sample rows since the last take_samples()
     check_vocabulary(cfg, self.tok, self.roles)
     # Every trained role updates once per minibatch and epoch of a step (RL), else once.
-    updates = (getattr(self.scfg, "ppo_epochs", 1) or 1) * (getattr(self.scfg, "num_minibatches",
-                                                                     1) or 1)
+    updates = getattr(self.scfg, "ppo_epochs", 1) * getattr(self.scfg, "num_minibatches", 1)
     self.opt = {role: make_optimizer(getattr(self.scfg, self.optim_fields[role]), self.steps,
                                      updates)
                 for role in self.trainable}
