@@ -1,20 +1,25 @@
 """Shared by the kernel folders: choosing an implementation by backend, and small helpers the
-Pallas kernels use (a transposing dot with float32 accumulation, padded sizes).
+Pallas kernels use (a transposing dot with float32 accumulation, padded sizes, the compiler
+parameters of the target).
 
 Choice policy, one place for every op:
   * ``"auto"`` picks the op's entry in its ``auto`` table for the target platform
-    (:func:`target_platform`: the devices of the mesh the program is traced under)
-    (Pallas on GPU, the XLA path on CPU and TPU: the Pallas kernels here are written for the
-    Triton backend, see ``kernels/NOTES.md``).
-  * ``"pallas"`` needs a GPU; on any other backend it fails with a message naming the fix.
-  * ``"pallas_interpret"`` runs the same Pallas kernels in the Pallas interpreter on any backend.
-    It is slow and meant for tests and debugging, so it is only ever used when asked for.
+    (:func:`target_platform`: the devices of the mesh the program is traced under):
+    Pallas on GPU and TPU, the XLA path on CPU.
+  * ``"pallas"`` needs a GPU or a TPU; each has its own kernels (Triton on GPU, Mosaic or
+    jax's own TPU ops on TPU: ``kernels/NOTES.md``).  On the CPU it fails with a message
+    naming the fix.
+  * ``"pallas_interpret"`` runs the same Pallas kernels in the Pallas interpreter on any backend
+    (the TPU kernels when the target is a TPU, the Triton ones otherwise).  It is slow and
+    meant for tests and debugging, so it is only ever used when asked for.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
 
 
 def target_platform() -> str:
@@ -40,12 +45,23 @@ def resolve_impl(op: str, impl: str, valid: tuple[str, ...], auto: dict[str, str
   backend = platform or target_platform()
   if impl == "auto":
     return auto.get(backend, "xla")
-  if impl == "pallas" and backend != "gpu":
+  if impl == "pallas" and backend not in ("gpu", "tpu"):
     raise ValueError(
-        f"kernels.{op}='pallas' needs a GPU (this backend is {backend!r}): the Pallas kernels "
-        f"are compiled through Triton.  Use kernels.{op}=xla, or kernels.{op}=pallas_interpret "
-        f"to run the kernel in the Pallas interpreter (slow; for debugging).")
+        f"kernels.{op}='pallas' needs a GPU or a TPU (this backend is {backend!r}): the Pallas "
+        f"kernels are compiled through Triton or Mosaic.  Use kernels.{op}=xla, or "
+        f"kernels.{op}=pallas_interpret to run the kernel in the Pallas interpreter (slow; for "
+        f"debugging).")
   return impl
+
+
+def triton_params(num_warps: int, num_stages: int):
+  """The Triton kernels' compiler parameters, or Mosaic's defaults when the target is a TPU:
+  a Triton parameters object reaching Mosaic's lowering fails there as a bare
+  AssertionError.  (The Triton kernels themselves do not lower under Mosaic, see
+  ``kernels/NOTES.md``; with these the error is Mosaic's own, naming the operation.)"""
+  if target_platform() == "tpu":
+    return pltpu.CompilerParams()
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def dot(a, b, *, trans_a: bool = False, trans_b: bool = False):

@@ -8,9 +8,11 @@ Tolerances, as a fraction of the reference's largest magnitude: float32 1e-5 (va
 (2^-8) of the outputs, or of the probabilities / logit gradients before the second matmul.
 """
 
+import re
 import typing
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,7 +23,7 @@ from kernels import logprob as lp_mod
 from kernels.attention import (BlockSizes, DecodeBlockSizes, attention, attention_reference,
                                decode_attention, flash_attention)
 from kernels.attention.reference import allowed_mask
-from kernels.logprob import (logprob_entropy, logprob_entropy_blockwise,
+from kernels.logprob import (logprob_entropy, logprob_entropy_blockwise, logprob_entropy_mosaic,
                              logprob_entropy_pallas, logprob_entropy_reference)
 
 TOL = {jnp.float32: (1e-5, 1e-4), jnp.bfloat16: (2e-2, 2e-2)}  # (values, gradients)
@@ -297,9 +299,10 @@ def _mesh_on(platform: str):
 
 def test_kernel_choices_follow_the_target_mesh_not_the_host():
   """Traced for GPU devices on this CPU host, a program makes the GPU's choices, not the
-  host's: "auto" takes the Pallas kernels, and the reference attention keeps its matmuls in
-  bfloat16; traced for the CPU (or a TPU) "auto" is XLA, and on the CPU the reference upcasts
-  to float32 (XLA:CPU has no batched bf16 x bf16 -> f32 matmul)."""
+  host's: "auto" takes the Pallas (Triton) kernels, and the reference attention keeps its
+  matmuls in bfloat16; traced for a TPU, "auto" takes the TPU kernels (Mosaic log-prob, jax's
+  splash attention); traced for the CPU it is XLA, and the reference upcasts to float32
+  (XLA:CPU has no batched bf16 x bf16 -> f32 matmul)."""
   q, k, v, kv_mask, _, _ = _attention_case(jax.random.key(7), 1, 20, 20, 2, 1, 16, 0,
                                            jnp.bfloat16)
   h, w, tgt, _ = _logprob_case(jax.random.key(8), 1, 3, 16, 40, jnp.bfloat16)
@@ -311,15 +314,32 @@ def test_kernel_choices_follow_the_target_mesh_not_the_host():
     return {str(e.invars[0].aval.dtype) for e in jaxpr.eqns if e.primitive.name == "dot_general"}
 
   with jax.sharding.use_abstract_mesh(_mesh_on("cuda")):
-    assert _has_pallas_call(at, q, k, v) and _has_pallas_call(lp, h, w, tgt)
+    assert "flash_attention_fwd" in _kernel_names(at, q, k, v)
+    assert _kernel_names(lp, h, w, tgt) == {"logprob_entropy_fwd"}
     assert dot_dtypes() == {"bfloat16"}
-  for platform in ("cpu", "tpu"):
-    with jax.sharding.use_abstract_mesh(_mesh_on(platform)):
-      assert not _has_pallas_call(at, q, k, v) and not _has_pallas_call(lp, h, w, tgt)
-  with jax.sharding.use_abstract_mesh(_mesh_on("cpu")):
-    assert dot_dtypes() == {"float32"}
   with jax.sharding.use_abstract_mesh(_mesh_on("tpu")):
+    assert any(n.startswith("splash_mha_fwd") for n in _kernel_names(at, q, k, v))
+    assert _kernel_names(lp, h, w, tgt) == {"logprob_entropy_tpu_fwd"}
+    assert not _kernel_names(lambda q, k, v: attention(q[:, :1], k, v, kv_mask, 0), q, k, v)
     assert dot_dtypes() == {"bfloat16"}
+  with jax.sharding.use_abstract_mesh(_mesh_on("cpu")):
+    assert not _has_pallas_call(at, q, k, v) and not _has_pallas_call(lp, h, w, tgt)
+    assert dot_dtypes() == {"float32"}
+
+
+def _kernel_names(f, *args) -> set[str]:
+  """The names of the Pallas kernels in ``f``'s jaxpr, nested ones included."""
+  return _pallas_names(jax.make_jaxpr(f)(*args).jaxpr)
+
+
+def _pallas_names(jaxpr) -> set[str]:
+  out = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      out.add(str(eqn.params["name"]).split()[0])
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      out |= _pallas_names(sub)
+  return out
 
 
 def _attention_loop(q, k, v, kv_mask, q_offset, scale, window, softcap):
@@ -535,6 +555,111 @@ def test_kernels_run_per_shard_on_a_mesh():
   assert "all-reduce" in hlo  # dW over the token shards
   assert got[0][0].sharding.spec[:3] == ("dp", None, "tp")
   jax.tree.map(lambda a, b: assert_close(a, b, 1e-5, "sharded vs unsharded"), got, want)
+
+
+# ------------------------------------------------------------------ TPU kernels, interpreted
+
+
+@pytest.mark.parametrize("dtype,shape,block_v,softcap", [
+    # N=18 pads to two blocks of 16; V=300 in tiles of 128, the last one partial (masked);
+    # soft-capped logits
+    (jnp.float32, (2, 9, 40, 300), 128, 3.0),
+    # V=256 in two whole tiles; bf16 operands, float32 statistics
+    (jnp.bfloat16, (1, 21, 48, 256), 128, None),
+])
+def test_mosaic_logprob_matches_reference(dtype, shape, block_v, softcap):
+  """The TPU (Mosaic) log-prob kernels, forward and both backward kernels, in the Pallas
+  interpreter against the full-logits reference: values and gradients."""
+  h, w, tgt, cot = _logprob_case(jax.random.key(20), *shape, dtype)
+  if softcap is not None:
+    w = w * 4.0  # logits well past the cap
+  tol_v, tol_g = TOL[dtype]
+  want, want_g = _with_grads(lambda h, w, t: logprob_entropy_reference(h, w, t, softcap), 2,
+                             cot)(h, w, tgt)
+  bs = lp_mod.MosaicBlockSizes(block_n=16, block_v=block_v)
+  got, got_g = _with_grads(lambda h, w, t: logprob_entropy_mosaic(
+      h, w, t, block_sizes=bs, interpret=True, softcap=softcap), 2, cot)(h, w, tgt)
+  assert got[0].dtype == got[1].dtype == jnp.float32
+  assert got_g[0].dtype == h.dtype and got_g[1].dtype == w.dtype
+  for a, b, what in zip((*got, *got_g), (*want, *want_g), ("logp", "entropy", "dh", "dw")):
+    assert_close(a, b, tol_v if what in ("logp", "entropy") else tol_g, what)
+
+
+def test_mosaic_logprob_tiles_fit_the_vmem_budget():
+  """Tiles shrink to the VMEM budget at large d_model, divide V where a 128-multiple does, and
+  the token axis pads to whole blocks."""
+  from kernels.logprob.mosaic import BlockSizes as MBS, tiles
+  assert tiles(16384, 4096, 128256, 2, MBS()) == (256, 256, 16384)  # 128256 = 501 * 256
+  assert tiles(16384, 8192, 128256, 2, MBS()) == (256, 256, 16384)
+  assert tiles(16384, 16384, 128256, 2, MBS())[1] == 128
+  assert tiles(18, 40, 300, 4, MBS(16, 128)) == (16, 128, 32)
+  assert tiles(18, 40, 70, 4, MBS()) == (32, 70, 32)  # one tile: the whole axis
+  with pytest.raises(ValueError, match=r"block_v=100 of 128"):
+    tiles(18, 40, 70, 4, MBS(16, 100))
+
+
+def test_splash_attention_matches_reference():
+  """jax's splash attention behind our contract, in the Pallas interpreter: outputs and dq,
+  dk, dv against the reference, on the rows that see a key.  Everything at once (one
+  interpreter compile): 24 queries at slots 16..39 over 40 keys (a static offset; both padded
+  to 128 lanes), left padding (the key mask as segment ids), two packed segments, a sliding
+  window of 17, soft-capping, a scale, 4 query heads over 2 KV heads."""
+  from kernels.attention.splash import splash_attention
+  dtype, t, s, q_offset = jnp.float32, 24, 40, 16
+  q, k, v, kv_mask, _, _ = _attention_case(jax.random.key(21), 2, t, s, 4, 2, 16, q_offset,
+                                           dtype)
+  kw = dict(window=17, softcap=5.0, scale=0.3,
+            segment_ids=jnp.where(jnp.arange(s) < 23, 1, 2)[None].repeat(2, 0))
+  seen = allowed_mask(t, kv_mask, q_offset, kw.get("window"), kw.get("segment_ids")).any(-1)
+  cot = jax.random.normal(jax.random.key(22), q.shape) * seen[:, :, None, None]
+  tol_v, tol_g = TOL[dtype]
+  got, got_g = _with_grads(lambda q, k, v: splash_attention(
+      q, k, v, kv_mask, q_offset, interpret=True, **kw), 3, cot)(q, k, v)
+  want, want_g = _with_grads(lambda q, k, v: attention_reference(
+      q, k, v, kv_mask, q_offset, **kw), 3, cot)(q, k, v)
+  rows = seen[:, :, None, None]
+  assert_close(jnp.where(rows, got, 0), jnp.where(rows, want, 0), tol_v, "output")
+  for name, g, r in zip("qkv", got_g, want_g):
+    assert_close(g, r, tol_g, f"d{name}")
+
+
+def test_tpu_dispatch_falls_back_where_splash_does_not_fit():
+  """On a TPU target: decode steps and a traced offset or window take the XLA path, and the
+  Triton kernels, called directly, get Mosaic's compiler parameters, never Triton's."""
+  from jax.experimental.pallas import tpu as pltpu
+  from kernels._backend import triton_params
+  q, k, v, kv_mask, _, _ = _attention_case(jax.random.key(23), 1, 20, 20, 2, 1, 16, 0,
+                                           jnp.bfloat16)
+  with jax.sharding.use_abstract_mesh(_mesh_on("tpu")):
+    assert not _kernel_names(lambda q: attention(q, k, v, kv_mask, jnp.int32(0)), q)
+    assert not _kernel_names(lambda q: attention(q, k, v, kv_mask, 0, window=jnp.int32(4)), q)
+    assert _kernel_names(lambda q: attention(q, k, v, kv_mask, 0, window=4), q)
+    assert isinstance(triton_params(4, 3), pltpu.CompilerParams)
+  assert not isinstance(triton_params(4, 3), pltpu.CompilerParams)
+
+
+def test_splash_runs_per_shard_on_a_mesh():
+  """The TPU path's shard_map (``per_shard_manual``) on the 8 CPU devices, dp 4 x tp 2: batch
+  over dp and KV heads over tp stay sharded (no all-gather), same numbers and gradients."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  from kernels.attention.splash import splash_attention
+  m = jax.make_mesh((4, 1, 2), ("dp", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3,
+                    devices=jax.devices()[:8])
+  put = lambda x, *spec: jax.device_put(x, NamedSharding(m, P(*spec)))
+  q, k, v, kv_mask, seen, cot = _attention_case(jax.random.key(24), 4, 20, 20, 4, 2, 16, 0,
+                                                jnp.float32)
+  run = _with_grads(lambda q, k, v, mk: splash_attention(q, k, v, mk, 0, interpret=True), 3,
+                    cot * seen[:, :, None, None])
+  want = run(q, k, v, kv_mask)
+  with jax.set_mesh(m):
+    args = (put(q, "dp", None, "tp"), put(k, "dp", None, "tp"), put(v, "dp", None, "tp"),
+            put(kv_mask, "dp"))
+    compiled = jax.jit(run).lower(*args).compile()
+    got = compiled(*args)
+  assert "all-gather" not in compiled.as_text()
+  rows = seen[:, :, None, None]
+  assert_close(jnp.where(rows, got[0], 0), jnp.where(rows, want[0], 0), 1e-5, "output")
+  jax.tree.map(lambda a, b: assert_close(a, b, 1e-4, "grads"), got[1], want[1])
 
 
 # ---------------------------------------------------------------------------- GPU lowering

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels._backend import cdiv, padded
+from kernels._backend import cdiv, padded, triton_params
 from kernels._sharding import per_shard
 from kernels.attention.flash import (check_shapes, first_key_block, kernel_inputs, key_block,
                                      n_key_blocks, softmax_finish, softmax_init, softmax_step,
@@ -121,7 +121,7 @@ def _decode_local(off, q5, k, v, kv_mask, *, bs, interpret, scale, kv_layout, so
       ],
       out_shape=[jax.ShapeDtypeStruct((b, kh, n_split, rows, d), jnp.float32),
                  jax.ShapeDtypeStruct((b, kh, n_split, rows), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+      compiler_params=triton_params(bs.num_warps, bs.num_stages),
       interpret=interpret,
       name="decode_attention",
   )(off, q_rows, k, v, kv_mask)

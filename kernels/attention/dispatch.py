@@ -3,16 +3,19 @@
 
 from __future__ import annotations
 
-from kernels._backend import resolve_impl
+from kernels._backend import resolve_impl, target_platform
 from kernels.attention.cudnn import attention_cudnn
 from kernels.attention.decode import decode_attention
 from kernels.attention.flash import flash_attention
 from kernels.attention.reference import attention_reference, check_layout, to_bskd
+from kernels.attention.splash import fits as splash_fits
+from kernels.attention.splash import splash_attention
 
 IMPLS = ("auto", "xla", "pallas", "pallas_interpret", "cudnn")
 # What "auto" runs on each backend (anything unlisted: "xla").  One line to change once the
-# GPU benchmark (kernels/bench_gpu.py) says cuDNN or XLA is faster.
-AUTO = {"gpu": "pallas"}
+# GPU benchmark (kernels/bench_gpu.py) says cuDNN or XLA is faster.  "pallas" on TPU is jax's
+# splash attention where it fits the call (``_tpu_impl``), the XLA path elsewhere.
+AUTO = {"gpu": "pallas", "tpu": "pallas"}
 # Up to this many new tokens per step the Pallas path uses the decode kernel (one program per
 # KV head, reading the cache once); longer query blocks use flash attention.
 DECODE_MAX_T = 16
@@ -39,6 +42,14 @@ def attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, impl: str = "au
   """
   check_layout(kv_layout)
   impl = resolve_impl("attention", impl, IMPLS, AUTO)
+  if impl in ("pallas", "pallas_interpret") and target_platform() == "tpu":
+    interpret = impl == "pallas_interpret"
+    impl = _tpu_impl(q_BTHD.shape[1], q_offset, window)
+    if impl == "splash":
+      return splash_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset, kv_layout=kv_layout,
+                              scale=scale, window=window, softcap=softcap,
+                              segment_ids=segment_ids,
+                              interpret=interpret)
   if impl == "cudnn" and softcap is not None:
     raise ValueError("kernels.attention='cudnn' has no logit soft-capping (Gemma 2's "
                      "attn_logit_softcapping); use kernels.attention=auto, pallas or xla")
@@ -65,3 +76,13 @@ def attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, impl: str = "au
                            window=window)
   return flash_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset, interpret=interpret,
                          scale=scale, **extra)
+
+
+def _tpu_impl(t: int, q_offset, window) -> str:
+  """On a TPU target, "pallas" is jax's splash attention (training, prefill from slot 0) where
+  it fits the call, and the XLA path where it does not: a decode step (T <= DECODE_MAX_T; jax's
+  paged / ragged paged attention wants a paged cache and one length per row, our cache is
+  contiguous with an arbitrary key mask, kernels/NOTES.md), a traced offset or window."""
+  if t <= DECODE_MAX_T or splash_fits(q_offset, window) is not None:
+    return "xla"
+  return "splash"

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels._backend import cdiv, dot, padded
+from kernels._backend import cdiv, dot, padded, triton_params
 from kernels._sharding import per_shard
 
 # Finite stand-ins for -inf / +inf: no inf - inf = NaN in the online softmax, and a row with
@@ -57,7 +57,7 @@ class BlockSizes:
 
 
 def _params(bs):
-  return plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+  return triton_params(bs.num_warps, bs.num_stages)
 
 
 def _load_rows(ref, row0, rows_ok, n_rows, dp, d, *, index=()):

@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
-from kernels._backend import resolve_impl
+from kernels._backend import resolve_impl, target_platform
+from kernels.logprob.mosaic import logprob_entropy_mosaic
 from kernels.logprob.pallas import logprob_entropy_pallas
 from kernels.logprob.reference import logprob_entropy_reference
 from kernels.logprob.xla import logprob_entropy_blockwise
 
 IMPLS = ("auto", "xla", "pallas", "pallas_interpret", "naive")
-# What "auto" runs on each backend (anything unlisted: "xla"); see kernels/NOTES.md.
-AUTO = {"gpu": "pallas"}
+# What "auto" runs on each backend (anything unlisted: "xla"); see kernels/NOTES.md.  "pallas"
+# is the Triton kernels on GPU, the Mosaic ones (``mosaic.py``) on TPU.
+AUTO = {"gpu": "pallas", "tpu": "pallas"}
 
 
 def logprob_entropy(h_BTD, w_DV, targets_BT, *, impl: str = "auto", block_v: int = 8192,
@@ -19,7 +21,8 @@ def logprob_entropy(h_BTD, w_DV, targets_BT, *, impl: str = "auto", block_v: int
   ``[B, T, V]`` logits unless ``impl="naive"`` (the reference, for tests and tiny vocabularies).
 
   ``impl`` is one of :data:`IMPLS`; ``block_v`` is the XLA path's vocabulary tile (the Pallas
-  kernel uses its own on-chip tiles, :class:`kernels.logprob.pallas.BlockSizes`).
+  kernels use their own on-chip tiles, :class:`kernels.logprob.pallas.BlockSizes` on GPU,
+  :class:`kernels.logprob.mosaic.BlockSizes` on TPU).
   ``softcap``: the logits are ``softcap * tanh(logits / softcap)`` (Gemma 2), on every path.
   """
   impl = resolve_impl("logprob", impl, IMPLS, AUTO)
@@ -27,6 +30,10 @@ def logprob_entropy(h_BTD, w_DV, targets_BT, *, impl: str = "auto", block_v: int
     if softcap is None:
       return logprob_entropy_reference(h_BTD, w_DV, targets_BT)
     return logprob_entropy_reference(h_BTD, w_DV, targets_BT, softcap)
+  if impl in ("pallas", "pallas_interpret") and target_platform() == "tpu":
+    kw = {} if softcap is None else {"softcap": softcap}
+    return logprob_entropy_mosaic(h_BTD, w_DV, targets_BT, interpret=impl == "pallas_interpret",
+                                  **kw)
   if impl in ("pallas", "pallas_interpret"):
     if softcap is None:
       return logprob_entropy_pallas(h_BTD, w_DV, targets_BT,

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels._backend import cdiv, dot
+from kernels._backend import cdiv, dot, triton_params
 from kernels._sharding import per_shard
 from kernels.logprob.xla import backward_blockwise
 
@@ -55,7 +55,7 @@ class BlockSizes:
 
 
 def _params(bs: BlockSizes):
-  return plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+  return triton_params(bs.num_warps, bs.num_stages)
 
 
 def _logits_tile(h_ref, w_ref, row0, row_ok, col0, col_ok, *, d, bs, cdt):
