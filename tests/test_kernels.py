@@ -16,13 +16,17 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from jaxrlhf.config import KernelsConfig
+from kernels._backend import triton_params
 from kernels import attention as attn_mod
 from kernels import logprob as lp_mod
 from kernels.attention import (BlockSizes, DecodeBlockSizes, attention, attention_reference,
                                decode_attention, flash_attention)
 from kernels.attention.reference import allowed_mask
+from kernels.attention.splash import splash_attention
+from kernels.logprob.mosaic import tiles as mosaic_tiles
 from kernels.logprob import (logprob_entropy, logprob_entropy_blockwise, logprob_entropy_mosaic,
                              logprob_entropy_pallas, logprob_entropy_reference)
 
@@ -588,14 +592,14 @@ def test_mosaic_logprob_matches_reference(dtype, shape, block_v, softcap):
 def test_mosaic_logprob_tiles_fit_the_vmem_budget():
   """Tiles shrink to the VMEM budget at large d_model, divide V where a 128-multiple does, and
   the token axis pads to whole blocks."""
-  from kernels.logprob.mosaic import BlockSizes as MBS, tiles
-  assert tiles(16384, 4096, 128256, 2, MBS()) == (256, 256, 16384)  # 128256 = 501 * 256
-  assert tiles(16384, 8192, 128256, 2, MBS()) == (256, 256, 16384)
-  assert tiles(16384, 16384, 128256, 2, MBS())[1] == 128
-  assert tiles(18, 40, 300, 4, MBS(16, 128)) == (16, 128, 32)
-  assert tiles(18, 40, 70, 4, MBS()) == (32, 70, 32)  # one tile: the whole axis
+  bs = lp_mod.MosaicBlockSizes
+  assert mosaic_tiles(16384, 4096, 128256, 2, bs()) == (256, 256, 16384)  # 128256 = 501 * 256
+  assert mosaic_tiles(16384, 8192, 128256, 2, bs()) == (256, 256, 16384)
+  assert mosaic_tiles(16384, 16384, 128256, 2, bs())[1] == 128
+  assert mosaic_tiles(18, 40, 300, 4, bs(16, 128)) == (16, 128, 32)
+  assert mosaic_tiles(18, 40, 70, 4, bs()) == (32, 70, 32)  # one tile: the whole axis
   with pytest.raises(ValueError, match=r"block_v=100 of 128"):
-    tiles(18, 40, 70, 4, MBS(16, 100))
+    mosaic_tiles(18, 40, 70, 4, bs(16, 100))
 
 
 def test_splash_attention_matches_reference():
@@ -604,7 +608,6 @@ def test_splash_attention_matches_reference():
   interpreter compile): 24 queries at slots 16..39 over 40 keys (a static offset; both padded
   to 128 lanes), left padding (the key mask as segment ids), two packed segments, a sliding
   window of 17, soft-capping, a scale, 4 query heads over 2 KV heads."""
-  from kernels.attention.splash import splash_attention
   dtype, t, s, q_offset = jnp.float32, 24, 40, 16
   q, k, v, kv_mask, _, _ = _attention_case(jax.random.key(21), 2, t, s, 4, 2, 16, q_offset,
                                            dtype)
@@ -626,8 +629,6 @@ def test_splash_attention_matches_reference():
 def test_tpu_dispatch_falls_back_where_splash_does_not_fit():
   """On a TPU target: decode steps and a traced offset or window take the XLA path, and the
   Triton kernels, called directly, get Mosaic's compiler parameters, never Triton's."""
-  from jax.experimental.pallas import tpu as pltpu
-  from kernels._backend import triton_params
   q, k, v, kv_mask, _, _ = _attention_case(jax.random.key(23), 1, 20, 20, 2, 1, 16, 0,
                                            jnp.bfloat16)
   with jax.sharding.use_abstract_mesh(_mesh_on("tpu")):
@@ -642,7 +643,6 @@ def test_splash_runs_per_shard_on_a_mesh():
   """The TPU path's shard_map (``per_shard_manual``) on the 8 CPU devices, dp 4 x tp 2: batch
   over dp and KV heads over tp stay sharded (no all-gather), same numbers and gradients."""
   from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-  from kernels.attention.splash import splash_attention
   m = jax.make_mesh((4, 1, 2), ("dp", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3,
                     devices=jax.devices()[:8])
   put = lambda x, *spec: jax.device_put(x, NamedSharding(m, P(*spec)))

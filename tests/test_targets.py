@@ -1,13 +1,14 @@
 """Compiled by the real accelerators' compilers, on this CPU host (jaxrlhf/targets.py): every
-Pallas kernel for an H200 at production shapes, the one-program step of SFT, DPO, GRPO and
-PPO on 8 compile-only H200s (Pallas on and off) and on a TPU v5e slice, what the compiled
-programs hold (the kernels, the collectives) and need (``memory_analysis()`` against the
-device's memory).
+Pallas kernel for an H200 at production shapes, every TPU kernel (our Mosaic log-prob, jax's
+splash attention) for a TPU v5e and v5p chip, the one-program step of SFT, DPO, GRPO and
+PPO on 8 compile-only H200s (Pallas on and off) and on a TPU v5e slice (TPU kernels on, and
+off under ``slow``), what the compiled programs hold (the kernels, the collectives) and need
+(``memory_analysis()`` against the device's memory).
 
 Skipped only where the ``aot`` extra is not installed (``pip install -e '.[aot]'``).  The
 tests set JAX_PLATFORMS=cpu (tests/conftest.py), which the CUDA plugin needs to load without
 CUDA.  Compiles are cached per module: about 40 s for the kernels and the CI steps, the
-other steps ``slow`` (15-45 s each on 2 cores).
+other steps ``slow`` (15-45 s each on 2 cores).  The TPU kernels and steps: about 60 s more.
 """
 
 import dataclasses
@@ -17,8 +18,9 @@ import time
 import jax
 import jax.extend.core
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from helpers import TINY
 from jaxrlhf import registry, targets
@@ -26,9 +28,10 @@ from jaxrlhf.config import ConfigError, MeshConfig, apply_overrides
 from jaxrlhf.data import DataSource
 from jaxrlhf.model.transformer import _matmul
 from jaxrlhf.train.spec import build_stage
-from kernels.attention import (BlockSizes, attention_reference, decode_attention,
+from kernels.attention import (BlockSizes, attention, attention_reference, decode_attention,
                                flash_attention)
-from kernels.logprob import logprob_entropy, logprob_entropy_pallas
+from kernels.logprob import (MosaicBlockSizes, logprob_entropy, logprob_entropy_mosaic,
+                             logprob_entropy_pallas)
 
 needs_gpu_compiler = pytest.mark.skipif(bool(targets.missing("h200")),
                                         reason=targets.missing("h200") or "")
@@ -36,6 +39,7 @@ needs_tpu_compiler = pytest.mark.skipif(bool(targets.missing("tpu-v5e")),
                                         reason=targets.missing("tpu-v5e") or "")
 
 TRITON = 'custom_call_target="__gpu$xla.gpu.triton"'
+MOSAIC = 'custom_call_target="tpu_custom_call"'
 GiB = 2**30
 bf16, f32 = jnp.bfloat16, jnp.float32
 
@@ -200,6 +204,162 @@ def test_the_wo_projection_after_xla_attention_compiles_for_gpu():
   _compile(mesh, jax.grad(lambda *a: layer(*a).sum(), argnums=(0, 1, 2, 3)), *args)
 
 
+# ------------------------------------------------------------------- kernels, TPU (Mosaic)
+
+
+def _one_tpu(accelerator: str):
+  """A one-chip mesh of a compile-only TPU (libtpu has no 1-chip slice: the first chip of a
+  2x4 / 2x2x2 one)."""
+  return Mesh(np.asarray(targets.devices(accelerator, 8)[:1]).reshape(1, 1, 1),
+              ("dp", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
+
+
+def _tpu_kernels_in(compiled) -> list[str]:
+  """The Mosaic kernels the TPU executable runs (``tpu_custom_call``), by name (the instruction
+  is named after the kernel, wrapped in the transformations it came through:
+  ``transpose_jvp_logprob_entropy_tpu_bwd_dh__.1``)."""
+  names = [re.search(r"%([A-Za-z_]\w*?)(?:\.\d+)? = ", line).group(1)
+           for line in compiled.as_text().splitlines() if MOSAIC in line]
+  return [re.sub(r"^(?:(?:transpose|jvp|vmap)_)+", "", n).rstrip("_") for n in names]
+
+
+LP_TPU = ["logprob_entropy_tpu_fwd", "logprob_entropy_tpu_bwd_dh", "logprob_entropy_tpu_bwd_dw"]
+SPLASH = ["splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals",
+          "splash_mha_dkv_segmented_no_residuals"]
+
+
+def _tpu_kernel_cases():
+  """(name, function, abstract args, kernels it must hold, slow): the TPU kernels forward and
+  backward through the dispatchers (``impl="pallas"`` on a TPU target) at the GPU cases'
+  production shapes: the Llama-3 8B and 70B log-prob heads, 32 query / 8 KV heads of 128 at
+  4096 tokens, Gemma's window and soft-cap, packed segments, head_dim 256, float32."""
+  sds = jax.ShapeDtypeStruct
+  lp_grad = lambda **kw: jax.grad(
+      lambda h, w, t: _sum(*logprob_entropy(h, w, t, impl="pallas", **kw)), argnums=(0, 1))
+  at_grad = lambda **kw: jax.grad(
+      lambda q, k, v, m, *a: _sum(attention(q, k, v, m, 0, impl="pallas", **kw)),
+      argnums=(0, 1, 2))
+  h, w, t = sds((8, 2048, 4096), bf16), sds((4096, 128256), bf16), sds((8, 2048), jnp.int32)
+  q, kv, mask = sds((2, 4096, 32, 128), bf16), sds((2, 4096, 8, 128), bf16), sds((2, 4096), bool)
+  return [
+      ("logprob bf16 8x2048x4096 V128256", lp_grad(), (h, w, t), LP_TPU, False),
+      ("logprob soft-cap f32 4x1024x2048 V32001 (partial tile)", lp_grad(softcap=30.0),
+       (sds((4, 1024, 2048), f32), sds((2048, 32001), f32), sds((4, 1024), jnp.int32)), LP_TPU,
+       False),
+      ("logprob bf16 4x2048x8192 V128256 (70B head)", lp_grad(),
+       (sds((4, 2048, 8192), bf16), sds((8192, 128256), bf16), sds((4, 2048), jnp.int32)),
+       LP_TPU, True),
+      ("splash bf16 32/8 heads of 128 T=S=4096", at_grad(), (q, kv, kv, mask), SPLASH, False),
+      ("splash window 1024 + soft-cap (Gemma)", at_grad(window=1024, softcap=50.0, scale=0.0625),
+       (q, kv, kv, mask), SPLASH, False),
+      ("splash packed segments", jax.grad(
+          lambda q, k, v, m, sg: _sum(attention(q, k, v, m, 0, impl="pallas", segment_ids=sg)),
+          argnums=(0, 1, 2)), (q, kv, kv, mask, sds((2, 4096), jnp.int32)), SPLASH, False),
+      ("splash head_dim 256", at_grad(),
+       (sds((1, 2048, 8, 256), bf16), sds((1, 2048, 4, 256), bf16), sds((1, 2048, 4, 256), bf16),
+        sds((1, 2048), bool)), SPLASH, True),
+      ("splash f32 T 1024 head_dim 64", at_grad(),
+       (sds((2, 1024, 8, 64), f32), sds((2, 1024, 2, 64), f32), sds((2, 1024, 2, 64), f32),
+        sds((2, 1024), bool)), SPLASH, True),
+  ]
+
+
+_TPU_KERNEL_CACHE: dict = {}
+
+
+def compile_tpu_kernel(accelerator: str, case: str):
+  """``(compiled, seconds, kernels wanted)`` of one TPU kernel case on one chip, cached."""
+  key = (accelerator, case)
+  if key not in _TPU_KERNEL_CACHE:
+    mesh = _one_tpu(accelerator)
+    rep = NamedSharding(mesh, P())
+    name, f, avals, want, _ = next(c for c in _tpu_kernel_cases() if c[0] == case)
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in avals]
+    t0 = time.perf_counter()
+    _TPU_KERNEL_CACHE[key] = (_compile(mesh, f, *avals), time.perf_counter() - t0, want)
+  return _TPU_KERNEL_CACHE[key]
+
+
+TPU_KERNEL_CASES = [pytest.param(c[0], marks=pytest.mark.slow if c[4] else ())
+                    for c in _tpu_kernel_cases()]
+
+
+@needs_tpu_compiler
+@pytest.mark.parametrize("case", TPU_KERNEL_CASES)
+def test_every_tpu_kernel_compiles_for_v5e(case):
+  """XLA:TPU with Mosaic compiles each kernel (Mosaic checks the blocks against the chip's
+  VMEM, an oversized block is refused: ``test_tpu_blocks_over_the_vmem_limit_...``), and the
+  executable runs our kernels as ``tpu_custom_call``s, not an XLA fallback."""
+  compiled, _, want = compile_tpu_kernel("tpu-v5e", case)
+  assert sorted(set(_tpu_kernels_in(compiled))) == sorted(want)
+  assert targets.check_fits(compiled, "tpu-v5e") < targets.memory_bytes("tpu-v5e")
+
+
+@needs_tpu_compiler
+@pytest.mark.parametrize("case", ["logprob bf16 8x2048x4096 V128256",
+                                  "splash bf16 32/8 heads of 128 T=S=4096"])
+def test_the_tpu_kernels_compile_for_v5p(case):
+  """v5p (95 GiB HBM, a megacore: the kernels' "parallel" grid axes are split over its two
+  TensorCores) compiles the production cases too."""
+  compiled, _, want = compile_tpu_kernel("tpu-v5p", case)
+  assert sorted(set(_tpu_kernels_in(compiled))) == sorted(want)
+  assert targets.check_fits(compiled, "tpu-v5p") < targets.memory_bytes("tpu-v5p")
+
+
+@needs_tpu_compiler
+def test_tpu_blocks_over_the_vmem_limit_are_rejected_by_mosaic():
+  """The log-prob kernels' tiles at D 4096 hold ~28 MiB of VMEM (``mosaic.BlockSizes``); held
+  to 8 MiB (the scoped limit passed to Mosaic), the compile refuses them with the figures.
+  (Tiles over v5e's whole 128 MiB, 2048 x 8192, are refused alike, after three minutes.)"""
+  mesh = _one_tpu("tpu-v5e")
+  rep = NamedSharding(mesh, P())
+  sds = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=rep)
+  big = MosaicBlockSizes(vmem_limit=8 * 2**20)
+  f = lambda h, w, t: logprob_entropy_mosaic(h, w, t, block_sizes=big)
+  with pytest.raises(Exception, match=r"(?i)vmem"):
+    _compile(mesh, f, sds((2, 1024, 4096), bf16), sds((4096, 32000), bf16),
+             sds((2, 1024), jnp.int32))
+
+
+@needs_tpu_compiler
+def test_the_tpu_kernels_run_per_shard_on_a_v5e_slice():
+  """On the 2x4 slice (dp 4 x tp 2) the kernels run in a shard_map (custom_partitioning does
+  not compile on TPU): each chip's log-prob kernel gets its quarter of the tokens and its
+  splash kernel its quarter of the batch and half of the heads; dW is summed over the token
+  shards."""
+  mesh = targets.mesh("tpu-v5e", MeshConfig(dp=4, fsdp=1, tp=2), 8)
+  sds = lambda s, d, *spec: jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, P(*spec)))
+  lp = jax.grad(lambda h, w, t: _sum(*logprob_entropy(h, w, t)), argnums=(0, 1))
+  lp_c = _compile(mesh, lp, sds((8, 2048, 1024), bf16, "dp"), sds((1024, 32000), bf16, None, "tp"),
+                  sds((8, 2048), jnp.int32, "dp"))
+  text = lp_c.as_text()
+  assert sorted(set(_tpu_kernels_in(lp_c))) == sorted(LP_TPU)
+  fwd = next(line for line in text.splitlines() if "logprob_entropy_tpu_fwd" in line)
+  assert "f32[4096,1]" in fwd.split("custom-call(")[0]  # 16384 / 4 rows
+  assert "all-reduce" in text  # dW
+  at = jax.grad(lambda q, k, v, m: _sum(attention(q, k, v, m, 0)), argnums=(0, 1, 2))
+  q = sds((8, 1024, 8, 128), bf16, "dp", None, "tp")
+  kv = sds((8, 1024, 2, 128), bf16, "dp", None, "tp")
+  at_c = _compile(mesh, at, q, kv, kv, sds((8, 1024), bool, "dp"))
+  assert sorted(set(_tpu_kernels_in(at_c))) == sorted(SPLASH)
+  # per chip: 2 of 8 sequences, 4 of 8 query heads (1 of 2 KV heads), all 1024 positions
+  fwd = next(line for line in at_c.as_text().splitlines() if "%splash_mha_fwd" in line)
+  assert "bf16[2,4,1024,128]" in fwd.split("custom-call(")[0]
+
+
+@needs_tpu_compiler
+def test_the_triton_kernels_on_a_tpu_fail_in_mosaic_not_on_their_parameters():
+  """Called directly on a TPU target, a Triton kernel is given Mosaic's compiler parameters
+  (never Triton's, which Mosaic's lowering rejects with a bare AssertionError), so the error
+  is Mosaic's own: its masked loads have no TPU lowering."""
+  mesh = _one_tpu("tpu-v5e")
+  rep = NamedSharding(mesh, P())
+  sds = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=rep)
+  f = lambda h, w, t: logprob_entropy_pallas(h, w, t)
+  with pytest.raises(NotImplementedError):
+    _compile(mesh, f, sds((2, 256, 512), bf16), sds((512, 1024), bf16), sds((2, 256), jnp.int32))
+
+
 # -------------------------------------------------------------- the algorithms' steps
 
 
@@ -336,14 +496,25 @@ def test_a_gpu_program_traced_on_this_host_is_the_one_a_gpu_host_traces(monkeypa
 # ----------------------------------------------------------------------------- TPU v5e
 
 
+TPU_STEP_CASES = [pytest.param(a, i, marks=() if i == "auto" else pytest.mark.slow)
+                  for a in STEPS for i in ("auto", "xla")]
+
+
 @needs_tpu_compiler
-@pytest.mark.parametrize("algo", list(STEPS))
-def test_step_compiles_for_a_tpu_v5e_slice(algo):
-  """XLA:TPU on a v5e 2x4 slice, the XLA path ("auto" on TPU: our kernels are Triton-only,
-  kernels/NOTES.md): the compile succeeds, gathers and reduces across the slice, and fits
-  the chip's 16 GiB."""
-  compiled, _ = compile_step("tpu-v5e", algo, "auto")
+@pytest.mark.parametrize("algo,impl", TPU_STEP_CASES)
+def test_step_compiles_for_a_tpu_v5e_slice(algo, impl):
+  """XLA:TPU on a v5e 2x4 slice: with ``auto`` the step runs the TPU kernels (the Mosaic
+  log-prob head, splash attention for the training and reference passes; generation's decode
+  and cache prefill stay on XLA, kernels/NOTES.md), with ``xla`` none; either compiles,
+  gathers and reduces across the slice, and fits the chip's 16 GiB."""
+  compiled, _ = compile_step("tpu-v5e", algo, impl)
+  kernels = set(_tpu_kernels_in(compiled))
   assert not _kernels_in(compiled)
+  if impl == "auto":
+    want = set(LP_TPU) | set(SPLASH)
+    assert want <= kernels, want - kernels
+  else:
+    assert not kernels
   coll = collectives(compiled)
   assert coll.get("all-reduce", 0) > 0, coll
   assert 0 < targets.check_fits(compiled, "tpu-v5e", f"{algo} step") < 0.1 * GiB

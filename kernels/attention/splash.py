@@ -93,8 +93,9 @@ def _local(q_BKGTD, k_BKSD, v_BKSD, qseg_BT, kvseg_BS, *, q_offset, window, soft
 
 @functools.lru_cache(maxsize=None)
 def _op(q_offset, window, softcap, interpret):
-  return per_shard_manual(functools.partial(_local, q_offset=q_offset, window=window, softcap=softcap,
-                                     interpret=interpret),
+  local = functools.partial(_local, q_offset=q_offset, window=window, softcap=softcap,
+                            interpret=interpret)
+  return per_shard_manual(local,
                           "b k g t d, b k s d, b k s d, b t, b s -> b k g t d",
                           replicated=("g", "t", "s", "d"))
 

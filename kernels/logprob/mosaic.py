@@ -202,7 +202,9 @@ def _statics(h_ND, w_DV, bs, softcap):
 
 
 def _pad_rows(x, n_pad):
-  return x if x.shape[0] == n_pad else jnp.pad(x, [(0, n_pad - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+  if x.shape[0] == n_pad:
+    return x
+  return jnp.pad(x, [(0, n_pad - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
 
 
 def _forward_local(h_ND, w_DV, t_N, *, bs, interpret, softcap=None):
