@@ -131,6 +131,15 @@ def test_plan_json_schema_and_table(tmp_path, monkeypatch, capsys, small_plans):
   assert doc["cost"]["band"].startswith("under $50k")
   out = capsys.readouterr().out
   assert "sft/step" in out and "fits: peak" in out and "plan.json" in out
+  # Nothing overlapped: compute plus collectives, above the roofline; the cost is on the
+  # roofline.  XLA:CPU schedules no asynchronous collectives: no overlapped time, and why.
+  assert doc["unoverlapped_step_seconds"] >= doc["est_step_seconds"]
+  assert prog["t_unoverlapped"] == pytest.approx(
+      max(prog["t_compute"], prog["t_memory"]) + prog["t_comm"])
+  assert doc["cost"]["step_time"].startswith("est_step_seconds: the roofline")
+  if doc["compiler"] == "cpu":
+    assert doc["overlapped_step_seconds"] is None and prog["t_overlapped"] is None
+    assert "XLA:CPU compiled it" in doc["overlap_absent"] and "overlap: not estimated" in out
 
 
 def test_search_finds_the_smallest_device_count(small_plans):

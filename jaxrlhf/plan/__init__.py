@@ -27,6 +27,9 @@ Where each figure comes from (details and caveats in docs/plan.md):
   they overlap perfectly -- a lower bound.  Phases run one after another, so an RL step's
   time is the sum of its phases' times; the decoding loop is assumed to run all
   ``max_new_tokens`` steps.
+  Compiled by the target's own compiler, the plan also reads how much of the collectives'
+  time its schedule hides behind computation (`jaxrlhf.plan.hlo.schedule`) and reports the
+  step as scheduled and with nothing overlapped; the cost stays on the roofline.
 
 The package, one concern a module, each importing only the ones above it:
 

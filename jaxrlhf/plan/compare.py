@@ -51,6 +51,9 @@ def compare(accelerator: str = "h100", workdir: str = "runs/compare70b", search:
         "fits": p.fits, "min_devices": smallest[0] if smallest else None,
         "min_mesh": smallest[1] if smallest else None, "searched": search,
         "est_step_seconds": p.final_stage.est_step_seconds, "gpu_hours_per_run": p.gpu_hours,
+        "compiler": p.compiler,
+        "overlapped_step_seconds": p.final_stage.overlapped_step_seconds,
+        "unoverlapped_step_seconds": p.final_stage.unoverlapped_step_seconds,
         "usd_per_run": p.usd_per_run, "steps": p.final_stage.steps,
         "seed": dict(zip(("models_in_memory", "min_gpus", "memory_per_gpu", "gpu_hours"),
                          seed))})
@@ -73,7 +76,10 @@ def format_compare(rows: list[dict], acc) -> str:
   head = (f"{'':<8} {'models':>6} {'seed':>5} | {'min (tpxfsdpxdp)':>16} {'seed':>6} | "
           f"{'GB/dev @N':>10} {'fits':>4} {'seed':>10} | {'step':>7} {'dev-hours':>9} "
           f"{'seed':>11}")
-  lines = [f"\nours (compiled on simulated devices) vs the seed analysis, {acc.name}:", head]
+  compiler = rows[0].get("compiler", "cpu") if rows else "cpu"
+  where = ("on simulated CPU devices" if compiler == "cpu" else
+           f"by XLA:{compiler.upper()} on compile-only devices")
+  lines = [f"\nours (compiled {where}) vs the seed analysis, {acc.name}:", head]
   for r in rows:
     s = r["seed"]
     mem = f"{r['peak_bytes_per_device'] / GB:.0f} @{r['devices']}"
@@ -85,4 +91,9 @@ def format_compare(rows: list[dict], acc) -> str:
         f"{r['gpu_hours_per_run']:>9,.0f} {s['gpu_hours']:>11}")
   lines.append("dev-hours: the experiment's configured steps at the roofline step time (a lower "
                "bound); why the figures differ: docs/plan.md")
+  lines += [f"{r['experiment']}: step {fmt_secs(r['unoverlapped_step_seconds'])} with nothing "
+            f"overlapped" + (f", {fmt_secs(r['overlapped_step_seconds'])} as XLA:"
+                             f"{compiler.upper()} scheduled the overlap"
+                             if r.get("overlapped_step_seconds") is not None else "")
+            for r in rows if "unoverlapped_step_seconds" in r]
   return "\n".join(lines)

@@ -1,6 +1,6 @@
 """What the planner reads from XLA's optimised HLO text, beyond memory and cost analysis.
 
-Two things a compiled program knows but its summary figures hide:
+Three things a compiled program knows but its summary figures hide:
 
 * **Collective traffic per device** (:func:`collective_traffic`): every all-gather,
   all-reduce, reduce-scatter, all-to-all and collective-permute, its result size, its
@@ -16,6 +16,11 @@ Two things a compiled program knows but its summary figures hide:
   how much these copies add to the peak with a small liveness simulation over the scheduled
   HLO (each computation's instructions in schedule order, buffers live from definition to
   last use, ``while``/``call`` bodies adding their own peak), run with and without them.
+* **How much collective time the schedule hides** (:func:`schedule`): a target compiler's
+  program (XLA:GPU's) is printed in schedule order with each asynchronous collective as a
+  ``*-start`` / ``*-done`` pair; the instructions between them run while it moves its bytes.
+  One run is laid on a timeline (a compute stream, one collective stream), each instruction
+  costed by its roofline, each collective by the bytes :func:`collective_traffic` counts.
 
 Only what the planner needs is parsed; anything unrecognised is skipped, never guessed.
 """
@@ -49,6 +54,7 @@ class Instr:
   operands: list[str]
   attrs: str
   root: bool = False
+  param: int = -1  # a parameter's number
 
 
 @dataclasses.dataclass
@@ -130,7 +136,10 @@ def parse_hlo(text: str) -> Module:
     opcode = rest[:op_end]
     close = _matching(rest, op_end)
     operands = re.findall(r"%([\w.\-]+)", rest[op_end:close])
-    current.append(Instr(m.group(2), typ, opcode, operands, rest[close:], bool(m.group(1))))
+    number = re.fullmatch(r"\((\d+)\)", rest[op_end:close]) if opcode == "parameter" else None
+    param = int(number.group(1)) if number else -1
+    current.append(Instr(m.group(2), typ, opcode, operands, rest[close:], bool(m.group(1)),
+                         param))
   return Module(comps, entry)
 
 
@@ -252,6 +261,39 @@ def _scaled_bytes(t: Type, f32_scale: float) -> float:
   return type_bytes(t) * (f32_scale if t[0] == "f32" else 1.0)
 
 
+def _collective_kind(ins: Instr) -> Optional[str]:
+  """The collective ``ins`` is, synchronous or the start of an asynchronous one."""
+  return next((k for k in COLLECTIVES if ins.opcode in (k, k + "-start")), None)
+
+
+def _sent(ins: Instr, n_devices: int, node_size: int, f32_scale: float):
+  """``(kind, bytes one device sends, crosses nodes, unread groups 0/1)`` for one execution
+  of a collective (ring volumes), or None when ``ins`` is none."""
+  kind = _collective_kind(ins)
+  if kind is None:
+    return None
+  result = ins.type[-1] if ins.opcode.endswith("-start") and isinstance(ins.type, list) \
+      and ins.type else ins.type  # an async start's type is (operands, results)
+  size = _scaled_bytes(result, f32_scale)
+  if kind == "collective-permute":
+    pairs = _permute_pairs(ins.attrs)
+    crosses = any(a // node_size != b // node_size for a, b in pairs) if pairs else (
+        n_devices > node_size)
+    return kind, size, crosses, 0
+  groups = replica_groups(ins.attrs, n_devices)
+  if groups is None:
+    g, crosses = n_devices, n_devices > node_size
+  else:
+    g = groups.shape[1]
+    nodes = groups // node_size
+    crosses = bool(np.any(nodes.min(axis=1) != nodes.max(axis=1)))
+  if g <= 1:
+    return kind, 0.0, crosses, int(groups is None)
+  moved = {"all-gather": size * (g - 1) / g, "all-to-all": size * (g - 1) / g,
+           "reduce-scatter": size * (g - 1), "all-reduce": 2 * size * (g - 1) / g}[kind]
+  return kind, moved, crosses, int(groups is None)
+
+
 def collective_traffic(module: Module, n_devices: int, node_size: int,
                        unknown_trip: int = 1, f32_scale: float = 1.0) -> Traffic:
   """Per-device bytes each collective moves, times how often it runs (ring volumes: an
@@ -262,30 +304,13 @@ def collective_traffic(module: Module, n_devices: int, node_size: int,
   out = Traffic()
   for comp, m in mult.items():
     for ins in module.computations[comp]:
-      kind = next((k for k in COLLECTIVES if ins.opcode in (k, k + "-start")), None)
-      if kind is None:
+      sent = _sent(ins, n_devices, node_size, f32_scale)
+      if sent is None:
         continue
-      result = ins.type[-1] if ins.opcode.endswith("-start") and isinstance(ins.type, list) \
-          and ins.type else ins.type  # an async start's type is (operands, results)
-      size = _scaled_bytes(result, f32_scale)
-      if kind == "collective-permute":
-        pairs = _permute_pairs(ins.attrs)
-        moved = size
-        crosses = any(a // node_size != b // node_size for a, b in pairs) if pairs else (
-            n_devices > node_size)
-      else:
-        groups = replica_groups(ins.attrs, n_devices)
-        if groups is None:
-          out.unread += 1
-          g, crosses = n_devices, n_devices > node_size
-        else:
-          g = groups.shape[1]
-          nodes = groups // node_size
-          crosses = bool(np.any(nodes.min(axis=1) != nodes.max(axis=1)))
-        if g <= 1:
-          continue
-        moved = {"all-gather": size * (g - 1) / g, "all-to-all": size * (g - 1) / g,
-                 "reduce-scatter": size * (g - 1), "all-reduce": 2 * size * (g - 1) / g}[kind]
+      kind, moved, crosses, unread = sent
+      out.unread += unread
+      if moved == 0:
+        continue
       out.ops += 1
       out.executions += m
       if crosses:
@@ -294,6 +319,204 @@ def collective_traffic(module: Module, n_devices: int, node_size: int,
         out.intra_bytes += moved * m
       out.by_kind[kind] = out.by_kind.get(kind, 0.0) + moved * m
   return out
+
+
+# ------------------------------------------------------------------ the scheduled overlap
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+  """Per-device rates a schedule is costed at (the plan's roofline rates): FLOP/s, HBM
+  bytes/s, and collective bytes/s inside a node and across nodes."""
+
+  flops: float
+  hbm: float
+  intra: float
+  inter: float
+
+
+@dataclasses.dataclass
+class Schedule:
+  """One run of a compiled program laid on a timeline in its scheduled order (seconds).
+
+  ``ops_seconds``: every other instruction's roofline (``ops_scale`` times), one after
+  another; ``comm_seconds``: every collective's time at its link.  ``seconds`` runs each
+  asynchronous collective, on one collective stream, beside what is scheduled between its
+  start and its done, so it lies between ``max(ops, comm)`` and ``ops + comm``.  Loops
+  count once per trip."""
+
+  ops_seconds: float = 0.0
+  comm_seconds: float = 0.0
+  seconds: float = 0.0
+  async_collectives: int = 0  # static counts (a loop body's once)
+  sync_collectives: int = 0
+
+  @property
+  def hidden_seconds(self) -> float:
+    """Collective time the schedule hides behind the other instructions."""
+    return max(self.ops_seconds + self.comm_seconds - self.seconds, 0.0)
+
+
+# Instructions that move no data of their own (views, tuples, markers) or whose work is
+# counted elsewhere (a loop's or call's body, an async collective's start and done).
+_FREE_OPS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
+             "partition-id", "replica-id", "optimization-barrier", "add-dependency", "domain",
+             "while", "call", "conditional", "async-start", "async-update", "async-done"}
+
+
+def _dot_flops(ins: Instr, types: dict[str, Type]) -> float:
+  """2 x output elements x contracted size of a dot, or of a cuBLAS gemm custom call."""
+  m = (re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+       or re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs))
+  lhs = types.get(ins.operands[0]) if ins.operands else None
+  out = ins.type[0] if isinstance(ins.type, list) and ins.type else ins.type
+  if m is None or not isinstance(lhs, tuple) or not isinstance(out, tuple):
+    return 0.0
+  k = math.prod(lhs[1][d] for d in _ints(m.group(1)) if d < len(lhs[1]))
+  return 2.0 * math.prod(out[1]) * k
+
+
+def _fused_flops(module: Module, comp: str, depth: int = 0) -> float:
+  """The matmul FLOPs of a fused computation, nested fusions included."""
+  instrs = module.computations.get(comp, [])
+  types = {i.name: i.type for i in instrs}
+  flops = 0.0
+  for ins in instrs:
+    if ins.opcode == "dot":
+      flops += _dot_flops(ins, types)
+    elif depth < 8:
+      flops += sum(_fused_flops(module, c, depth + 1) for c in _callees(ins))
+  return flops
+
+
+def _fusion_bytes(module: Module, ins: Instr, types: dict[str, Type]) -> float:
+  """HBM bytes a fusion reads and writes: its operands and result, except an operand that is
+  only sliced inside (a layer's slice of a stacked weight: the slice is read) or only updated
+  in place (a loop's stacked output: the update is written)."""
+  m = re.search(r"calls=%([\w.\-]+)", ins.attrs)
+  body = module.computations.get(m.group(1), []) if m else []
+  params = {b.param: b.name for b in body if b.opcode == "parameter"}
+  users: dict[str, list[Instr]] = {}
+  for b in body:
+    for op in b.operands:
+      users.setdefault(op, []).append(b)
+  total = 0.0
+  for k, op in enumerate(ins.operands):
+    us = users.get(params.get(k, ""), [])
+    if us and all(u.opcode in ("dynamic-slice", "slice", "gather") for u in us):
+      total += sum(type_bytes(u.type) for u in us)
+    elif not (us and all(u.opcode == "dynamic-update-slice" and u.operands[0] == params[k]
+                         for u in us)):
+      total += type_bytes(types.get(op, ("token", ())))
+  root = next((b for b in body if b.root), None)
+  if root is not None and root.opcode == "dynamic-update-slice" and len(root.operands) > 1:
+    inner = {b.name: b.type for b in body}
+    return total + type_bytes(inner.get(root.operands[1], ("token", ())))
+  return total + type_bytes(ins.type)
+
+
+def op_seconds(module: Module, ins: Instr, types: dict[str, Type], rates: Rates) -> float:
+  """The roofline of one non-collective instruction: the slower of its matmul FLOPs and the
+  HBM bytes of its operands and result (each fusion is one kernel reading from and writing
+  to HBM).  A Pallas kernel's FLOPs are not in the HLO: it is costed by its bytes."""
+  if ins.opcode in _FREE_OPS or ins.opcode.endswith(("-start", "-done")):
+    return 0.0
+  if ins.opcode == "fusion":
+    m = re.search(r"calls=%([\w.\-]+)", ins.attrs)
+    flops = _fused_flops(module, m.group(1)) if m else 0.0
+    moved = _fusion_bytes(module, ins, types)
+  else:
+    flops = _dot_flops(ins, types) if ins.opcode in ("dot", "custom-call") else 0.0
+    if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1:
+      moved = 2 * type_bytes(types.get(ins.operands[1], ("token", ())))
+    elif ins.opcode in ("dynamic-slice", "slice", "copy"):
+      moved = 2 * type_bytes(ins.type)
+    else:
+      moved = type_bytes(ins.type) + sum(type_bytes(types.get(op, ("token", ())))
+                                         for op in set(ins.operands))
+  return max(flops / rates.flops, moved / rates.hbm)
+
+
+def _is_sync(ins: Instr) -> bool:
+  return '"is_sync":true' in ins.attrs
+
+
+def schedule(module: Module, n_devices: int, node_size: int, rates: Rates,
+             unknown_trip: int = 1, f32_scale: float = 1.0, ops_scale: float = 1.0) -> Schedule:
+  """Lays one run of ``module`` on a timeline with a compute stream and one collective
+  stream, in the order the compiler scheduled it.
+
+  An asynchronous collective (``*-start`` ... ``*-done``, or ``async-start`` wrapping one;
+  not one XLA marked ``is_sync``) starts when the collective stream is free and the compute
+  stream has reached its start, and the compute stream waits for it at its done: it is
+  hidden behind whatever the compiler placed in between.  A synchronous collective stops
+  both streams.  A loop's body runs its trip count times, each trip on its own (overlap
+  across trips is not counted); a loop or call that holds collectives waits for the
+  collective stream first.  Collective times use :func:`collective_traffic`'s bytes at
+  ``rates.intra`` / ``rates.inter``; other instructions :func:`op_seconds` x ``ops_scale``.
+  """
+  memo: dict[str, Schedule] = {}
+
+  def coll_seconds(ins: Instr) -> float:
+    if ins.opcode == "async-start":
+      return sum(coll_seconds(i) for c in _callees(ins) for i in module.computations.get(c, []))
+    sent = _sent(ins, n_devices, node_size, f32_scale)
+    if sent is None:
+      return 0.0
+    _, moved, crosses, _ = sent
+    return moved / (rates.inter if crosses else rates.intra)
+
+  def run(comp: str, depth: int) -> Schedule:
+    if comp in memo:
+      return memo[comp]
+    memo[comp] = Schedule()  # recursion guard
+    out = Schedule()
+    instrs = module.computations.get(comp, [])
+    types = {i.name: i.type for i in instrs}
+    t_ops = t_coll = 0.0  # when each stream is next free
+    pending: dict[str, float] = {}  # async start -> when its collective ends
+    for ins in instrs:
+      starts = ins.opcode.endswith("-start") and _collective_kind(ins) is not None or (
+          ins.opcode == "async-start" and coll_seconds(ins) > 0)
+      if starts or _collective_kind(ins) is not None:
+        t = coll_seconds(ins)
+        out.comm_seconds += t
+        if starts and not _is_sync(ins):
+          out.async_collectives += 1
+          t_coll = max(t_coll, t_ops) + t
+          pending[ins.name] = t_coll
+        else:
+          out.sync_collectives += 1
+          t_ops = t_coll = max(t_coll, t_ops) + t
+          if starts:
+            pending[ins.name] = t_ops
+      elif ins.opcode.endswith("-done") and ins.operands and ins.operands[0] in pending:
+        t_ops = max(t_ops, pending.pop(ins.operands[0]))
+      elif ins.opcode in ("while", "call", "conditional") and depth < 64:
+        subs = [run(c, depth + 1) for c in _callees(ins)]
+        if ins.opcode == "while":
+          trips = _trip_count(ins) or unknown_trip
+          sub = Schedule(*(trips * sum(getattr(s, f) for s in subs)
+                           for f in ("ops_seconds", "comm_seconds", "seconds")))
+        else:  # a call's body, or the costliest branch
+          sub = max(subs, key=lambda s: s.seconds, default=Schedule())
+        out.ops_seconds += sub.ops_seconds
+        out.comm_seconds += sub.comm_seconds
+        out.async_collectives += sum(s.async_collectives for s in subs)
+        out.sync_collectives += sum(s.sync_collectives for s in subs)
+        if sub.comm_seconds > 0:
+          t_ops = t_coll = max(t_ops, t_coll) + sub.seconds
+        else:
+          t_ops += sub.seconds
+      else:
+        t = op_seconds(module, ins, types, rates) * ops_scale
+        out.ops_seconds += t
+        t_ops += t
+    out.seconds = max([t_ops, t_coll, *pending.values()])
+    memo[comp] = out
+    return out
+
+  return run(module.entry, 0)
 
 
 # ------------------------------------------------------------------------ CPU upcasts

@@ -38,6 +38,16 @@ class ProgramPlan:
   t_comm: float = math.nan
   est_seconds: float = math.nan
   bound: str = ""
+  # Compute/HBM and collectives added, nothing overlapped: max(t_compute, t_memory) + t_comm.
+  t_unoverlapped: float = math.nan
+  # Read from the target compiler's schedule (None when compiled by XLA:CPU, which schedules
+  # no asynchronous collectives for the target): t_unoverlapped less the collective time hidden
+  # behind the computation scheduled between each asynchronous collective's start and done.
+  t_overlapped: Optional[float] = None
+  t_hidden: Optional[float] = None
+  hlo_ops_seconds: Optional[float] = None  # the schedule's own roofline of its non-collectives
+  async_collectives: Optional[int] = None  # in the compiled program (loop bodies once)
+  sync_collectives: Optional[int] = None
   compile_seconds: float = 0.0
   largest_temporaries: list = dataclasses.field(default_factory=list)
 
@@ -62,13 +72,15 @@ def abstract_outputs(fn, compiled, *args):
 
 def read_program(name: str, compiled, *, runs: bool, held: int, n_devices: int,
                  node_size: int, unknown_trip: int, half_f32_traffic: bool,
-                 compile_seconds: float, cpu: bool = True) -> ProgramPlan:
+                 compile_seconds: float, cpu: bool = True,
+                 modules: Optional[dict] = None) -> ProgramPlan:
   """Memory, raw cost and collective traffic of a compiled program.  ``held``: bytes per
   device resident while it runs (0 for a program that takes everything as arguments);
   what of it is not an argument of the compiled program counts towards its peak (jit drops
   unused arguments, so the compiled argument size is the measure).  ``cpu``: compiled by
   XLA:CPU, whose float32 copies of 16-bit arrays (and collectives) are taken out; a target's
-  own compile (``cpu=False``) is read as it is."""
+  own compile (``cpu=False``) is read as it is, and its parsed HLO is kept in ``modules``
+  (by program name) for :func:`overlap`."""
   from jaxrlhf.plan import hlo as plan_hlo
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
@@ -76,6 +88,8 @@ def read_program(name: str, compiled, *, runs: bool, held: int, n_devices: int,
     cost = cost[0] if cost else {}
   cost = cost or {}
   module = plan_hlo.parse_hlo(compiled.as_text())
+  if modules is not None and not cpu:
+    modules[name] = module
   upcast = plan_hlo.cpu_upcast_bytes(module) if cpu else 0
   half_f32_traffic = half_f32_traffic and cpu
   traffic = plan_hlo.collective_traffic(module, n_devices, node_size, unknown_trip,
@@ -107,6 +121,34 @@ def roofline(p: ProgramPlan, work: Optional[Work], n_devices: int, acc, node_bw:
   times = {"compute": p.t_compute, "memory": p.t_memory, "collectives": p.t_comm}
   p.bound = max(times, key=times.get)
   p.est_seconds = times[p.bound]
+  p.t_unoverlapped = max(p.t_compute, p.t_memory) + p.t_comm
+
+
+def overlap(p: ProgramPlan, module, acc, node_bw: float, n_devices: int, node_size: int,
+            unknown_trip: int) -> None:
+  """Fills in how much of the program's collective time the target's schedule hides (in
+  place; after :func:`roofline`).  The schedule (:func:`jaxrlhf.plan.hlo.schedule`) gives
+  where computation lies between each asynchronous collective's start and done; its
+  instructions' roofline is scaled so that they add up to the plan's own analytic
+  ``max(t_compute, t_memory)``, so that the hidden time is in the plan's units."""
+  from jaxrlhf.plan import hlo as plan_hlo
+  if module is None or math.isnan(p.t_unoverlapped):
+    return
+  rates = plan_hlo.Rates(acc.peak_flops, acc.hbm_bandwidth, acc.interconnect_bandwidth / 2,
+                         node_bw)
+  args = (module, n_devices, node_size, rates, unknown_trip)
+  raw = plan_hlo.schedule(*args)
+  work = max(p.t_compute, p.t_memory)
+  sched = plan_hlo.schedule(*args, ops_scale=work / raw.ops_seconds) if raw.ops_seconds else raw
+  p.hlo_ops_seconds = raw.ops_seconds
+  p.async_collectives, p.sync_collectives = sched.async_collectives, sched.sync_collectives
+  p.t_hidden = min(sched.hidden_seconds, work, p.t_comm)
+  p.t_overlapped = p.t_unoverlapped - p.t_hidden
+
+
+def _sum_or_none(xs) -> Optional[float]:
+  xs = list(xs)
+  return None if not xs or any(x is None for x in xs) else sum(xs)
 
 
 def sum_work(works) -> Work:
@@ -129,6 +171,10 @@ class StagePlan:
   may_end_early: str = ""
   # An RL stage's decode layout (rollout.decode_layout): see :func:`decode_plan`.
   decode: Optional[dict] = None
+  # The step with compute/HBM and collectives added (nothing overlapped), and as the target
+  # compiler's schedule overlaps them (None when XLA:CPU compiled it): ProgramPlan's fields.
+  unoverlapped_step_seconds: float = math.nan
+  overlapped_step_seconds: Optional[float] = None
 
   @property
   def peak(self) -> ProgramPlan:
@@ -194,10 +240,11 @@ def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True
   rl = stage.spec.generates
   unknown_trip = max(stage.N - 1, 1) if rl else 1
   on_cpu = mesh.devices.flat[0].platform == "cpu"
+  modules: dict = {}  # the target's compiled HLO by program, for the overlap
   read = lambda label, c, secs, runs, held=0: read_program(
       f"{name}/{label}", c, runs=runs, held=held, n_devices=n, node_size=node_size,
       unknown_trip=unknown_trip, half_f32_traffic=sixteen_bit, compile_seconds=secs,
-      cpu=on_cpu)
+      cpu=on_cpu, modules=modules)
   programs: list[ProgramPlan] = []
   with jax.set_mesh(mesh):
     if getattr(stage, "episodes", None) is not None:
@@ -226,16 +273,20 @@ def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True
     if label(p) == "rest":
       roofline(p, sum_work(w for k, w in work.items() if k != "generate"), n, acc, node_bw)
   if rl and one_program:
+    roofline(programs[0], sum_work(work.values()), n, acc, node_bw)
+  for p in programs:
+    overlap(p, modules.pop(p.name, None), acc, node_bw, n, node_size, unknown_trip)
+  # An RL step runs its phases one after another: the step's times are their sums.
+  phases = [p for p in programs if label(p) in work] if rl and one_program else []
+  timed = phases or ([p for p in programs if p.runs] if rl else programs[:1])
+  step_seconds = sum(p.est_seconds for p in timed)
+  unoverlapped = sum(p.t_unoverlapped for p in timed)
+  overlapped = _sum_or_none(p.t_overlapped for p in timed)
+  if phases:
     step = programs[0]
-    roofline(step, sum_work(work.values()), n, acc, node_bw)
-    phases = [p for p in programs if label(p) in work]
-    if phases:
-      step.est_seconds, step.bound = sum(p.est_seconds for p in phases), "sum of phases"
-    step_seconds = step.est_seconds
-  elif rl:
-    step_seconds = sum(p.est_seconds for p in programs if p.runs)
-  else:
-    step_seconds = programs[0].est_seconds
+    step.est_seconds, step.bound = step_seconds, "sum of phases"
+    step.t_unoverlapped, step.t_overlapped = unoverlapped, overlapped
+    step.t_hidden = _sum_or_none(p.t_hidden for p in phases)
   tokens = work["generate" if rl else "step"].tokens
   models = []
   for r, h in stage.trainable.items():
@@ -251,6 +302,8 @@ def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True
              for r, h in stage.frozen().items()]
   return StagePlan(stage=name, steps=stage.steps, mode=mode, programs=programs,
                    est_step_seconds=step_seconds, tokens_per_step=tokens,
+                   unoverlapped_step_seconds=unoverlapped,
+                   overlapped_step_seconds=overlapped,
                    consumers=_consumers(state, frozen, batch),
                    models_in_memory=models,
                    may_end_early=stage.stop_rule(),

@@ -36,6 +36,27 @@ def fmt_secs(x: float) -> str:
   return f"{x * 1e3:.0f}ms" if x < 1 else f"{x:.1f}s"
 
 
+# Why a plan compiled by XLA:CPU has no overlapped time.
+NO_SCHEDULE = ("XLA:CPU compiled it: its collectives are synchronous, so its program holds no "
+               "schedule of the target's asynchronous ones (pip install -e '.[aot]' compiles "
+               "for the target)")
+# Which step time the cost figures use.
+COST_TIME = ("est_step_seconds: the roofline, compute, HBM and collectives overlapping "
+             "perfectly (a lower bound); overlapped_step_seconds (as scheduled) and "
+             "unoverlapped_step_seconds (added) lie above it")
+
+
+def overlap_text(s) -> str:
+  """One line on a stage's step with its collectives overlapped as scheduled, and not."""
+  serial = f"{fmt_secs(s.unoverlapped_step_seconds)} with nothing overlapped"
+  if s.overlapped_step_seconds is None:
+    return f"overlap: not estimated ({NO_SCHEDULE}); {serial}"
+  hidden = s.unoverlapped_step_seconds - s.overlapped_step_seconds
+  return (f"overlap: {fmt_secs(s.overlapped_step_seconds)} as the compiler scheduled it "
+          f"({fmt_secs(hidden)} of collectives hidden behind computation between their start "
+          f"and done), {serial}; the roofline and the cost assume perfect overlap")
+
+
 def to_json(plan: Plan) -> dict:
   """The plan.json document (schema in docs/plan.md)."""
   acc = plan.accelerator
@@ -53,6 +74,9 @@ def to_json(plan: Plan) -> dict:
       "experiment": plan.experiment, "devices": plan.devices, "accelerator": acc.name,
       "compiler": plan.compiler,
       "mesh": plan.mesh, "fits": plan.fits, "est_step_seconds": main.est_step_seconds,
+      "overlapped_step_seconds": main.overlapped_step_seconds,
+      "unoverlapped_step_seconds": main.unoverlapped_step_seconds,
+      **({"overlap_absent": NO_SCHEDULE} if main.overlapped_step_seconds is None else {}),
       "est_usd_per_step": plan.usd_per_step, "programs": progs,
       "memory": {"device_bytes": acc.memory_bytes, "usable_bytes": plan.usable_bytes,
                  "peak_bytes_per_device": max(s.peak.peak_bytes_per_device
@@ -62,6 +86,8 @@ def to_json(plan: Plan) -> dict:
       "stages": [{"stage": s.stage, "steps": s.steps, "may_end_early": s.may_end_early,
                   "mode": s.mode,
                   "est_step_seconds": s.est_step_seconds,
+                  "overlapped_step_seconds": s.overlapped_step_seconds,
+                  "unoverlapped_step_seconds": s.unoverlapped_step_seconds,
                   "tokens_per_s": s.tokens_per_step / s.est_step_seconds
                   if s.est_step_seconds > 0 else math.nan,
                   "models_in_memory": s.models_in_memory, "consumers": s.consumers,
@@ -69,7 +95,7 @@ def to_json(plan: Plan) -> dict:
                  for s in plan.stages],
       "cost": {"usd_per_hour_per_device": acc.usd_per_hour, "gpu_hours_per_run": plan.gpu_hours,
                "usd_per_run": plan.usd_per_run, "runs_per_month": plan.runs_per_month,
-               "usd_per_month": usd_month, "band": band(usd_month)},
+               "usd_per_month": usd_month, "band": band(usd_month), "step_time": COST_TIME},
       "plan_seconds": plan.plan_seconds,
   }
 
@@ -109,6 +135,7 @@ def format_plan(plan: Plan) -> str:
     tps = s.tokens_per_step / s.est_step_seconds if s.est_step_seconds > 0 else math.nan
     lines.append(f"step: {fmt_secs(s.est_step_seconds)} (roofline, a lower bound), "
                  f"{tps:,.0f} tokens/s")
+    lines.append(overlap_text(s))
     if s.decode is not None:
       d = s.decode
       if d["layout"] == "tp":
