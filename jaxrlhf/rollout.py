@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jaxrlhf.config import ConfigError, KernelsConfig, ModelConfig, RolloutConfig
 from jaxrlhf.mesh import constrain
 from jaxrlhf.model.transformer import (KVCache, forward, init_cache, last_valid_index,
-                                       lm_logits, positions_from_mask)
+                                       lm_logits, positions_from_mask, unstack_layers)
+from kernels._backend import target_platform
 
 # Static arguments of the jitted entry points (hashable frozen configs and ints).
 _STATIC = ("cfg", "rollout", "eos_id", "pad_id", "num_samples", "kernels")
@@ -190,8 +191,26 @@ def _check(prompt_tokens_BP, prompt_mask_BP, cfg: ModelConfig, rollout: RolloutC
 
 def _constrain_cache(cache: KVCache) -> KVCache:
   axes = KVCache.axes()
+  if cache.per_layer:  # each layer's buffer: the stacked axes less "layers"
+    kv = lambda xs, ax: tuple(constrain(x, ax[1:]) for x in xs)
+    return KVCache(k=kv(cache.k, axes.k), v=kv(cache.v, axes.v),
+                   mask=constrain(cache.mask, axes.mask), index=cache.index)
   return KVCache(k=constrain(cache.k, axes.k), v=constrain(cache.v, axes.v),
                  mask=constrain(cache.mask, axes.mask), index=cache.index)
+
+
+def unrolled_decode(kernels: KernelsConfig) -> bool:
+  """Whether decoding runs its layers unrolled over per-layer weights and cache
+  (``kernels.decode``; "auto": on CPU, the platform of the program being traced)."""
+  if kernels.decode == "auto":
+    return target_platform() == "cpu"
+  return kernels.decode == "unrolled"
+
+
+def decode_params(params, cfg: ModelConfig, kernels: KernelsConfig):
+  """The policy's parameters as the decode loop reads them: per-layer copies in
+  ``compute_dtype`` when it is unrolled (:func:`unrolled_decode`), else as they are."""
+  return unstack_layers(params, cfg) if unrolled_decode(kernels) else params
 
 
 def _rows(x):
@@ -283,12 +302,17 @@ def _prefill(params, tokens_XP, mask_XP, *, cfg: ModelConfig, kernels: KernelsCo
   return lm_logits(params, h_X1D, cfg)[:, 0], cache
 
 
-def _grow(cache: KVCache, n: int, extra: int) -> KVCache:
+def _grow(cache: KVCache, n: int, extra: int, per_layer: bool = False) -> KVCache:
   """Each prompt's cache replicated for its ``n`` samples and extended with ``extra`` empty
   slots (the ``N - 1`` decoding writes: the last sampled token is never fed back).  Slots past
-  a row's stop stay masked out."""
-  grow = lambda x: jnp.pad(jnp.repeat(x, n, axis=1), ((0, 0), (0, 0), (0, 0), (0, extra),
-                                                      (0, 0)))
+  a row's stop stay masked out.  ``per_layer``: the result holds one buffer per layer (for an
+  unrolled decode, :func:`unrolled_decode`)."""
+  if per_layer:
+    grow1 = lambda x: jnp.pad(jnp.repeat(x, n, axis=0), ((0, 0), (0, 0), (0, extra), (0, 0)))
+    grow = lambda x: tuple(grow1(x[i]) for i in range(x.shape[0]))
+  else:
+    grow = lambda x: jnp.pad(jnp.repeat(x, n, axis=1), ((0, 0), (0, 0), (0, 0), (0, extra),
+                                                        (0, 0)))
   return _constrain_cache(KVCache(
       k=grow(cache.k), v=grow(cache.v),
       mask=jnp.pad(jnp.repeat(cache.mask, n, axis=0), ((0, 0), (0, extra))),
@@ -307,15 +331,16 @@ def _generate(params, prompt_tokens_BP, prompt_mask_BP, key, stop_at_B=None, *,
   # Prefill once per prompt, then replicate for the group with the decoding slots.
   last_logits, cache = _prefill(params, tokens_BP, mask_BP, cfg=cfg, kernels=kernels)
   first_logits = jnp.repeat(last_logits, n, axis=0)
-  cache = _grow(cache, n, n_new - 1)
+  cache = _grow(cache, n, n_new - 1, per_layer=unrolled_decode(kernels))
+  dparams = decode_params(params, cfg, kernels)
   # Rotary positions continue from each row's number of real prompt tokens.
   start_B = jnp.repeat(jnp.sum(mask_BP, axis=1, dtype=jnp.int32), n)
 
   def advance(cache, tok_B, live_B, i):
     pos_B1 = (start_B + i - 1)[:, None]
-    h, cache = forward(params, tok_B[:, None], pos_B1, live_B[:, None], cfg=cfg, cache=cache,
+    h, cache = forward(dparams, tok_B[:, None], pos_B1, live_B[:, None], cfg=cfg, cache=cache,
                        attn_impl=kernels.attention)
-    return _rows(lm_logits(params, h, cfg)[:, 0]), _constrain_cache(cache)
+    return _rows(lm_logits(dparams, h, cfg)[:, 0]), _constrain_cache(cache)
 
   stop_at = None if stop_at_B is None else jnp.repeat(stop_at_B.astype(jnp.int32), n)
   decoded = _decode(_rows(first_logits), advance, cache, key, cfg=cfg, rollout=rollout,
@@ -399,7 +424,8 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
 
   # The first G prompts, prefilled together as generate does, then the slots decoding writes.
   first_logits, cache = prefill(_rows(tokens_QP[:g_n]), _rows(mask_QP[:g_n]))
-  cache = _grow(cache, n, n_new - 1)
+  cache = _grow(cache, n, n_new - 1, per_layer=unrolled_decode(kernels))
+  dparams = decode_params(params, cfg, kernels)
 
   # Per-row slot state (the response running in each row) and per-group state.
   slots = dict(
@@ -481,8 +507,13 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
       mask_1P = jax.lax.dynamic_slice_in_dim(mask_QP, q, 1, axis=0)
       logits_1V, small = prefill(tok_1P, mask_1P)
       at, r0 = cache.index - p, g * n
-      kv = lambda big, new: jax.lax.dynamic_update_slice(big, jnp.repeat(new, n, axis=1),
-                                                         (0, r0, 0, at, 0))
+      if cache.per_layer:
+        kv = lambda big, new: tuple(
+            jax.lax.dynamic_update_slice(b, jnp.repeat(new[i], n, axis=0), (r0, 0, at, 0))
+            for i, b in enumerate(big))
+      else:
+        kv = lambda big, new: jax.lax.dynamic_update_slice(big, jnp.repeat(new, n, axis=1),
+                                                           (0, r0, 0, at, 0))
       rmask_nS = jax.lax.dynamic_update_slice_in_dim(
           jnp.zeros((n, cache.mask.shape[1]), bool), jnp.repeat(mask_1P, n, axis=0), at, 1)
       cache = _constrain_cache(KVCache(
@@ -520,11 +551,12 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
   def body(state):
     i, cache, slots, tok_R, live_R, out, group = state
     pos_R1 = (slots["start"] + slots["j"] - 1)[:, None]
-    h, cache = forward(params, tok_R[:, None], pos_R1, live_R[:, None], cfg=cfg, cache=cache,
-                       attn_impl=kernels.attention)
+    h, cache = forward(dparams, tok_R[:, None], pos_R1, live_R[:, None], cfg=cfg,
+                       cache=cache, attn_impl=kernels.attention)
     cache = _constrain_cache(cache)
     group = {**group, "busy": group["busy"] + jnp.sum(live_R, dtype=jnp.int32)}
-    slots, tok_R, live_R = record(slots, _rows(lm_logits(params, h, cfg)[:, 0]), ~slots["done"])
+    slots, tok_R, live_R = record(slots, _rows(lm_logits(dparams, h, cfg)[:, 0]),
+                                  ~slots["done"])
     out, group = harvest(slots, out, group)
     cache, slots, tok_R, live_R, group = refill(cache, slots, tok_R, live_R, group)
     out, group = harvest(slots, out, group)

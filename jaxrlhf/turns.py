@@ -32,7 +32,8 @@ import numpy as np
 
 from jaxrlhf.config import KernelsConfig, ModelConfig, RolloutConfig
 from jaxrlhf.model.transformer import KVCache, forward, lm_logits
-from jaxrlhf.rollout import _constrain_cache, _grow, _prefill, _real_vocab, _rows, sample_logits
+from jaxrlhf.rollout import (_constrain_cache, _grow, _prefill, _real_vocab, _rows,
+                             decode_params, sample_logits, unrolled_decode)
 
 # Why an action ended (``act``'s ``reason_R``).
 NOT_LIVE, EOS, STOP, TURN_LIMIT, BUFFER_FULL = 0, 1, 2, 3, 4
@@ -42,7 +43,7 @@ NOT_LIVE, EOS, STOP, TURN_LIMIT, BUFFER_FULL = 0, 1, 2, 3, 4
 class Conversation:
   """The decoding state of ``R`` conversations over ``S`` slots."""
 
-  cache: KVCache  # [L, R, K, S, Dh]; cache.index: the next slot every row writes
+  cache: KVCache  # [L, R, K, S, Dh] (or per layer); cache.index: the next slot every row writes
   tokens_RS: jax.Array  # int32: prompt, then actions and observations as written (pad in holes)
   mask_RS: jax.Array  # bool: real tokens
   policy_RS: jax.Array  # bool: tokens the policy sampled
@@ -58,7 +59,7 @@ def start(params, prompt_RP, pmask_RP, *, cfg: ModelConfig, total: int,
   tokens = _rows(prompt_RP.astype(jnp.int32))
   mask = _rows(pmask_RP.astype(bool))
   logits, cache = _prefill(params, tokens, mask, cfg=cfg, kernels=kernels)
-  cache = _grow(cache, 1, total - p)
+  cache = _grow(cache, 1, total - p, per_layer=unrolled_decode(kernels))
   pad = lambda x, v: jnp.pad(x, ((0, 0), (0, total - p)), constant_values=v)
   return Conversation(cache=cache, tokens_RS=_rows(pad(tokens, 0)),
                       mask_RS=_rows(pad(mask, False)),
@@ -94,6 +95,7 @@ def act(params, conv: Conversation, key, live_R, *, cfg: ModelConfig, rollout: R
   table, k = _stop_table(stop_seqs)
   eos = jnp.asarray(eos_id, jnp.int32)
   first = conv.cache.index
+  dparams = decode_params(params, cfg, kernels)
 
   def cond(s):
     j, c, active, _, _ = s
@@ -106,9 +108,9 @@ def act(params, conv: Conversation, key, live_R, *, cfg: ModelConfig, rollout: R
     tok = jnp.where(active, tok, pad_id)
     i = c.cache.index
     put = lambda buf, col: jax.lax.dynamic_update_slice_in_dim(buf, col[:, None], i, axis=1)
-    h, cache = forward(params, tok[:, None], c.pos_R[:, None], active[:, None], cfg=cfg,
+    h, cache = forward(dparams, tok[:, None], c.pos_R[:, None], active[:, None], cfg=cfg,
                        cache=c.cache, attn_impl=kernels.attention)
-    logits = jnp.where(active[:, None], lm_logits(params, h, cfg)[:, 0], c.logits_RV)
+    logits = jnp.where(active[:, None], lm_logits(dparams, h, cfg)[:, 0], c.logits_RV)
     c = c.replace(cache=_constrain_cache(cache), tokens_RS=_rows(put(c.tokens_RS, tok)),
                   mask_RS=_rows(put(c.mask_RS, active)), policy_RS=_rows(put(c.policy_RS, active)),
                   logp_RS=_rows(put(c.logp_RS, jnp.where(active, logp, 0.0))),

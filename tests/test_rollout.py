@@ -243,7 +243,8 @@ def _all_shapes(jaxpr, out=None):
   return out
 
 
-def test_sharded_generation_equals_unsharded():
+@pytest.mark.parametrize("decode", ["scanned", "unrolled"])
+def test_sharded_generation_equals_unsharded(decode):
   cfg = dataclasses.replace(CFG, n_kv_heads=4)
   params = M.init_params(cfg, jax.random.key(0))
   prompts = ragged_batch(jax.random.key(2), 4, P, cfg.vocab_size)
@@ -254,15 +255,20 @@ def test_sharded_generation_equals_unsharded():
     st = tuple(jax.device_put(x, batch_sharding(m, 2, x.shape)) for x in prompts)
     ro = RolloutConfig(max_new_tokens=N, temperature=1.0, top_k=20)
     compiled = R.generate.lower(sp, *st, jax.random.key(9), cfg=cfg, rollout=ro, eos_id=-1,
-                                num_samples=2).compile()
+                                num_samples=2, kernels=KernelsConfig(decode=decode)).compile()
     got = compiled(sp, *st, jax.random.key(9))
     hlo = compiled.as_text()
   np.testing.assert_array_equal(got.tokens, ref.tokens)
   np.testing.assert_array_equal(got.mask, ref.mask)
   np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5)
   np.testing.assert_allclose(got.sample_logprobs, ref.sample_logprobs, atol=1e-5)
-  # The per-device KV cache is [layers, rows/dp, kv_heads/tp, P+N-1, head_dim].
-  assert f"f32[{cfg.n_layers},4,1,{P + N - 1},{cfg.head_dim}]" in hlo
+  # The per-device KV cache is [layers, rows/dp, kv_heads/tp, P+N-1, head_dim], or that per
+  # layer when the decode loop is unrolled.
+  if decode == "scanned":
+    assert f"f32[{cfg.n_layers},4,1,{P + N - 1},{cfg.head_dim}]" in hlo
+  else:
+    assert f"f32[4,1,{P + N - 1},{cfg.head_dim}]" in hlo
+    assert f"f32[{cfg.n_layers},4,1,{P + N - 1},{cfg.head_dim}]" not in hlo
   assert f"f32[{cfg.n_layers},8,{P + N - 1},4,{cfg.head_dim}]" not in hlo
 
 
@@ -293,3 +299,49 @@ def test_settings_that_cannot_work_fail_with_the_field_named(params, prompts, ch
   ro = dataclasses.replace(RolloutConfig(max_new_tokens=N), **change)
   with pytest.raises(ConfigError, match=match):
     R.generate(params, *prompts, jax.random.key(0), cfg=CFG, rollout=ro, eos_id=eos_id)
+
+
+# A Gemma-shaped config (interleaved sliding / full layers, a local rotary base, soft-capping):
+# the unrolled loop reads the layer index as a Python int where the scan traces it.
+GEMMA_LIKE = dataclasses.replace(CFG, sliding_window=3, layer_types=("sliding", "full"),
+                                 rope_local_theta=100.0, attn_softcap=50.0)
+
+
+@pytest.mark.parametrize("cfg", [CFG, GEMMA_LIKE])
+def test_unrolled_decode_is_the_scanned_decode_bit_for_bit(prompts, cfg):
+  # kernels.decode only moves data (per-layer copies of the weights and cache): every token and
+  # log-prob is the scanned loop's exactly, for generate and for in-flight refill.  (With a
+  # 16-bit compute_dtype too, under XLA_FLAGS=--xla_allow_excess_precision=false; by default
+  # XLA may skip the scanned loop's per-token rounding of the weights to bfloat16, which the
+  # unrolled loop does once, as written: benchmarks/NOTES.md, change 14.)
+  params = M.init_params(cfg, jax.random.key(0))
+  ro = RolloutConfig(max_new_tokens=N, temperature=1.0, top_k=20)
+  outs = {}
+  for decode in ("scanned", "unrolled"):
+    kern = KernelsConfig(decode=decode)
+    plain = R.generate(params, *prompts, jax.random.key(5), cfg=cfg, rollout=ro, eos_id=3,
+                       num_samples=2, kernels=kern)
+    stop_at = jnp.asarray([3, 5, 2, 4])  # early ends, so that groups are refilled
+    refill = R.generate_refill(params, *prompts, jax.random.key(5), stop_at, cfg=cfg,
+                               rollout=ro, eos_id=3, num_samples=2, num_groups=2, kernels=kern)
+    outs[decode] = (plain, refill)
+  for got, want in zip(outs["unrolled"], outs["scanned"]):
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.logprobs, want.logprobs)
+    np.testing.assert_array_equal(got.sample_logprobs, want.sample_logprobs)
+  assert int(outs["scanned"][1].stats["started"]) > 2  # refill did refill
+
+
+def test_unrolled_decode_holds_a_buffer_per_layer(params, prompts):
+  # What makes it fast on a CPU: no [L, ...] cache in the decode loop, so no layer slice is
+  # copied out per token, and the loop reads per-layer weights.
+  ro = RolloutConfig(max_new_tokens=N)
+  lower = lambda decode: R.generate.lower(params, *prompts, jax.random.key(0), cfg=CFG,
+                                          rollout=ro, eos_id=-1,
+                                          kernels=KernelsConfig(decode=decode)).compile()
+  stacked = f"f32[{CFG.n_layers},4,{CFG.n_kv_heads},{P + N - 1},{CFG.head_dim}]"
+  assert stacked in lower("scanned").as_text()
+  unrolled = lower("unrolled").as_text()
+  assert stacked not in unrolled
+  assert f"f32[4,{CFG.n_kv_heads},{P + N - 1},{CFG.head_dim}]" in unrolled
+  assert R.unrolled_decode(KernelsConfig()) == (jax.default_backend() == "cpu")

@@ -614,17 +614,27 @@ class LoggingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class KernelsConfig:
-  """Which implementation each hot op uses: "auto" picks by backend (Pallas on GPU, XLA
-  elsewhere); "pallas_interpret" runs the Pallas kernels in the slow interpreter (debugging)."""
+  """Which implementation each hot op uses: "auto" picks by the target platform (Pallas on GPU
+  and TPU, XLA on CPU); "pallas_interpret" runs the Pallas kernels in the slow interpreter
+  (debugging)."""
 
-  # Log-prob and entropy over the vocabulary: "xla" blockwise, "pallas" fused kernels (GPU),
-  # "naive" full logits (the reference, for tests and tiny vocabularies).
+  # Log-prob and entropy over the vocabulary: "xla" blockwise, "pallas" fused kernels (Triton
+  # on GPU, Mosaic on TPU), "naive" full logits (the reference, for tests and tiny
+  # vocabularies).
   logprob: Literal["auto", "xla", "pallas", "pallas_interpret", "naive"] = "auto"
-  # Attention: "xla", "pallas" (flash and decode kernels, GPU), "cudnn" (NVIDIA GPUs, 16-bit
+  # Attention: "xla", "pallas" (GPU: our flash and decode kernels; TPU: jax's splash
+  # attention, with decode and the cache prefill on XLA), "cudnn" (NVIDIA GPUs, 16-bit
   # compute_dtype; no soft-capping or packed rows).
   attention: Literal["auto", "xla", "pallas", "pallas_interpret", "cudnn"] = "auto"
   # Vocabulary columns per block of the XLA log-prob path (the Pallas kernel has its own).
   logprob_block_v: int = 8192
+  # The decode step's layer loop: "unrolled" reads per-layer copies of the weights (cast to
+  # compute_dtype once per generation, one more copy of the layers while it runs) and a
+  # per-layer KV cache, so no layer's weights or cache are copied out per token (XLA's CPU
+  # runtime copies a scanned layer's slice at every step: benchmarks/NOTES.md, change 14);
+  # "scanned" scans the stacked weights and cache (what GPU and TPU compilers read in place);
+  # "auto" unrolled on CPU, scanned elsewhere.
+  decode: Literal["auto", "unrolled", "scanned"] = "auto"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -120,7 +120,12 @@ class KVCache:
   and the next slot to write (a scalar shared by the batch).  Head-major, so each head's slots
   are contiguous: the attention matmuls (and the decode kernel's per-head programs) read a
   layer's cache as it is; slot-major, every decode step copied it into this order first
-  (benchmarks/NOTES.md, change 6)."""
+  (benchmarks/NOTES.md, change 6).
+
+  Or *per layer*: ``k`` and ``v`` tuples of ``L`` arrays ``[B, K, S, Dh]``, each its own
+  buffer, which :func:`forward` runs with its layers unrolled (``kernels.decode``): a layer
+  writes and reads its own buffer in place, where a stacked cache's layer is a slice that
+  XLA's CPU runtime copies out at every decode step (benchmarks/NOTES.md, change 14)."""
 
   k: jax.Array
   v: jax.Array
@@ -132,12 +137,29 @@ class KVCache:
     kv = ("layers", "batch", "kv_heads", "seq", "head_dim")
     return KVCache(k=kv, v=kv, mask=("batch", "seq"), index=())
 
+  @property
+  def per_layer(self) -> bool:
+    """Whether ``k`` and ``v`` are tuples of per-layer buffers."""
+    return isinstance(self.k, tuple)
+
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
   shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
   dtype = _dtype(cfg.compute_dtype)
   return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                  mask=jnp.zeros((batch, max_len), bool), index=jnp.zeros((), jnp.int32))
+
+
+def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
+  """``params`` with the stacked layers split into a tuple of per-layer dicts, each cast to
+  ``compute_dtype``: what an unrolled decode loop reads (``kernels.decode``).  Made once per
+  generation, outside the decode loop, it costs one copy of the layers' weights for the
+  generation's lifetime and saves a slice copy (and a cast) of every layer at every token."""
+  cdt = _dtype(cfg.compute_dtype)
+  layers = params["layers"]
+  per = tuple(jax.tree.map(lambda p, i=i: p[i].astype(cdt), layers)
+              for i in range(cfg.n_layers))
+  return {**params, "layers": per}
 
 
 # ------------------------------------------------------------------------------- forward
@@ -258,8 +280,10 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
   ``((cos, sin) global, (cos, sin) local)`` with a local rotary base.
   ``cache_kv`` is None or ``(k_LBKSD, v_LBKSD, layer)``: the *whole* cache and this layer's
   index; the new keys/values are written into it in place (one slot range of one layer) and it
-  is returned whole.  Without a cache, ``cache_kv`` may be ``(None, None, layer)``: the layer
-  index alone, for configs whose layers differ (sliding / full)."""
+  is returned whole.  Or ``(k_BKSD, v_BKSD, layer)``: this layer's own cache (a per-layer
+  :class:`KVCache`), written and returned the same way.  Without a cache, ``cache_kv`` may be
+  ``(None, None, layer)``: the layer index alone, for configs whose layers differ (sliding /
+  full)."""
   cdt = _dtype(cfg.compute_dtype)
   lp = jax.tree.map(lambda p: p.astype(cdt), lp)
   off = cfg.norm_offset
@@ -296,12 +320,18 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
   v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
   if cache_kv is not None and cache_kv[0] is not None:
     ck, cv, li = cache_kv
-    at = (li, 0, 0, q_offset, 0)
-    head_major = lambda x: x.astype(ck.dtype).transpose(0, 2, 1, 3)[None]  # [1, B, K, T, D]
-    ck = jax.lax.dynamic_update_slice(ck, head_major(k), at)
-    cv = jax.lax.dynamic_update_slice(cv, head_major(v), at)
-    k_all = jax.lax.dynamic_index_in_dim(ck, li, 0, keepdims=False)
-    v_all = jax.lax.dynamic_index_in_dim(cv, li, 0, keepdims=False)
+    if ck.ndim == 4:  # this layer's own buffer
+      at = (0, 0, q_offset, 0)
+      head_major = lambda x: x.astype(ck.dtype).transpose(0, 2, 1, 3)  # [B, K, T, D]
+      k_all = ck = jax.lax.dynamic_update_slice(ck, head_major(k), at)
+      v_all = cv = jax.lax.dynamic_update_slice(cv, head_major(v), at)
+    else:
+      at = (li, 0, 0, q_offset, 0)
+      head_major = lambda x: x.astype(ck.dtype).transpose(0, 2, 1, 3)[None]  # [1, B, K, T, D]
+      ck = jax.lax.dynamic_update_slice(ck, head_major(k), at)
+      cv = jax.lax.dynamic_update_slice(cv, head_major(v), at)
+      k_all = jax.lax.dynamic_index_in_dim(ck, li, 0, keepdims=False)
+      v_all = jax.lax.dynamic_index_in_dim(cv, li, 0, keepdims=False)
     o = attention(q, k_all, v_all, kv_mask, q_offset, impl=attn_impl, kv_layout="bksd",
                   **attn_kw)
     new_kv = (ck, cv)
@@ -333,7 +363,10 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
 
   tokens_BT, positions_BT: token ids and rotary positions; mask_BT: which tokens are real.
   Without a cache the T tokens attend causally among themselves; with one, they are written at
-  slots ``cache.index .. +T`` and attend to every valid earlier slot.
+  slots ``cache.index .. +T`` and attend to every valid earlier slot.  The layers run in a
+  ``lax.scan`` over the stacked weights (``cfg.scan_layers``), or unrolled, one after
+  another: without ``scan_layers``, with a per-layer cache, or with ``params["layers"]`` a
+  tuple of per-layer dicts (:func:`unstack_layers`).
   ``segment_ids_BT`` (int, without a cache): packed rows, several sequences per row, each
   token attending only to its own sequence (id >= 1; 0 for padding, where ``mask_BT`` must be
   false); the positions should restart at each sequence (:func:`positions_from_segments`).
@@ -378,11 +411,19 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
     return (h, kv), None
 
   kv = None if cache is None else (cache.k, cache.v)
-  if cfg.scan_layers:
+  unstacked = isinstance(params["layers"], (tuple, list))
+  per_layer_kv = cache is not None and cache.per_layer
+  if cfg.scan_layers and not unstacked and not per_layer_kv:
     (h, kv), _ = jax.lax.scan(step, (h, kv), (params["layers"], jnp.arange(cfg.n_layers)))
+  elif per_layer_kv:
+    ks, vs = list(kv[0]), list(kv[1])
+    for i in range(cfg.n_layers):
+      lp = params["layers"][i] if unstacked else jax.tree.map(lambda p: p[i], params["layers"])
+      h, (ks[i], vs[i]) = layer(h, lp, rope_cs, kv_mask, q_offset, (ks[i], vs[i], i))
+    kv = (tuple(ks), tuple(vs))
   else:
     for i in range(cfg.n_layers):
-      lp = jax.tree.map(lambda p: p[i], params["layers"])
+      lp = params["layers"][i] if unstacked else jax.tree.map(lambda p: p[i], params["layers"])
       (h, kv), _ = step((h, kv), (lp, i))
   h = rms_norm(h, params["final_norm"].astype(cdt), cfg.norm_eps, cfg.norm_offset)
   new_cache = None
