@@ -632,8 +632,8 @@ class KernelsConfig:
   # compute_dtype once per generation, one more copy of the layers while it runs) and a
   # per-layer KV cache, so no layer's weights or cache are copied out per token (XLA's CPU
   # runtime copies a scanned layer's slice at every step: benchmarks/NOTES.md, change 14);
-  # "scanned" scans the stacked weights and cache (what GPU and TPU compilers read in place);
-  # "auto" unrolled on CPU, scanned elsewhere.
+  # "scanned" scans the stacked weights and cache (XLA:GPU hands a layer's slice to its
+  # matmuls as an offset); "auto" unrolled on CPU, scanned elsewhere (and in --plan).
   decode: Literal["auto", "unrolled", "scanned"] = "auto"
 
 

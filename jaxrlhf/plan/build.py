@@ -106,6 +106,10 @@ def build_plan(cfg: ExperimentConfig, n_devices: int, acc, *, full: bool = True,
   sizes = resolve_mesh_shape(mesh_cfg, n_devices)
   cfg = dataclasses.replace(cfg, mesh=MeshConfig(**sizes))
   cfg = resolve_models(cfg, sizes["tp"])
+  if cfg.kernels.decode == "auto":
+    # The accelerator's decode loop, on either compiler: "auto" would give a CPU-simulated
+    # plan the CPU's unrolled loop, and with it a second copy of the policy's layers.
+    cfg = dataclasses.replace(cfg, kernels=dataclasses.replace(cfg.kernels, decode="scanned"))
   compiler = compiler_of(cfg, acc)
   if compiler == "cpu":
     mesh = make_mesh(cfg.mesh, jax.devices("cpu")[:n_devices])
