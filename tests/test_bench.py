@@ -31,6 +31,35 @@ def test_workload_model_has_the_issue_parameter_count():
     suite.workload_config("sft")
 
 
+def test_real_model_workloads_fix_the_issue_shape():
+  # smol_grpo is the shape TRL was measured at in issue 43: 4 prompts x 4 samples x 128 new
+  # tokens, prompts up to 192 tokens; the suite runs it through the trainer, evaluation off.
+  sys.path.insert(0, ROOT)
+  sys.path.insert(0, os.path.join(ROOT, "tests"))
+  from benchmarks import suite
+  from helpers import real_model
+  folder, why = real_model()
+  if folder is None:
+    pytest.skip(why)
+  cfg = suite.smol_config("smol_grpo", steps=3)
+  assert (cfg.grpo.batch_size, cfg.grpo.num_samples, cfg.rollout.max_new_tokens,
+          cfg.data.max_prompt_len, cfg.grpo.steps, cfg.grpo.eval_every) == (4, 4, 128, 192, 3, 0)
+  assert cfg.model.hf_path and cfg.model.compute_dtype == "float32"
+  dpo = suite.smol_config("smol_dpo", steps=2)
+  assert (dpo.dpo.steps, dpo.dpo.eval_every) == (2, 0)
+
+
+def test_peer_trl_smol_rewards_are_the_experiments_terms():
+  # The TRL side of smol_grpo scores as smol_gsm8k_grpo does: 0.5 for exactly one non-empty
+  # box, 1.0 more when it holds the answer (commas ignored).
+  sys.path.insert(0, ROOT)
+  from benchmarks.peer_trl import smol_rewards
+  texts = ["The answer is \\boxed{1,200}.", "The answer is \\boxed{7}.", "\\boxed{}",
+           "\\boxed{3} or \\boxed{4}", "no box", [{"content": "\\boxed{1200}"}]]
+  assert smol_rewards(texts, ["1200", "1200", "1200", "3", "5", "1200"]) == [
+      1.5, 0.5, 0.0, 0.0, 0.0, 1.5]
+
+
 def test_spread_workload_lengths_and_packing(tmp_path):
   """The spread-length set: lengths from 8 to 512 (log-uniform: median near 64), the same
   4.46M policy, and its packed batches holding the padded batches' tokens in fewer slots."""
