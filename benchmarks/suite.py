@@ -765,7 +765,8 @@ def smol_config(name: str, steps: int):
              f"smollm2-135m-instruct")
   missing = [f for f in (cfg.data.prompts_path, cfg.data.pairs_path) if f == ""]
   if len(missing) == 2:
-    sys.exit(f"{name}: ../shared/data was not found; set the data file with --set")
+    sys.exit(f"{name}: no data: put GSM8K and HH-RLHF in ../shared/data beside this "
+             f"checkout (gsm8k/train.jsonl, hh-rlhf-harmless/pairs.jsonl)")
   return cfg
 
 

@@ -38,9 +38,12 @@ def test_real_model_workloads_fix_the_issue_shape():
   sys.path.insert(0, os.path.join(ROOT, "tests"))
   from benchmarks import suite
   from helpers import real_model
+  from experiments.smol import _shared
   folder, why = real_model()
   if folder is None:
     pytest.skip(why)
+  if not _shared("gsm8k", "train.jsonl"):
+    pytest.skip("../shared/data is not beside this checkout")
   cfg = suite.smol_config("smol_grpo", steps=3)
   assert (cfg.grpo.batch_size, cfg.grpo.num_samples, cfg.rollout.max_new_tokens,
           cfg.data.max_prompt_len, cfg.grpo.steps, cfg.grpo.eval_every) == (4, 4, 128, 192, 3, 0)
