@@ -447,6 +447,10 @@ def lm_logits(params: dict, h_BTD: jax.Array, cfg: ModelConfig) -> jax.Array:
   positions (sampling); training code uses the blockwise log-prob op instead."""
   logits = jnp.einsum("btd,dv->btv", h_BTD, unembedding(params, cfg),
                       preferred_element_type=jnp.float32)
+  # Vocabulary-sharded like the unembedding: left free, XLA:GPU's partitioner all-gathered the
+  # whole [D, V] matrix at every decoded token (2.1 GB a token for a 70B model, docs/plan.md)
+  # where the logits' rows are what needs moving.
+  logits = constrain(logits, ("batch", "seq", "vocab"))
   if cfg.final_softcap:
     logits = jnp.tanh(logits / cfg.final_softcap) * cfg.final_softcap
   return logits
