@@ -808,8 +808,7 @@ def worker_smol(name: str, steps: int) -> dict:
     out["generated_tokens_per_s"] = out["generated_tokens_per_step"] / out["step_s"]["median"]
   if "decode_bytes_per_s" in out:
     out["decode_bandwidth_fraction"] = out["decode_bytes_per_s"] / bandwidth
-  update = out["phases_s"].get("score_and_update") or out["phases_s"].get("update")
-  if update and "flops_per_step" in out:
+  if "flops_per_step" in out:
     out["step_flops_fraction"] = out["flops_per_step"] / out["step_s"]["median"] / r["square"]
   return out
 
@@ -820,9 +819,10 @@ def report_smol(r: dict) -> str:
            f"  first step             {r['first_step_s']:8.1f} s   incl. compilation",
            f"  steady step            {s['median']:8.1f} s   median of {s['n']} "
            f"(min {s['min']:.1f}, max {s['max']:.1f}; load {r['loadavg_1min'][0]:.1f} -> "
-           f"{r['loadavg_1min'][1]:.1f})",
-           "  phases                 " + ", ".join(f"{k} {v:.1f} s"
-                                                  for k, v in r["phases_s"].items())]
+           f"{r['loadavg_1min'][1]:.1f})"]
+  if r["phases_s"]:
+    lines.append("  phases                 " + ", ".join(f"{k} {v:.1f} s"
+                                                         for k, v in r["phases_s"].items()))
   if "generated_tokens_per_s" in r:
     lines.append(f"  generated tokens/s     {r['generated_tokens_per_s']:8.1f}     "
                  f"({r['generated_tokens_per_step']:.0f} per step)")
