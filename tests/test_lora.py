@@ -67,8 +67,9 @@ def test_first_rl_step_has_exactly_zero_kl_and_one_copy_of_the_base(name):
   cfg = with_lora(config(), name)
   stage, state, frozen, metrics = run_steps(cfg, name, mesh(), steps=2)
   # The KL the update sees (the policy's teacher-forced log-probs against the reference's):
-  # PPO's reward-side KL, GRPO's loss-side KL.  (The rollout's sampled log-probs come from
-  # the decode loop, whose arithmetic differs in the last bits.)
+  # PPO's reward-side KL, GRPO's loss-side KL: with every b zero the policy's view counts as
+  # the reference (phases.same_weights), so neither reads the sampler's or another program's
+  # float32 rounding.
   kl = "kl/mean" if name == "ppo" else "kl/loss"
   assert metrics[0][kl] == 0.0
   if name == "grpo":  # one minibatch: the update's ratio is exactly 1 (PPO's second is not)

@@ -431,7 +431,14 @@ def same_weights(a, b) -> jax.Array:
   """Whether two parameter trees hold the same values (a traced bool; False when their
   structure or shapes differ).  A float32 master ``a`` is compared rounded to ``b``'s 16-bit
   dtype (the reference's): with a 16-bit ``compute_dtype`` the model reads it so rounded,
-  and the two compute alike.  Reads both once: cheap beside a forward pass."""
+  and the two compute alike.  A LoRA view (``a["layers"]["lora"]``, :func:`jaxrlhf.model.lora.view`)
+  is the same as ``b`` while every adapter's ``b`` is zero (its function is its base's, as at
+  initialisation) and its base is ``b``.  Reads both once: cheap beside a forward pass."""
+  adapters = a.get("layers", {}).get("lora") if isinstance(a, dict) else None
+  if adapters is not None:
+    base = {**a, "layers": {k: v for k, v in a["layers"].items() if k != "lora"}}
+    idle = jnp.all(jnp.stack([jnp.all(ab["b"] == 0) for ab in adapters.values()]))
+    return idle & same_weights(base, b)
   la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
   if jax.tree.structure(a) != jax.tree.structure(b) or any(
       x.shape != y.shape or (x.dtype != y.dtype and not (
