@@ -28,6 +28,7 @@ from jaxrlhf.mesh import constrain
 from jaxrlhf.model.transformer import (KVCache, forward, init_cache, last_valid_index,
                                        lm_logits, positions_from_mask, unstack_layers)
 from kernels._backend import target_platform
+from kernels.logprob.xla import logprob_from_logits
 
 # Static arguments of the jitted entry points (hashable frozen configs and ints).
 _STATIC = ("cfg", "rollout", "eos_id", "pad_id", "num_samples", "kernels")
@@ -74,7 +75,8 @@ def categorical(key: jax.Array, z_BV: jax.Array) -> jax.Array:
   return argmax_last(z_BV + jax.random.gumbel(key, z_BV.shape, z_BV.dtype))
 
 
-def sample_logits(logits_BV: jax.Array, key: jax.Array, rollout: RolloutConfig):
+def sample_logits(logits_BV: jax.Array, key: jax.Array, rollout: RolloutConfig, *,
+                  block_v: int = KernelsConfig.logprob_block_v):
   """Draws one token per row from float32 ``logits_BV``.
 
   Returns ``(tokens_B int32, logp_B, sample_logp_B)``: the log-prob of each token under
@@ -82,11 +84,12 @@ def sample_logits(logits_BV: jax.Array, key: jax.Array, rollout: RolloutConfig):
   is greedy (argmax; ``sample_logp`` is 0, the log of a point mass) and ignores top-k/top-p.
   Otherwise logits are divided by the temperature, then top-k keeps the ``k`` largest, then
   top-p keeps the smallest prefix (by decreasing probability, renormalised after top-k) whose
-  mass reaches ``p`` -- always at least one token.
+  mass reaches ``p`` -- always at least one token.  ``logp`` sums over the vocabulary in the
+  trainer's order (tiles of ``block_v``, ``kernels.logprob_block_v``: the XLA log-prob op's
+  recurrence), so with the same logits the trainer recomputes the same bits.
   """
   logits_BV = logits_BV.astype(jnp.float32)
   vocab = logits_BV.shape[-1]
-  lse_B = jax.nn.logsumexp(logits_BV, axis=-1)
   if rollout.temperature == 0:
     tok_B = argmax_last(logits_BV)
     sample_logp_B = jnp.zeros(tok_B.shape, jnp.float32)
@@ -109,7 +112,7 @@ def sample_logits(logits_BV: jax.Array, key: jax.Array, rollout: RolloutConfig):
       tok_B = categorical(key, z_BV)
       chosen_B = jnp.take_along_axis(z_BV, tok_B[:, None], axis=-1)[:, 0]
       sample_logp_B = chosen_B - jax.nn.logsumexp(z_BV, axis=-1)
-  logp_B = jnp.take_along_axis(logits_BV, tok_B[:, None], axis=-1)[:, 0] - lse_B
+  logp_B = logprob_from_logits(logits_BV, tok_B, block_v=block_v)
   return tok_B, logp_B, sample_logp_B
 
 
@@ -121,9 +124,11 @@ def row_keys(key: jax.Array, response_B: jax.Array, token_B: jax.Array) -> jax.A
       response_B, token_B)
 
 
-def sample_rows(logits_BV: jax.Array, keys_B: jax.Array, rollout: RolloutConfig):
+def sample_rows(logits_BV: jax.Array, keys_B: jax.Array, rollout: RolloutConfig, *,
+                block_v: int = KernelsConfig.logprob_block_v):
   """:func:`sample_logits` with one key per row (``keys_B`` from :func:`row_keys`)."""
-  one = lambda l_V, k: tuple(x[0] for x in sample_logits(l_V[None], k, rollout))
+  one = lambda l_V, k: tuple(x[0] for x in sample_logits(l_V[None], k, rollout,
+                                                         block_v=block_v))
   return jax.vmap(one)(logits_BV, keys_B)
 
 
@@ -224,12 +229,14 @@ Advance = Callable[[object, jax.Array, jax.Array, jax.Array], tuple[jax.Array, o
 
 
 def _decode(first_logits_BV, advance: Advance, model_state, key, *, cfg: ModelConfig,
-            rollout: RolloutConfig, eos_id: int, pad_id: int, stop_at_B=None):
+            rollout: RolloutConfig, eos_id: int, pad_id: int, stop_at_B=None,
+            block_v: int = KernelsConfig.logprob_block_v):
   """Samples response token 0 from ``first_logits_BV``, then tokens 1.. with ``advance``,
   until ``max_new_tokens`` or every row has emitted a stop token.  Ids of a padded vocabulary
   (``>= cfg.unpadded_vocab_size``) get probability 0, in the log-probs as in the draws.
   ``rollout.row_keys``: row ``r`` is response ``r`` (prompt-major) for :func:`row_keys`.
-  ``stop_at_B``: the length oracle (:func:`_force_stop`), None for none.
+  ``stop_at_B``: the length oracle (:func:`_force_stop`), None for none.  ``block_v``: the
+  trainer's vocabulary tile (``kernels.logprob_block_v``, :func:`sample_logits`).
 
   Returns (response_BN, response_mask_BN, logprobs_BN, sample_logprobs_BN, finished_B, steps).
   """
@@ -243,9 +250,10 @@ def _decode(first_logits_BV, advance: Advance, model_state, key, *, cfg: ModelCo
     if rollout.row_keys:
       step_B = jnp.full((rows,), i, jnp.int32)
       tok, logp, slogp = sample_rows(logits_BV, row_keys(key, jnp.arange(rows), step_B),
-                                     rollout)
+                                     rollout, block_v=block_v)
     else:
-      tok, logp, slogp = sample_logits(logits_BV, jax.random.fold_in(key, i), rollout)
+      tok, logp, slogp = sample_logits(logits_BV, jax.random.fold_in(key, i), rollout,
+                                       block_v=block_v)
     if stop_at_B is not None:
       tok, logp = _force_stop(tok, logp, logits_BV, jnp.full((rows,), i, jnp.int32),
                               stop_at_B, eos_id)
@@ -344,7 +352,8 @@ def _generate(params, prompt_tokens_BP, prompt_mask_BP, key, stop_at_B=None, *,
 
   stop_at = None if stop_at_B is None else jnp.repeat(stop_at_B.astype(jnp.int32), n)
   decoded = _decode(_rows(first_logits), advance, cache, key, cfg=cfg, rollout=rollout,
-                    eos_id=eos_id, pad_id=pad_id, stop_at_B=stop_at)
+                    eos_id=eos_id, pad_id=pad_id, stop_at_B=stop_at,
+                    block_v=kernels.logprob_block_v)
   return _assemble(tokens_BP, mask_BP, decoded, n, pad_id), decoded[-1]
 
 
@@ -447,7 +456,7 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
     """Samples token ``j`` of each live row's response and writes it at column ``j``."""
     logits_RV = _real_vocab(logits_RV, cfg)
     tok, logp, slogp = sample_rows(logits_RV, row_keys(key, slots["rid"], slots["j"]),
-                                   rollout)
+                                   rollout, block_v=kernels.logprob_block_v)
     tok, logp = _force_stop(tok, logp, logits_RV, slots["j"], slots["stop_at"], eos_id)
     tok = jnp.where(live_R, tok, pad_id)
     col = jnp.where(live_R, slots["j"], n_new)  # out of bounds: not written
@@ -676,5 +685,6 @@ def generate_uncached(params, prompt_tokens_BP, prompt_mask_BP, key, *, cfg: Mod
     return logits_at_last(buf, bmask), (buf, bmask)
 
   decoded = _decode(logits_at_last(buf, bmask), advance, (buf, bmask), key, cfg=cfg,
-                    rollout=rollout, eos_id=eos_id, pad_id=pad_id)
+                    rollout=rollout, eos_id=eos_id, pad_id=pad_id,
+                    block_v=kernels.logprob_block_v)
   return _assemble(prompt_tokens_BP, prompt_mask_BP, decoded, n, pad_id)

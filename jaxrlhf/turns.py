@@ -104,7 +104,7 @@ def act(params, conv: Conversation, key, live_R, *, cfg: ModelConfig, rollout: R
   def body(s):
     j, c, active, reason, tail = s
     tok, logp, _ = sample_logits(_real_vocab(c.logits_RV, cfg), jax.random.fold_in(key, j),
-                                 rollout)
+                                 rollout, block_v=kernels.logprob_block_v)
     tok = jnp.where(active, tok, pad_id)
     i = c.cache.index
     put = lambda buf, col: jax.lax.dynamic_update_slice_in_dim(buf, col[:, None], i, axis=1)

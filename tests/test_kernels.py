@@ -29,6 +29,7 @@ from kernels.attention.splash import splash_attention
 from kernels.logprob.mosaic import tiles as mosaic_tiles
 from kernels.logprob import (logprob_entropy, logprob_entropy_blockwise, logprob_entropy_mosaic,
                              logprob_entropy_pallas, logprob_entropy_reference)
+from kernels.numerics import fixed_order_sum
 
 TOL = {jnp.float32: (1e-5, 1e-4), jnp.bfloat16: (2e-2, 2e-2)}  # (values, gradients)
 
@@ -303,10 +304,10 @@ def _mesh_on(platform: str):
 
 def test_kernel_choices_follow_the_target_mesh_not_the_host():
   """Traced for GPU devices on this CPU host, a program makes the GPU's choices, not the
-  host's: "auto" takes the Pallas (Triton) kernels, and the reference attention keeps its
-  matmuls in bfloat16; traced for a TPU, "auto" takes the TPU kernels (Mosaic log-prob, jax's
-  splash attention); traced for the CPU it is XLA, and the reference upcasts to float32
-  (XLA:CPU has no batched bf16 x bf16 -> f32 matmul)."""
+  host's: "auto" takes the Pallas (Triton) kernels; traced for a TPU, "auto" takes the TPU
+  kernels (Mosaic log-prob, jax's splash attention); traced for the CPU it is XLA.  The
+  reference attention's matmuls read bfloat16 on every platform (float32 products: the bits a
+  decode step and the full forward share, docs/rollout.md)."""
   q, k, v, kv_mask, _, _ = _attention_case(jax.random.key(7), 1, 20, 20, 2, 1, 16, 0,
                                            jnp.bfloat16)
   h, w, tgt, _ = _logprob_case(jax.random.key(8), 1, 3, 16, 40, jnp.bfloat16)
@@ -328,7 +329,7 @@ def test_kernel_choices_follow_the_target_mesh_not_the_host():
     assert dot_dtypes() == {"bfloat16"}
   with jax.sharding.use_abstract_mesh(_mesh_on("cpu")):
     assert not _has_pallas_call(at, q, k, v) and not _has_pallas_call(lp, h, w, tgt)
-    assert dot_dtypes() == {"float32"}
+    assert dot_dtypes() == {"bfloat16"}
 
 
 def _kernel_names(f, *args) -> set[str]:
@@ -364,6 +365,23 @@ def _attention_loop(q, k, v, kv_mask, q_offset, scale, window, softcap):
         p = np.exp(z - z.max())
         out[bi, ti, hi] = (p / p.sum()) @ v[bi, keys, hi // g]
   return out
+
+
+@pytest.mark.parametrize("width", [1, 7, 32, 100, 576, 8192])
+def test_fixed_order_sum_rounds_a_row_alike_in_any_batch_and_with_trailing_zeros(width):
+  """The norms', softmaxes' and log-softmaxes' float32 sums (kernels/numerics.py) give a row
+  the same bits whatever the batch around it and however many zero lanes follow its last
+  non-zero one -- what lets a decode step match the full forward in bf16 -- and are a sum."""
+  x = jax.random.normal(jax.random.key(0), (8, 20, width)) * 3
+  f = jax.jit(fixed_order_sum)
+  full = np.asarray(f(x))
+  for rows, cols in ((8, 12), (4, 20), (8, 1), (1, 20), (2, 7)):
+    np.testing.assert_array_equal(np.asarray(f(x[:rows, :cols])), full[:rows, :cols])
+  for pad in (1, 16, width + 3):
+    padded = jnp.pad(x, ((0, 0), (0, 0), (0, pad)))
+    np.testing.assert_array_equal(np.asarray(f(padded)), full)
+  np.testing.assert_allclose(full, np.asarray(x, np.float64).sum(-1), rtol=1e-5, atol=1e-4)
+  # jnp.sum gives no such promise: XLA:CPU vectorises a short minor axis by the array's shape.
 
 
 @pytest.mark.parametrize("t,q_offset", [(9, 0), (1, 7), (3, 5)])

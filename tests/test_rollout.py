@@ -124,6 +124,28 @@ def test_logprobs_equal_teacher_forced_scoring(params, prompts):
   np.testing.assert_allclose(r.sample_logprobs, r.logprobs, atol=1e-5)
 
 
+def test_bf16_sampler_logprobs_are_the_trainer_s_bit_for_bit(params, prompts):
+  """With bf16 compute the decode step's log-probs are the trainer's teacher-forced log-probs
+  exactly (the residual in float32, bf16 operands with float32 products everywhere, one
+  log-softmax recurrence: docs/rollout.md), so PPO's ratio starts at exactly 1. Rounding every
+  activation to bf16 (``residual_dtype="compute"``) is what made them differ."""
+  ro = RolloutConfig(max_new_tokens=N, temperature=1.0)
+
+  def gaps(residual_dtype):
+    cfg = dataclasses.replace(CFG, compute_dtype="bfloat16", residual_dtype=residual_dtype)
+    fn = lambda p, t, m, k: R.generate(p, t, m, k, cfg=cfg, rollout=ro, eos_id=-1,
+                                       num_samples=2)
+    r = jax.jit(fn)(params, *prompts, jax.random.key(3))
+    want, _ = jax.jit(functools.partial(M.token_logprobs, cfg=cfg, start=P))(
+        params, r.tokens, r.mask)
+    rm = np.asarray(r.response_mask)
+    assert rm.sum() == rm.size
+    return np.abs(np.asarray(r.logprobs, np.float64) - np.asarray(want, np.float64))[rm]
+
+  assert gaps("float32").max() == 0.0
+  assert gaps("compute").mean() > 1e-4
+
+
 def test_sampler_argmax_and_draws_are_jax_s_own():
   """The sampler's argmax (a max then the first index holding it, faster on CPU) picks what
   ``jnp.argmax`` picks -- ties, NaNs and fully masked rows included -- and its categorical

@@ -74,6 +74,13 @@ class ModelConfig:
   # The activations' and matmuls' dtype: each weight is cast to it where it is used (logits and
   # log-probs are float32 whatever it is).
   compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+  # The residual stream's and every matmul output's dtype with a 16-bit compute_dtype:
+  # "float32" rounds to compute_dtype only where a matmul reads its operands (and the KV
+  # cache), so a decode step and the full forward round the same values and the sampler's
+  # log-probs match the trainer's bit for bit on CPU (docs/rollout.md); "compute" rounds every
+  # activation: half the saved activations and tp all-reduce bytes, what the 70B experiments
+  # use, and a ~0.03 sampler/trainer log-prob mismatch per token on a real model.
+  residual_dtype: Literal["float32", "compute"] = "float32"
   # What the backward pass keeps: "none" keeps everything, "full" recomputes each layer,
   # "dots" keeps matmul outputs only, "dots_no_batch" keeps weight-only matmuls.
   remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"

@@ -30,6 +30,7 @@ import numpy as np
 from jaxrlhf.config import ModelConfig
 from jaxrlhf.mesh import constrain
 from kernels.attention import attention
+from kernels.numerics import fixed_order_sum
 
 HEADS = ("lm", "scalar", "lm+scalar")
 
@@ -169,7 +170,10 @@ def rms_norm(x, w, eps, offset: float = 0.0):
   """RMSNorm over the last axis, scaled by ``w`` (``offset + w`` with an offset: Gemma's
   ``1 + w``), in float32; the result in the dtype of ``x``."""
   xf = x.astype(jnp.float32)
-  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  # The mean square in an order fixed by the width alone (kernels/numerics.py): a row
+  # normalises to the same bits in a decode step and in the full forward.
+  ms = fixed_order_sum(xf * xf, keepdims=True) / xf.shape[-1]
+  y = xf * jax.lax.rsqrt(ms + eps)
   if offset:
     return (y * (offset + w.astype(jnp.float32))).astype(x.dtype)
   return (y * w.astype(jnp.float32)).astype(x.dtype)
@@ -232,27 +236,36 @@ _REMAT_POLICIES = {
 }
 
 
-def _matmul(x_BTI, w):
+def _residual_dtype(cfg: ModelConfig):
+  """What the residual stream and the matmuls' outputs are held in (``cfg.residual_dtype``)."""
+  return jnp.float32 if cfg.residual_dtype == "float32" else _dtype(cfg.compute_dtype)
+
+
+def _matmul(x_BTI, w, out_dtype=None):
   """``x [B, T, ...in] @ w [...in, ...out] -> [B, T, ...out]`` as one 2-D matmul over the
   ``B*T`` rows.  The same product as an einsum with the batch dimensions kept apart, but its
   weight gradient contracts one row dimension instead of two: with two, XLA's CPU backend
   transposes the ``[B*T, F]`` output gradient through a slow strided copy (2x the MLP's
-  backward time at the benchmark shape, benchmarks/NOTES.md)."""
+  backward time at the benchmark shape, benchmarks/NOTES.md).  ``x`` is rounded to ``w``'s
+  dtype (the compute dtype) and the product accumulated into ``out_dtype`` (default: ``w``'s):
+  a 16-bit operand pair with a float32 result gives the same bits for a row whatever the other
+  rows are (one decoded token or a whole sequence), on XLA's CPU and GPU backends alike."""
   b, t = x_BTI.shape[:2]
   n_in = x_BTI.ndim - 2
   out_shape = w.shape[n_in:]
-  x2 = x_BTI.reshape(b * t, -1)
-  y = jnp.dot(x2, w.reshape(x2.shape[1], -1))
+  x2 = x_BTI.reshape(b * t, -1).astype(w.dtype)
+  y = jnp.dot(x2, w.reshape(x2.shape[1], -1), preferred_element_type=out_dtype or w.dtype)
   return y.reshape((b, t) + out_shape)
 
 
-def _proj(x_BTI, lp, name: str):
+def _proj(x_BTI, lp, name: str, out_dtype):
   """The layer's projection ``name`` (e.g. ``"wq"``), plus its LoRA adapter's ``(x @ a) @ b``
-  when ``lp["lora"]`` has one (:mod:`jaxrlhf.model.lora`; ``b`` already scaled)."""
-  y = _matmul(x_BTI, lp[name])
+  when ``lp["lora"]`` has one (:mod:`jaxrlhf.model.lora`; ``b`` already scaled), in
+  ``out_dtype`` (:func:`_residual_dtype`)."""
+  y = _matmul(x_BTI, lp[name], out_dtype)
   ad = lp.get("lora", {}).get(name)
   if ad is not None:
-    y = y + _matmul(_matmul(x_BTI, ad["a"]), ad["b"])
+    y = y + _matmul(_matmul(x_BTI, ad["a"], out_dtype), ad["b"], out_dtype)
   return y
 
 
@@ -284,8 +297,9 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
   :class:`KVCache`), written and returned the same way.  Without a cache, ``cache_kv`` may be
   ``(None, None, layer)``: the layer index alone, for configs whose layers differ (sliding /
   full)."""
-  cdt = _dtype(cfg.compute_dtype)
+  cdt, rdt = _dtype(cfg.compute_dtype), _residual_dtype(cfg)
   lp = jax.tree.map(lambda p: p.astype(cdt), lp)
+  proj = lambda x, name: _proj(x, lp, name, rdt)
   off = cfg.norm_offset
   sliding = _sliding(cfg, None if cache_kv is None else cache_kv[2])
   if cfg.rope_local_theta:
@@ -307,17 +321,18 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
   if jnp.issubdtype(kv_mask.dtype, jnp.integer):  # packed rows: segment ids, 0 for padding
     attn_kw["segment_ids"], kv_mask = kv_mask, kv_mask != 0
   x = rms_norm(h_BTD, lp["attn_norm"], cfg.norm_eps, off)
-  q = _proj(x, lp, "wq")
-  k = _proj(x, lp, "wk")
-  v = _proj(x, lp, "wv")
+  q = proj(x, "wq")
+  k = proj(x, "wk")
+  v = proj(x, "wv")
   if cfg.qkv_bias:
     q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
   if cfg.qk_norm:
     q = rms_norm(q, lp["q_norm"], cfg.norm_eps, off)
     k = rms_norm(k, lp["k_norm"], cfg.norm_eps, off)
-  q = constrain(apply_rope(q, *rope_cs), ("batch", "seq", "heads", "head_dim"))
-  k = constrain(apply_rope(k, *rope_cs), ("batch", "seq", "kv_heads", "head_dim"))
-  v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+  # Attention reads q, k and v in the compute dtype (k and v as the cache holds them).
+  q = constrain(apply_rope(q, *rope_cs).astype(cdt), ("batch", "seq", "heads", "head_dim"))
+  k = constrain(apply_rope(k, *rope_cs).astype(cdt), ("batch", "seq", "kv_heads", "head_dim"))
+  v = constrain(v.astype(cdt), ("batch", "seq", "kv_heads", "head_dim"))
   if cache_kv is not None and cache_kv[0] is not None:
     ck, cv, li = cache_kv
     if ck.ndim == 4:  # this layer's own buffer
@@ -338,21 +353,21 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
   else:
     o, new_kv = attention(q, k, v, kv_mask, q_offset, impl=attn_impl, **attn_kw), None
   if cfg.post_norms:
-    a = rms_norm(_proj(o, lp, "wo"), lp["post_attn_norm"], cfg.norm_eps, off)
+    a = rms_norm(proj(o, "wo"), lp["post_attn_norm"], cfg.norm_eps, off)
     h_BTD = h_BTD + constrain(a, ("batch", "seq", "embed"))
   else:
-    h_BTD = h_BTD + constrain(_proj(o, lp, "wo"), ("batch", "seq", "embed"))
+    h_BTD = h_BTD + constrain(proj(o, "wo"), ("batch", "seq", "embed"))
   x = rms_norm(h_BTD, lp["mlp_norm"], cfg.norm_eps, off)
-  gate = _proj(x, lp, "w_gate")
-  up = _proj(x, lp, "w_up")
+  gate = proj(x, "w_gate")
+  up = proj(x, "w_up")
   if cfg.mlp_activation == "gelu_tanh":
     act = constrain(jax.nn.gelu(gate, approximate=True) * up, ("batch", "seq", "mlp"))
   else:
     act = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
   if cfg.post_norms:
-    h_BTD = h_BTD + rms_norm(_proj(act, lp, "w_down"), lp["post_mlp_norm"], cfg.norm_eps, off)
+    h_BTD = h_BTD + rms_norm(proj(act, "w_down"), lp["post_mlp_norm"], cfg.norm_eps, off)
   else:
-    h_BTD = h_BTD + _proj(act, lp, "w_down")
+    h_BTD = h_BTD + proj(act, "w_down")
   return constrain(h_BTD, ("batch", "seq", "embed")), new_kv
 
 
@@ -380,7 +395,7 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
     h = (emb * jnp.asarray(cfg.d_model ** 0.5, emb.dtype)).astype(cdt)
   else:
     h = jnp.take(params["embed"], tokens_BT, axis=0).astype(cdt)
-  h = constrain(h, ("batch", "seq", "embed"))
+  h = constrain(h.astype(_residual_dtype(cfg)), ("batch", "seq", "embed"))
   if cache is None:
     q_offset, kv_mask = 0, mask_BT.astype(bool)
     if segment_ids_BT is not None:  # the layers read the ids in place of the mask
@@ -425,7 +440,7 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
     for i in range(cfg.n_layers):
       lp = params["layers"][i] if unstacked else jax.tree.map(lambda p: p[i], params["layers"])
       (h, kv), _ = step((h, kv), (lp, i))
-  h = rms_norm(h, params["final_norm"].astype(cdt), cfg.norm_eps, cfg.norm_offset)
+  h = rms_norm(h, params["final_norm"].astype(cdt), cfg.norm_eps, cfg.norm_offset).astype(cdt)
   new_cache = None
   if cache is not None:
     new_cache = KVCache(k=kv[0], v=kv[1], mask=kv_mask,

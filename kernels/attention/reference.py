@@ -3,7 +3,8 @@
 import jax
 import jax.numpy as jnp
 
-from kernels._backend import target_platform
+from kernels.numerics import fixed_order_sum
+
 
 # Large negative instead of -inf: a row with no allowed key (a left-pad query) gets a uniform
 # softmax rather than NaN; its output is never used.
@@ -58,17 +59,19 @@ def attention_reference(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, scale
   g = h // k_heads
   scale = d ** -0.5 if scale is None else scale
   q = q_BTHD.reshape(b, t, k_heads, g, d)
-  if q.dtype != jnp.float32 and target_platform() == "cpu":
-    # XLA's CPU runtime has no batched bf16 x bf16 -> f32 matmul; the head-major cache hands it
-    # one directly (the slot-major layout's transpose copy used to convert on the way).
-    q, k_BSKD, v_BSKD = (x.astype(jnp.float32) for x in (q, k_BSKD, v_BSKD))
+  # 16-bit operands, float32 products: a query's scores and output come out the same bits
+  # whatever the query count and the number of (masked) key slots after its last visible one,
+  # so a decode step over the cache matches the full forward (docs/rollout.md).
+  q = q.astype(k_BSKD.dtype)
   scores = jnp.einsum(f"btkgd,{kv}->bkgts", q, k_BSKD,
                       preferred_element_type=jnp.float32) * scale
   if softcap is not None:
     scores = softcap_logits(scores, softcap)
   allowed = allowed_mask(t, kv_mask_BS, q_offset, window, segment_ids)[:, None, None]
   scores = jnp.where(allowed, scores, _MASKED)
-  probs = jax.nn.softmax(scores, axis=-1)
+  # The softmax's sum in an order fixed by the key count (kernels/numerics.py).
+  e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+  probs = e / fixed_order_sum(e, keepdims=True)
   out = jnp.einsum(f"{kv},bkgts->btkgd", v_BSKD, probs.astype(v_BSKD.dtype),
                    preferred_element_type=jnp.float32)
   return out.reshape(b, t, h, d).astype(q_BTHD.dtype)

@@ -24,6 +24,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernels.numerics import fixed_order_sum
+
 
 def _tile(w_DV, j, block_v):
   """Tile ``j`` of the vocabulary: (w_DC, ids_C, fresh_C, start)."""
@@ -43,17 +45,43 @@ def _logits(h_ND, w_DC, fresh_C, softcap=None):
 
 
 def _forward(h_ND, w_DV, t_N, block_v, softcap=None):
-  n_tiles = -(-w_DV.shape[1] // block_v)
-  n_tok = h_ND.shape[0]
+  def tile_logits(j):
+    w_DC, ids, fresh, _ = _tile(w_DV, j, block_v)
+    return _logits(h_ND, w_DC, fresh, softcap), ids, fresh
+
+  return _scan_tiles(tile_logits, -(-w_DV.shape[1] // block_v), h_ND.shape[0], t_N)
+
+
+def logprob_from_logits(logits_NV, t_N, *, block_v: int = 8192):
+  """``log softmax(logits)[target]`` ``[N]`` from float32 logits already computed, with the
+  tile recurrence :func:`logprob_entropy_blockwise` runs: the same bits as it gives for the
+  same logits, where ``jax.nn.log_softmax`` sums in another order (a sampler recording the
+  log-probs of what it drew matches the trainer's recomputation exactly, docs/rollout.md)."""
+  v = logits_NV.shape[1]
+  block_v = min(block_v, v)
+
+  def tile_logits(j):
+    start = jnp.minimum(j * block_v, v - block_v)
+    ids = start + jnp.arange(block_v)
+    fresh = ids >= j * block_v
+    z = jax.lax.dynamic_slice_in_dim(logits_NV.astype(jnp.float32), start, block_v, axis=1)
+    return jnp.where(fresh[None, :], z, -jnp.inf), ids, fresh
+
+  return _scan_tiles(tile_logits, -(-v // block_v), logits_NV.shape[0],
+                     t_N.astype(jnp.int32))[0]
+
+
+def _scan_tiles(tile_logits, n_tiles, n_tok, t_N):
+  """The online log-sum-exp over vocabulary tiles: ``(logp, entropy, lse)``, each ``[N]``;
+  ``tile_logits(j)`` gives tile ``j``'s ``(z_NC, ids_C, fresh_C)``."""
 
   def body(carry, j):
     m, s, u, zt = carry
-    w_DC, ids, fresh, _ = _tile(w_DV, j, block_v)
-    z = _logits(h_ND, w_DC, fresh, softcap)
+    z, ids, fresh = tile_logits(j)
     m_new = jnp.maximum(m, jnp.max(z, axis=-1))
     rescale = jnp.exp(m - m_new)
     e = jnp.exp(z - m_new[:, None])
-    s = s * rescale + jnp.sum(e, axis=-1)
+    s = s * rescale + fixed_order_sum(e)  # one order whatever N (kernels/numerics.py)
     u = u * rescale + jnp.sum(e * jnp.where(fresh[None, :], z, 0.0), axis=-1)
     zt = zt + jnp.sum(jnp.where((ids[None, :] == t_N[:, None]) & fresh[None, :], z, 0.0), -1)
     return (m_new, s, u, zt), None
