@@ -179,9 +179,14 @@ def config_sha(config: dict) -> str:
   from the default config, so that a setting added later with its default (off) leaves the
   documented runs' fingerprints as they were."""
   import hashlib
-  from jaxrlhf.config import ExperimentConfig, to_dict
+  from jaxrlhf.config import ExperimentConfig, ModelConfig, to_dict
   kept = {k: v for k, v in config.items() if k not in _NOT_LEARNING}
-  kept = _without_defaults(kept, json.loads(json.dumps(to_dict(ExperimentConfig()))))
+  default = json.loads(json.dumps(to_dict(ExperimentConfig())))
+  model = json.loads(json.dumps(to_dict(ModelConfig())))
+  for k, v in kept.items():  # reward_model, value_model, guard_model: None unless given
+    if default.get(k) is None and isinstance(v, dict) and k.endswith("_model"):
+      default[k] = model
+  kept = _without_defaults(kept, default)
   return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
