@@ -249,7 +249,8 @@ def _matmul(x_BTI, w, out_dtype=None):
   backward time at the benchmark shape, benchmarks/NOTES.md).  ``x`` is rounded to ``w``'s
   dtype (the compute dtype) and the product accumulated into ``out_dtype`` (default: ``w``'s):
   a 16-bit operand pair with a float32 result gives the same bits for a row whatever the other
-  rows are (one decoded token or a whole sequence), on XLA's CPU and GPU backends alike."""
+  rows are (one decoded token or a whole sequence) on XLA's CPU backend, one row excepted
+  (docs/rollout.md)."""
   b, t = x_BTI.shape[:2]
   n_in = x_BTI.ndim - 2
   out_shape = w.shape[n_in:]

@@ -433,7 +433,8 @@ def same_weights(a, b) -> jax.Array:
   dtype (the reference's): with a 16-bit ``compute_dtype`` the model reads it so rounded,
   and the two compute alike.  A LoRA view (``a["layers"]["lora"]``, :func:`jaxrlhf.model.lora.view`)
   is the same as ``b`` while every adapter's ``b`` is zero (its function is its base's, as at
-  initialisation) and its base is ``b``.  Reads both once: cheap beside a forward pass."""
+  initialisation) and its base is ``b``.  Reads both once (cheap beside a forward pass),
+  except leaves that are one traced value in both (a LoRA view's base that is ``b`` itself)."""
   adapters = a.get("layers", {}).get("lora") if isinstance(a, dict) else None
   if adapters is not None:
     base = {**a, "layers": {k: v for k, v in a["layers"].items() if k != "lora"}}
@@ -445,7 +446,8 @@ def same_weights(a, b) -> jax.Array:
           jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(y.dtype, jnp.floating)))
       for x, y in zip(la, lb)):
     return jnp.asarray(False)
-  return jnp.all(jnp.stack([jnp.array_equal(x.astype(y.dtype), y) for x, y in zip(la, lb)]))
+  return jnp.all(jnp.stack([jnp.asarray(True)] + [
+      jnp.array_equal(x.astype(y.dtype), y) for x, y in zip(la, lb) if x is not y]))
 
 
 def policy_term(stage, params, mb: UpdateBatch, *, denom, n_seq, kl_coef):

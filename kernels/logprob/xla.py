@@ -28,7 +28,8 @@ from kernels.numerics import fixed_order_sum
 
 
 def _tile(w_DV, j, block_v):
-  """Tile ``j`` of the vocabulary: (w_DC, ids_C, fresh_C, start)."""
+  """Tile ``j`` of the vocabulary (of ``w_DV``, or of any ``[N, V]`` array): (w_DC, ids_C,
+  fresh_C, start)."""
   v = w_DV.shape[1]
   start = jnp.minimum(j * block_v, v - block_v)
   ids = start + jnp.arange(block_v)
@@ -57,23 +58,23 @@ def logprob_from_logits(logits_NV, t_N, *, block_v: int = 8192):
   tile recurrence :func:`logprob_entropy_blockwise` runs: the same bits as it gives for the
   same logits, where ``jax.nn.log_softmax`` sums in another order (a sampler recording the
   log-probs of what it drew matches the trainer's recomputation exactly, docs/rollout.md)."""
+  logits_NV = logits_NV.astype(jnp.float32)
   v = logits_NV.shape[1]
   block_v = min(block_v, v)
 
   def tile_logits(j):
-    start = jnp.minimum(j * block_v, v - block_v)
-    ids = start + jnp.arange(block_v)
-    fresh = ids >= j * block_v
-    z = jax.lax.dynamic_slice_in_dim(logits_NV.astype(jnp.float32), start, block_v, axis=1)
-    return jnp.where(fresh[None, :], z, -jnp.inf), ids, fresh
+    z_NC, ids, fresh, _ = _tile(logits_NV, j, block_v)
+    return jnp.where(fresh[None, :], z_NC, -jnp.inf), ids, fresh
 
   return _scan_tiles(tile_logits, -(-v // block_v), logits_NV.shape[0],
-                     t_N.astype(jnp.int32))[0]
+                     t_N.astype(jnp.int32), entropy=False)[0]
 
 
-def _scan_tiles(tile_logits, n_tiles, n_tok, t_N):
+def _scan_tiles(tile_logits, n_tiles, n_tok, t_N, entropy: bool = True):
   """The online log-sum-exp over vocabulary tiles: ``(logp, entropy, lse)``, each ``[N]``;
-  ``tile_logits(j)`` gives tile ``j``'s ``(z_NC, ids_C, fresh_C)``."""
+  ``tile_logits(j)`` gives tile ``j``'s ``(z_NC, ids_C, fresh_C)``.  ``entropy=False`` skips
+  the entropy's pass over each tile (the entropy returned is then meaningless); logp and
+  lse are the same bits."""
 
   def body(carry, j):
     m, s, u, zt = carry
@@ -82,7 +83,8 @@ def _scan_tiles(tile_logits, n_tiles, n_tok, t_N):
     rescale = jnp.exp(m - m_new)
     e = jnp.exp(z - m_new[:, None])
     s = s * rescale + fixed_order_sum(e)  # one order whatever N (kernels/numerics.py)
-    u = u * rescale + jnp.sum(e * jnp.where(fresh[None, :], z, 0.0), axis=-1)
+    if entropy:
+      u = u * rescale + jnp.sum(e * jnp.where(fresh[None, :], z, 0.0), axis=-1)
     zt = zt + jnp.sum(jnp.where((ids[None, :] == t_N[:, None]) & fresh[None, :], z, 0.0), -1)
     return (m_new, s, u, zt), None
 
