@@ -112,6 +112,10 @@ def cases() -> dict:
   # The disaggregated pools in sync mode.
   from test_pools import pools_config
   out["pools_sync"] = ("pools", dataclasses.replace(pools_config(steps=3, mode="sync"), seed=3))
+  # GRPO in the pools: no value model in the critic, a host reward scored there.
+  from test_pools import grpo_pools_config
+  out["pools_grpo_sync"] = ("pools", dataclasses.replace(grpo_pools_config(steps=3, mode="sync"),
+                                                         seed=3))
   return out
 
 

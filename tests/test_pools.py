@@ -24,7 +24,7 @@ sys.path.insert(0, HERE)
 from helpers import mesh  # noqa: E402
 from redis_helpers import RedisServer, free_port  # noqa: E402
 from jaxrlhf.config import (CheckpointConfig, ConfigError, EnvConfig, LoggingConfig,  # noqa: E402
-                            KLConfig, MeshConfig, OptimizerConfig, PoolsConfig, PPOConfig,
+                            KLConfig, LoraConfig, MeshConfig, OptimizerConfig, PoolsConfig, PPOConfig,
                             RewardConfig)
 from jaxrlhf.mesh import make_mesh  # noqa: E402
 from jaxrlhf.pools import store as S  # noqa: E402
@@ -129,6 +129,46 @@ def test_sync_pools_match_colocated_ppo(redis_url, tmp_path):
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **tol),
                jax.device_get(critic["state"].params["value"]),
                jax.device_get(state.params["value"]))
+
+
+def grpo_pools_config(steps=4, **pools):
+  """GRPO (group advantages, no value model) with LoRA on the policy, a host (Python)
+  reward and a device rule, KL to the reference (the adapters' base) in the loss."""
+  cfg = pools_config(steps=steps, **pools)
+  return dataclasses.replace(cfg, stages=("grpo",), grpo=dataclasses.replace(
+      cfg.grpo, steps=steps, kl=dataclasses.replace(cfg.grpo.kl, coef=0.05),
+      optim=dataclasses.replace(cfg.grpo.optim, lr=1e-2), lora=LoraConfig(rank=4, alpha=8.0),
+      reward=RewardConfig(sources=("host:exact_match", "rule:token_accuracy"),
+                          weights=(1.0, 0.5))))
+
+
+def test_sync_grpo_pools_with_lora_and_a_host_reward_match_colocated(redis_url, tmp_path):
+  """The pools run any RL stage: GRPO's critic holds no value model (it scores, with the
+  host reward on the decoded responses, and computes group advantages), the actor trains
+  LoRA adapters over the reference; in sync mode the two equal the colocated GRPO step."""
+  steps = 4
+  cfg = grpo_pools_config(steps=steps, mode="sync")
+  _, state, _, reference = run_steps(cfg, "grpo", mesh(), steps=steps, key=stage_key(cfg))
+  actor, critic, recs, _ = run_pools(cfg, redis_url, tmp_path)
+  assert sorted(recs["actor"].by_step) == sorted(recs["critic"].by_step) == list(
+      range(1, steps + 1))
+  assert critic["state"].params == {}  # no value model
+  assert "lora" in actor["state"].params["policy"]["layers"]  # adapters, not full weights
+  assert os.path.isdir(os.path.join(tmp_path, "grpo.actor"))
+  tol = dict(rtol=2e-4, atol=2e-5)
+  for step, ref in enumerate(reference, 1):
+    a, c = recs["actor"].by_step[step], recs["critic"].by_step[step]
+    for k in ("policy/loss", "entropy/mean", "kl/mean", "kl/loss", "grad_norm",
+              "response_length/mean"):
+      np.testing.assert_allclose(a[k], ref[k], err_msg=f"step {step} {k}", **tol)
+    np.testing.assert_allclose(a["loss/policy"], ref["loss"], err_msg=f"step {step}", **tol)
+    for k in ("reward/mean", "reward/std", "reward/host/exact_match/failed"):
+      if k in ref:
+        np.testing.assert_allclose(c[k], ref[k], err_msg=f"step {step} {k}", **tol)
+  assert any(recs["critic"].by_step[s]["reward/std"] > 0 for s in range(1, steps + 1))
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **tol),
+               jax.device_get(actor["state"].params["policy"]),
+               jax.device_get(state.params["policy"]))
 
 
 # ------------------------------------------------------------------ wire, store, security
@@ -378,10 +418,11 @@ def test_configs_the_pools_cannot_run_are_refused():
   from jaxrlhf.pools.common import check_config
   base = pools_config(steps=2)
   for changes, match in [
-      ({"stages": ("ppo", "dpo")}, "last stage"),
+      ({"stages": ("ppo", "dpo")}, "make the RL stage the last"),
       ({"ppo": dataclasses.replace(base.ppo, shared_backbone=True)}, "shared_backbone"),
-      ({"ppo": dataclasses.replace(base.ppo, reward=RewardConfig(sources=("host:exact_match",)))},
-       "host"),
+      ({"stages": ("grpo",), "grpo": dataclasses.replace(base.grpo, dynamic_sampling=True)},
+       r"grpo.dynamic_sampling=true picks the trained groups in the critic.*set "
+       r"grpo.dynamic_sampling=false"),
       ({"env": EnvConfig(name="calculator")}, "colocated step only"),
       ({"pools": PoolsConfig(mode="async", max_staleness=0)}, "max_staleness"),
       ({"pools": PoolsConfig(max_queue=0)}, "max_queue"),

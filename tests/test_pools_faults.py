@@ -30,7 +30,7 @@ STEPS = 10
 
 
 class Pool:
-  def __init__(self, role, workdir, url, cache, n, steps=STEPS, every=2):
+  def __init__(self, role, workdir, url, cache, n, steps=STEPS, every=2, args=()):
     self.role = role
     self.workdir = workdir
     self.events_path = os.path.join(workdir, f"{role}.events")
@@ -45,7 +45,7 @@ class Pool:
     self.proc = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "pools_worker.py"), f"--role={role}",
          f"--workdir={workdir}", f"--redis_url={url}", f"--events={self.events_path}",
-         f"--steps={steps}", f"--every={every}"],
+         f"--steps={steps}", f"--every={every}", *args],
         stdout=self._out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
 
   def output(self):
@@ -131,6 +131,49 @@ def test_pools_survive_killed_pools_and_a_redis_outage(tmp_path):
   # The outage was waited out with a clear message, and the pools said when Redis came back.
   joined = out["actor"] + out["critic"]
   assert "unreachable" in joined and "reachable again" in joined, joined[-3000:]
+
+
+GRPO_STEPS = 6
+
+
+def test_async_grpo_pools_with_lora_and_a_host_reward_survive_killed_pools(tmp_path):
+  """GRPO (no value model: the critic scores with a host reward and computes group
+  advantages) with LoRA adapters on the policy, async one step off: the critic and then the
+  actor are SIGKILLed between checkpoints and restarted; each batch is applied exactly once
+  on each side, and the actor's result is the merged policy."""
+  from jaxrlhf import checkpoint as ckpt
+  server = RedisServer(tmp_path, appendonly=True).start()
+  cache = str(tmp_path / "jit_cache")
+  work = str(tmp_path / "run")
+  os.makedirs(work)
+  n = iter(range(100))
+  args = ("--algo=grpo", "--mode=async")
+  pools = {}
+  try:
+    for role in ("critic", "actor"):
+      pools[role] = Pool(role, work, server.url, cache, next(n), steps=GRPO_STEPS, args=args)
+    pools["critic"].wait_applied(2)
+    pools["critic"].kill()
+    pools["critic"] = Pool("critic", work, server.url, cache, next(n), steps=GRPO_STEPS,
+                           args=args)
+    pools["actor"].wait_applied(3)
+    pools["actor"].kill()
+    pools["actor"] = Pool("actor", work, server.url, cache, next(n), steps=GRPO_STEPS,
+                          args=args)
+    for p in pools.values():
+      p.finish()
+  except BaseException:
+    print(all_logs(work))
+    raise
+  finally:
+    for p in pools.values():
+      p.stop()
+    server.stop()
+  _check_history(work, GRPO_STEPS)
+  assert ckpt.stage_result_info(work, "grpo.actor")["roles"] == ["policy"]
+  assert not ckpt.stage_result_exists(work, "grpo.critic")  # it trains nothing
+  actor_events = read_events(os.path.join(work, "actor.events"))
+  assert sum(e["event"] == "resumed" for e in actor_events) == 1
 
 
 def _check_history(work, steps):

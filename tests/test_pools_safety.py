@@ -333,7 +333,7 @@ def test_repeated_non_finite_updates_stop_a_pool_after_a_checkpoint():
   import types
   import jax.numpy as jnp
   from jaxrlhf.train.loop import TrainingError
-  stage = types.SimpleNamespace(scfg=types.SimpleNamespace(
+  stage = types.SimpleNamespace(name="ppo", scfg=types.SimpleNamespace(
       optim=types.SimpleNamespace(max_consecutive_skips=3)))
   saved = []
   for n in (0, 2):
@@ -366,7 +366,8 @@ def test_resume_none_moves_a_pools_checkpoints_aside(tmp_path):
     os.makedirs(ckpt.checkpoint_dir(work, f"ppo.{role}") + "/3")
     os.makedirs(ckpt.stage_result_dir(work, f"ppo.{role}"))
   lines = []
-  C.start_over(work, "actor", lines.append)
+  from test_pools import pools_config
+  C.start_over(work, "actor", pools_config(steps=2), lines.append)
   assert not os.path.exists(ckpt.checkpoint_dir(work, "ppo.actor"))
   assert not os.path.exists(ckpt.stage_result_dir(work, "ppo.actor"))
   assert os.path.exists(ckpt.checkpoint_dir(work, "ppo.critic")) and "moved aside" in lines[0]

@@ -29,14 +29,12 @@ import jax.numpy as jnp
 from jaxrlhf import model as M
 from jaxrlhf.algorithms.shaping import off_policy_weights
 from jaxrlhf.config import ExperimentConfig
-from jaxrlhf.data import DataSource
 from jaxrlhf.metrics import MetricsWriter
 from jaxrlhf.pools import common as C
 from jaxrlhf.pools import wire
 from jaxrlhf.pools.store import Inbox, Store
 from jaxrlhf.train import pipeline, program
 from jaxrlhf.train.common import put_batch, shardings_of
-from jaxrlhf.train.ppo import PPOStage
 from jaxrlhf.train.types import Shaped, StepCarry
 
 ROLE = "actor"
@@ -46,11 +44,12 @@ def is_correction(stage, frozen, batch, c: StepCarry) -> StepCarry:
   """Decoupled PPO for stale rollouts (``pools.is_correction = cap > 0``): the trust region
   around the current policy's log-probs, the lag weighted by ``min(pi_current / pi_behaviour,
   cap)`` on the advantages."""
-  del frozen, batch
+  del batch
   # The same truncated importance weights as the colocated off-policy correction
   # (off_policy=tis), here against the policy's lag behind its stale rollouts.
   ro, sh = c.rollout, c.shaped
-  prox, _ = M.token_logprobs(stage.view(c.state.params, {}, "policy"), ro.tokens_BT, ro.mask_BT,
+  prox, _ = M.token_logprobs(stage.view(c.state.params, frozen, "policy"), ro.tokens_BT,
+                             ro.mask_BT,
                              cfg=stage.model_cfg("policy"), start=ro.prompt_len,
                              kernels=stage.cfg.kernels)
   prox = jax.lax.stop_gradient(prox)
@@ -80,14 +79,19 @@ def actor_programs(stage):
   return rollout, update + [program.Phase("policy_metrics", policy_metrics)]
 
 
+def device_batch(batch: dict) -> dict:
+  """A batch without its host side (the examples a host reward reads: the critic's)."""
+  return {k: v for k, v in batch.items() if k != "host"}
+
+
 def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: dict, *,
               events=None, log=print, should_stop=lambda: False, consumer: str = "actor-0",
               writer=None, inputs=None, resume: str = "latest") -> dict:
-  """Trains the policy of ``cfg``'s PPO stage against a critic pool; returns the last
-  metrics (with the final held-out evaluation).  ``inputs``: earlier stage -> the id of the
-  result ``roles`` come from (a checkpoint built on other results is refused)."""
+  """Trains the policy of ``cfg``'s RL stage (its last) against a critic pool; returns the
+  last metrics (with the final held-out evaluation).  ``inputs``: earlier stage -> the id of
+  the result ``roles`` come from (a checkpoint built on other results is refused)."""
   C.check_config(cfg)
-  with C.PoolLock(C.pool_dir(workdir, ROLE), f"the {ROLE} pool of {workdir}"):
+  with C.PoolLock(C.pool_dir(workdir, ROLE, cfg), f"the {ROLE} pool of {workdir}"):
     return _run_actor(cfg, workdir, store, mesh, roles, events=events, log=log,
                       should_stop=should_stop, consumer=consumer, writer=writer,
                       inputs=dict(inputs or {}), resume=resume)
@@ -97,17 +101,16 @@ def _run_actor(cfg, workdir, store, mesh, roles, *, events, log, should_stop, co
                writer, inputs, resume) -> dict:
   store.check_server()
   if resume == "none":
-    C.start_over(workdir, ROLE, log)
+    C.start_over(workdir, ROLE, cfg, log)
   events = events or C.EventLog(None)
-  stage = PPOStage(cfg, mesh, DataSource(cfg.data, cfg.seed))
+  stage = C.build_stage(cfg, mesh)
   pcfg, steps, ahead = cfg.pools, stage.steps, C.staleness(cfg)
-  frozen_roles = [r for r in stage.frozen() if r == "reference"]
-  state, frozen = C.init_roles(stage, C.stage_key(cfg), roles, ["policy"], frozen_roles,
+  trained, frozen_roles = C.pool_roles(stage, ROLE)
+  state, frozen = C.init_roles(stage, C.stage_key(cfg), roles, trained, frozen_roles,
                                {k: v for k, v in stage.initial_extras().items()
                                 if k != "reward_stats"})
-  where = C.pool_dir(workdir, ROLE)
-  writer = writer or MetricsWriter(where, cfg.logging, {f"{C.STAGE}.{ROLE}": steps})
-  name = f"{C.STAGE}.{ROLE}"
+  name = C.pool_name(cfg, ROLE)
+  writer = writer or MetricsWriter(C.pool_dir(workdir, ROLE, cfg), cfg.logging, {name: steps})
   with C.PoolCheckpointer(workdir, ROLE, cfg) as ck:
     point = ck.resume(C.abstract_of(state), resume, cfg)
     if point is not None:
@@ -177,7 +180,8 @@ def _run_actor(cfg, workdir, store, mesh, roles, *, events, log, should_stop, co
             log(f"actor: rollout {b} was published before the restart; reusing it")
             events(event="reused", batch=b)
           else:
-            c = gen(frozen, put_batch(mesh, stage.batch(b)), StepCarry(state=state))
+            c = gen(frozen, put_batch(mesh, device_batch(stage.batch(b))),
+                    StepCarry(state=state))
             state, ro = c.state, c.rollout
             arrays = {**C.rollout_arrays(ro), "perm_key": jax.device_get(C.keys_of(state))}
             version = done
@@ -243,7 +247,7 @@ def _run_actor(cfg, workdir, store, mesh, roles, *, events, log, should_stop, co
   if done == steps and "eval/accuracy" not in last:
     last.update(stage.evaluate(state, frozen))
   if done == steps:
-    C.save_result(workdir, ROLE, {"policy": stage.merged(state.params, {}, "policy")},
+    C.save_result(workdir, ROLE, cfg, {r: stage.merged(state.params, frozen, r) for r in trained},
                   {"summary": {name: {k: v for k, v in last.items() if k.startswith("eval/")}},
                    "start_eval": start_eval, "steps": steps})
     events(event="finished", done=done)

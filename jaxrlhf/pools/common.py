@@ -1,9 +1,12 @@
-"""What the actor and critic pools share: the PPO stage each builds, its slice of the roles,
+"""What the actor and critic pools share: the RL stage each builds, its slice of the roles,
 stream names, message schemas, and the pieces of a pool's run (checkpointer, metrics, events).
 
-Each pool builds the full :class:`jaxrlhf.train.ppo.PPOStage` (construction allocates
-nothing) but initialises only its own roles, with the same per-role keys as the colocated
-stage, so both pools start exactly where a colocated run would.
+The pools run the experiment's last stage, any algorithm whose spec generates (PPO, GRPO and
+its variants).  Each pool builds the full stage (construction allocates nothing) but
+initialises only its own roles, with the same per-role keys as the colocated stage, so both
+pools start exactly where a colocated run would.  Which roles and loss terms live in which
+pool is read from the stage's spec and phase list (:func:`pool_roles`), and so is what cannot
+cross the two (:func:`check_config`).
 """
 
 from __future__ import annotations
@@ -23,27 +26,67 @@ import numpy as np
 
 from jaxrlhf import checkpoint as ckpt
 from jaxrlhf.config import ConfigError, ExperimentConfig, to_dict
-from jaxrlhf.train import phases, program
-from jaxrlhf.train.common import init_state, put_batch
+from jaxrlhf.train import phases, program, spec
+from jaxrlhf.train.common import put_batch
 from jaxrlhf.train.loop import TrainingError
-from jaxrlhf.train.ppo import PPOStage
 from jaxrlhf.train.types import Rollout, StepCarry
 
-STAGE = "ppo"
+# The loss term each pool trains: the policy's where the rollouts are generated, every other
+# term (a value model's) beside the reward model.  Frozen roles: the reference with the
+# policy (its log-probs and the KL term), the rest (reward model, guard) with the scorer.
+ACTOR_TERM = "policy"
+ACTOR_FROZEN = ("reference",)
+
+
+def stage_name(cfg: ExperimentConfig) -> str:
+  """The stage the pools run: the experiment's last."""
+  return cfg.stages[-1] if cfg.stages else ""
+
+
+def build_stage(cfg: ExperimentConfig, mesh):
+  """The full stage the pools split (construction allocates nothing)."""
+  from jaxrlhf.data import DataSource
+  return spec.build_stage(stage_name(cfg), cfg, mesh, DataSource(cfg.data, cfg.seed))
+
+
+def pool_roles(stage, role: str) -> tuple[tuple, tuple]:
+  """``(trained, frozen)`` roles of one pool of ``stage``: the actor trains the policy and
+  holds the reference; the critic trains the roles of the other loss terms (none for GRPO)
+  and holds the reward model and guard."""
+  terms = tuple(stage.spec.terms)
+  if role == "actor":
+    trained = tuple(t for t in terms if t == ACTOR_TERM)
+    frozen = tuple(r for r in stage.frozen() if r in ACTOR_FROZEN)
+  else:
+    trained = tuple(t for t in terms if t != ACTOR_TERM)
+    frozen = tuple(r for r in stage.frozen() if r not in ACTOR_FROZEN)
+  return trained, frozen
 
 
 def check_config(cfg: ExperimentConfig) -> None:
-  if not cfg.stages or cfg.stages[-1] != STAGE:
-    raise ConfigError(f"--role=actor|critic runs the PPO stage in two pools; the experiment's "
-                      f"stages are {list(cfg.stages)}: make 'ppo' the last stage")
-  if cfg.ppo.shared_backbone:
-    raise ConfigError("ppo.shared_backbone=true puts the value head on the policy, so there is "
-                      "no separate value model for a critic pool; set ppo.shared_backbone=false "
-                      "for --role=actor|critic")
-  if cfg.ppo.lora.rank:
-    raise ConfigError(f"ppo.lora.rank={cfg.ppo.lora.rank}: the pools train full weights only "
-                      "(their weight sync ships whole parameters); set ppo.lora.rank=0 for "
-                      "--role=actor|critic, or run the colocated step (no --role) with LoRA")
+  """The experiment can run in two pools, or a ConfigError naming the setting and the fix.
+  The algorithm's limits come from its spec and phase list: every loss term must train a
+  model of its own (a term sharing another's parameters cannot be split between pools), and
+  no phase may say it cannot cross pools (:attr:`jaxrlhf.train.program.Phase.pools_note`)."""
+  name = stage_name(cfg)
+  rl = [n for n in spec.names() if spec.get(n).generates]
+  if name not in rl:
+    raise ConfigError(f"--role=actor|critic runs an RL stage ({', '.join(rl)}) in two pools; "
+                      f"the experiment's stages are {list(cfg.stages)}: make the RL stage the "
+                      "last")
+  al = spec.get(name)
+  scfg = getattr(cfg, name)
+  roles = al.roles(cfg)
+  shared = [t for t in al.terms if t != ACTOR_TERM and t not in roles]
+  if shared:
+    knob = f"{name}.shared_backbone"
+    raise ConfigError(f"{name}: the {', '.join(shared)} loss term trains the policy's own "
+                      f"parameters ({knob}=true puts its head on the policy), so there is no "
+                      f"separate model for the critic pool; set {knob}=false for "
+                      "--role=actor|critic")
+  terms = tuple(al.terms)
+  for p in (p for p in phases.rl_phases(terms, terms, scfg) if p.pools_note):
+    raise ConfigError(p.pools_note.format(stage=name) + " for --role=actor|critic")
   if cfg.env.name:
     raise ConfigError(f"env.name={cfg.env.name!r}: multi-turn episodes run in the colocated "
                       "step only (the actor pool generates in one program); drop --role, or "
@@ -60,10 +103,6 @@ def check_config(cfg: ExperimentConfig) -> None:
     raise ConfigError("rollout.pack=true: the pools exchange the rollout's own rows, not a "
                       "packed layout; set rollout.pack=false for --role=actor|critic, or run "
                       "the colocated step (no --role)")
-  host = [s for s in cfg.ppo.reward.sources if s.startswith("host:")]
-  if host:
-    raise ConfigError(f"ppo.reward.sources {host}: host (Python) rewards are not supported by "
-                      "the pools yet; use 'model' or 'rule:NAME' sources")
   p = cfg.pools
   if p.mode == "async" and p.max_staleness < 1:
     raise ConfigError(f"pools.max_staleness={p.max_staleness}: async mode needs >= 1 (the "
@@ -94,9 +133,10 @@ def check_skips(stage, state, role: str, done: int, save) -> None:
   if limit and consecutive >= limit:
     save()
     raise TrainingError(
-        f"{STAGE}.{role}: {consecutive} consecutive updates had a non-finite loss or gradient "
-        f"(batch {done - 1}); parameters were left at the last good state and checkpointed. "
-        f"Lower the learning rate, check the data, or raise {STAGE}.optim.max_consecutive_skips")
+        f"{stage.name}.{role}: {consecutive} consecutive updates had a non-finite loss or "
+        f"gradient (batch {done - 1}); parameters were left at the last good state and "
+        f"checkpointed. Lower the learning rate, check the data, or raise "
+        f"{stage.name}.optim.max_consecutive_skips")
 
 
 def staleness(cfg: ExperimentConfig) -> int:
@@ -105,23 +145,15 @@ def staleness(cfg: ExperimentConfig) -> int:
 
 
 def stage_key(cfg: ExperimentConfig) -> jax.Array:
-  """The key the colocated pipeline gives the PPO stage."""
-  return jax.random.fold_in(jax.random.key(cfg.seed), list(cfg.stages).index(STAGE))
+  """The key the colocated pipeline gives the pools' stage."""
+  return jax.random.fold_in(jax.random.key(cfg.seed), list(cfg.stages).index(stage_name(cfg)))
 
 
-def init_roles(stage: PPOStage, key: jax.Array, roles: dict, trainable, frozen, extras: dict):
-  """Like :meth:`Stage.init` for a subset of the roles: the same key per role as the full
-  stage, so each pool's parameters equal the colocated run's."""
-  names = ("state",) + tuple(stage.trainable) + tuple(stage.frozen())
-  keys = dict(zip(names, jax.random.split(key, len(names))))
-  params = {r: stage.role_params(roles, r, keys[r], head=stage.trainable[r]) for r in trainable}
-  heads = stage.frozen()
-  fz = {r: stage.role_params(roles, r, keys.get("policy", keys[r]) if r == "reference"
-                             else keys[r], head=heads[r], frozen=True) for r in frozen}
-  params = {r: stage.precision[r].to_master(p) for r, p in params.items()}
-  state = init_state(stage.mesh, params, {r: stage.opt[r] for r in trainable}, keys["state"],
-                     extras, stage.precision)
-  return state, fz
+def init_roles(stage, key: jax.Array, roles: dict, trainable, frozen, extras: dict):
+  """:meth:`Stage.init` of one pool's roles (and the frozen base of a LoRA role it trains):
+  the same key per role as the full stage, so each pool's parameters equal the colocated
+  run's."""
+  return stage.init(key, roles, only=(tuple(trainable), tuple(frozen)), extras=extras)
 
 
 def abstract_of(tree):
@@ -157,14 +189,14 @@ def namespace(cfg: ExperimentConfig, workdir: str) -> str:
   return f"jaxrlhf:{cfg.name}:{digest}"
 
 
-def settings_of(cfg: ExperimentConfig, stage: PPOStage, inputs: dict) -> dict:
-  """Everything both pools read and must agree on: the message shapes, the PPO settings
+def settings_of(cfg: ExperimentConfig, stage, inputs: dict) -> dict:
+  """Everything both pools read and must agree on: the message shapes, the stage's settings
   (reward sources and weights, KL, batch sizes), the data, the seed, the pools' mode, and the
   earlier stages' results they start from.  No addresses or credentials."""
   d = to_dict(cfg)
   shapes = {k: [list(v[0]), v[1]] for k, v in {**rollout_schema(stage),
                                                 **scores_schema(stage)}.items()}
-  out = {"shapes": shapes, "ppo": d["ppo"], "data": d["data"], "seed": cfg.seed,
+  out = {"shapes": shapes, stage.name: d[stage.name], "data": d["data"], "seed": cfg.seed,
          "stages": list(cfg.stages),
          "pools": {k: d["pools"][k] for k in ("mode", "max_staleness", "is_correction")},
          "inputs": dict(inputs)}
@@ -236,13 +268,13 @@ GROUP = {"rollouts": "critic", "scores": "actor"}
 MAX_UNACKED = 32
 
 
-def rollout_schema(stage: PPOStage) -> dict:
+def rollout_schema(stage) -> dict:
   """name -> (shape, dtype) of a rollout message: the fields of
   :class:`~jaxrlhf.train.types.Rollout` as generation and the reference phase fill them, and
   the key of the update's minibatch permutations."""
-  state, _ = stage.abstract_init()
-  c = jax.eval_shape(lambda st, b: phases.generate(stage, {}, b, StepCarry(state=st)), state,
-                     stage.abstract_batch())
+  state, frozen = stage.abstract_init()
+  c = jax.eval_shape(lambda st, fz, b: phases.generate(stage, fz, b, StepCarry(state=st)),
+                     state, frozen, stage.abstract_batch())
   ro = c.rollout
   schema = {f.name: (tuple(getattr(ro, f.name).shape), np.dtype(getattr(ro, f.name).dtype).name)
             for f in dataclasses.fields(Rollout) if getattr(ro, f.name) is not None}
@@ -251,7 +283,7 @@ def rollout_schema(stage: PPOStage) -> dict:
   return schema
 
 
-def scores_schema(stage: PPOStage) -> dict:
+def scores_schema(stage) -> dict:
   rows, n = stage.scfg.batch_size * stage.n, stage.N
   return {"adv_BN": ((rows, n), "float32"), "valid_B": ((rows,), "bool")}
 
@@ -298,8 +330,13 @@ class EventLog:
       f.flush()
 
 
-def pool_dir(workdir: str, role: str) -> str:
-  return os.path.join(os.path.abspath(workdir), f"{STAGE}.{role}")
+def pool_name(cfg: ExperimentConfig, role: str) -> str:
+  """A pool's name: its folder in the workdir, and its stage in the metrics (``ppo.actor``)."""
+  return f"{stage_name(cfg)}.{role}"
+
+
+def pool_dir(workdir: str, role: str, cfg: ExperimentConfig) -> str:
+  return os.path.join(os.path.abspath(workdir), pool_name(cfg, role))
 
 
 def wait_for(what: str, fn: Callable[[], object], timeout: float,
@@ -336,7 +373,7 @@ class PoolCheckpointer:
 
   def __init__(self, workdir: str, role: str, cfg: ExperimentConfig):
     with _ORBAX:
-      self.ck = ckpt.Checkpointer(ckpt.checkpoint_dir(workdir, f"{STAGE}.{role}"),
+      self.ck = ckpt.Checkpointer(ckpt.checkpoint_dir(workdir, pool_name(cfg, role)),
                                   cfg.checkpoint, to_dict(cfg))
     self.directory = self.ck.directory
     self.enabled = cfg.checkpoint.enabled
@@ -368,9 +405,9 @@ class PoolCheckpointer:
     self.close()
 
 
-def start_over(workdir: str, role: str, log) -> None:
+def start_over(workdir: str, role: str, cfg: ExperimentConfig, log) -> None:
   """``--resume=none`` for one pool: its checkpoints and result moved aside (never deleted)."""
-  name = f"{STAGE}.{role}"
+  name = pool_name(cfg, role)
   with _ORBAX:
     moved = [ckpt._move_aside(p, "replaced") for p in (ckpt.checkpoint_dir(workdir, name),
                                                        ckpt.stage_result_dir(workdir, name))]
@@ -379,6 +416,7 @@ def start_over(workdir: str, role: str, log) -> None:
     log(f"--resume=none: the {role} pool starts over; moved aside: {', '.join(moved)}")
 
 
-def save_result(workdir: str, role: str, params: dict, metrics: dict) -> None:
+def save_result(workdir: str, role: str, cfg: ExperimentConfig, params: dict,
+                metrics: dict) -> None:
   with _ORBAX:
-    ckpt.save_stage_result(workdir, f"{STAGE}.{role}", params, metrics)
+    ckpt.save_stage_result(workdir, pool_name(cfg, role), params, metrics)

@@ -1,12 +1,14 @@
-"""The critic pool: reward model (+ guard), value model, reward normalisation, GAE advantages
-and the value update.
+"""The critic pool: reward model (+ guard) and host rewards, reward normalisation, the
+algorithm's advantages, and the update of any model trained beside them (PPO's value model;
+GRPO has none).
 
-Per batch id ``b``, in order: take the actor's rollout, score it, normalise rewards with the
-running statistics this pool owns and compute advantages (with the KL coefficient the rollout
-carries), publish them, then train the value model on its loss term with the permutation key
-the actor sent (in sync mode the very key the actor's update uses, so minibatches match the
-colocated step).  Both programs are the critic's slices of the RL phase list
-(:func:`critic_programs`), the same phases the colocated step composes.
+Per batch id ``b``, in order: take the actor's rollout, score it (host reward functions on
+its decoded responses, then the reward phase), normalise rewards with the running statistics
+this pool owns and compute advantages (with the KL coefficient the rollout carries), publish
+them, then train the critic's roles on their loss terms with the permutation key the actor
+sent (in sync mode the very key the actor's update uses, so minibatches match the colocated
+step).  Both programs are the critic's slices of the RL phase list (:func:`critic_programs`),
+the same phases the colocated step composes.
 
 Restart: the checkpoint holds the state after batch ``done``; rollouts after it are still
 unacknowledged in the stream and are processed again (their scores, already published, are
@@ -21,29 +23,29 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf.config import ExperimentConfig
-from jaxrlhf.data import DataSource
 from jaxrlhf.metrics import MetricsWriter
 from jaxrlhf.pools import common as C
 from jaxrlhf.pools import wire
 from jaxrlhf.pools.store import Inbox, Store
 from jaxrlhf.train import pipeline, program
 from jaxrlhf.train.common import put_batch
-from jaxrlhf.train.ppo import PPOStage
+from jaxrlhf.train.phases import rl_phases
 from jaxrlhf.train.types import StepCarry
 
 ROLE = "critic"
 
 
-def value_metrics(stage, frozen, batch, c: StepCarry) -> StepCarry:
-  """The critic's step: the step counter, and its update's metrics named apart from the
-  actor's (the colocated "loss" is the sum of the two pools' shares)."""
-  del stage, frozen, batch
+def critic_metrics(stage, frozen, batch, c: StepCarry) -> StepCarry:
+  """The critic's step: the step counter, and its update's metrics (if it trains a role)
+  named apart from the actor's (the colocated "loss" is the sum of the two pools' shares)."""
+  del frozen, batch
   state = c.state.replace(step=c.state.step + 1)
   m = c.metrics
-  metrics = {"value/loss": m["value/loss"],
-             "value/explained_variance": m["value/explained_variance"],
-             "loss/value": m["loss"], "value/grad_norm": m["grad_norm"],
-             "skips/total": state.extras["skips/total"]}
+  trained, _ = C.pool_roles(stage, ROLE)
+  metrics = {k: v for k, v in m.items() if k.startswith(tuple(f"{r}/" for r in trained))}
+  if trained:
+    metrics.update({f"loss/{trained[0]}": m["loss"], f"{trained[0]}/grad_norm": m["grad_norm"]})
+  metrics["skips/total"] = state.extras["skips/total"]
   return c.replace(state=state, metrics=metrics)
 
 
@@ -59,18 +61,22 @@ def finite_scores(adv_BN, keep_B, score_B):
 
 def critic_programs(stage):
   """The critic's two programs from the RL phase list (train/program.py): scoring (reward,
-  values, reward shaping), then the value update, with this pool's bookkeeping after it."""
-  score, update = program.pool_programs(stage.phases(("value",), ("value",)), ROLE)
-  return score, update + [program.Phase("value_metrics", value_metrics)]
+  values, reward shaping), then the update of its roles (none for GRPO), with this pool's
+  bookkeeping after it."""
+  trained, _ = C.pool_roles(stage, ROLE)
+  phases = [p for p in rl_phases(trained, trained, stage.scfg) if trained or p.name != "train"]
+  score, *update = program.pool_programs(phases, ROLE)
+  return score, [p for prog in update for p in prog] + [
+      program.Phase("critic_metrics", critic_metrics)]
 
 
 def run_critic(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: dict, *,
                events=None, log=print, should_stop=lambda: False, consumer: str = "critic-0",
                writer=None, inputs=None, resume: str = "latest") -> dict:
-  """Scores the actor's rollouts and trains the value model until the PPO stage's last
+  """Scores the actor's rollouts and trains the critic's roles until the RL stage's last
   step; returns the last metrics.  ``inputs`` as for :func:`jaxrlhf.pools.actor.run_actor`."""
   C.check_config(cfg)
-  with C.PoolLock(C.pool_dir(workdir, ROLE), f"the {ROLE} pool of {workdir}"):
+  with C.PoolLock(C.pool_dir(workdir, ROLE, cfg), f"the {ROLE} pool of {workdir}"):
     while True:
       try:
         return _run_critic(cfg, workdir, store, mesh, roles, events=events, log=log,
@@ -91,20 +97,20 @@ def _run_critic(cfg, workdir, store, mesh, roles, *, events, log, should_stop, c
                 writer, inputs, resume) -> dict:
   store.check_server()
   if resume == "none":
-    C.start_over(workdir, ROLE, log)
+    C.start_over(workdir, ROLE, cfg, log)
   events = events or C.EventLog(None)
-  stage = PPOStage(cfg, mesh, DataSource(cfg.data, cfg.seed))
+  stage = C.build_stage(cfg, mesh)
   pcfg, steps = cfg.pools, stage.steps
-  frozen_roles = [r for r in stage.frozen() if r != "reference"]
+  trained, frozen_roles = C.pool_roles(stage, ROLE)
+  name = C.pool_name(cfg, ROLE)
   if "reward" in frozen_roles and "reward" not in roles and not cfg.role_model("reward").hf_path:
     # As the colocated stage warns (RLStage.init): scores from random weights are noise.
-    log(f"warning: {C.STAGE}.{ROLE} uses a reward model but no earlier stage trained one; it "
+    log(f"warning: {name} uses a reward model but no earlier stage trained one; it "
         "starts from random weights (add an 'rm' stage or set reward_model.hf_path)")
   extras = {k: v for k, v in stage.initial_extras().items() if k != "kl"}
-  state, frozen = C.init_roles(stage, C.stage_key(cfg), roles, ["value"], frozen_roles, extras)
+  state, frozen = C.init_roles(stage, C.stage_key(cfg), roles, trained, frozen_roles, extras)
   fresh = state
-  name = f"{C.STAGE}.{ROLE}"
-  writer = writer or MetricsWriter(C.pool_dir(workdir, ROLE), cfg.logging, {name: steps})
+  writer = writer or MetricsWriter(C.pool_dir(workdir, ROLE, cfg), cfg.logging, {name: steps})
   ns = C.namespace(cfg, workdir)
   run_key = C.Streams(ns, "").run_key
   log(f"critic: redis namespace {ns} (pools.namespace)")
@@ -165,14 +171,19 @@ def _run_critic(cfg, workdir, store, mesh, roles, *, events, log, should_stop, c
           break
         t_wait = time.perf_counter() - t0
         t0 = time.perf_counter()
-        batch = put_batch(mesh, stage.batch(msg.batch))
+        host_batch = stage.batch(msg.batch)
+        host = host_batch.pop("host", None)  # the examples behind the prompts (host rewards)
+        batch = put_batch(mesh, host_batch)
         # The update's minibatches follow the actor's key: in sync mode the very permutation
         # the colocated step draws.
         perm_key = jax.random.wrap_key_data(jnp.asarray(msg.arrays["perm_key"]))
         c = StepCarry(state=state.replace(rng=perm_key), rollout=C.rollout_of(mesh, msg.arrays),
                       kl_coef=jnp.float32(msg.meta["kl_coef"]))
+        hmetrics = {}
+        if stage.host_sources:
+          c, hmetrics = program.host_reward(stage, c, host, stage.host_scores)
         c = score(frozen, batch, c)
-        smetrics = {k: float(v) for k, v in jax.device_get(c.metrics).items()}
+        smetrics = {**{k: float(v) for k, v in jax.device_get(c.metrics).items()}, **hmetrics}
         adv, valid, bad = finite_scores(c.shaped.adv_BN, c.scored.keep_B, c.scored.score_B)
         if bad:
           log(f"critic: batch {msg.batch}: {bad} rows with non-finite advantages sent as "
@@ -221,7 +232,8 @@ def _run_critic(cfg, workdir, store, mesh, roles, *, events, log, should_stop, c
       ck.save(done, state, extra_of(done), last, force=True)
       inbox.ack_through(done - 1)
   if done == steps:
-    C.save_result(workdir, ROLE, {"value": stage.merged(state.params, {}, "value")},
-                  {"summary": {}, "steps": steps})
+    if trained:  # GRPO's critic trains nothing: it has no result to hand on
+      C.save_result(workdir, ROLE, cfg, {r: stage.merged(state.params, frozen, r) for r in trained},
+                    {"summary": {}, "steps": steps})
     events(event="finished", done=done)
   return {**last, "state": state, "done": done}

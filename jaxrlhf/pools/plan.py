@@ -1,4 +1,4 @@
-"""Sizing a disaggregated PPO run: each pool on its own device count and accelerator, and the
+"""Sizing a disaggregated RL run (PPO, GRPO...): each pool on its own device count and accelerator, and the
 pipeline's step time and cost.
 
 ``python -m jaxrlhf.main --experiment=ppo70b --plan --role=all --devices=32 --accelerator=h100
@@ -8,7 +8,8 @@ Each pool's phases are timed by the planner's analytic roofline (:func:`jaxrlhf.
 on the pool's own mesh: the slower of compute and HBM traffic per device; collectives and
 memory are not modelled here — ``--plan`` of the colocated stage compiles the programs and
 checks memory).  The actor runs generation, reference log-probs and the policy update; the
-critic reward (+ guard) and value scoring and the value update.  A step then takes:
+critic reward (+ guard), and for PPO value scoring and the value update (GRPO's critic
+trains nothing).  A step then takes:
 
 * sync: actor generation + reference, then critic scoring, then the two updates side by side
   (the critic publishes advantages before its own update): ``gen + ref + score +
@@ -59,14 +60,15 @@ class PipelinePlan:
   actor: PoolPlan
   critic: PoolPlan
   steps: int
+  stage: str = "ppo"
 
   @property
   def step_seconds(self) -> float:
     a, c = self.actor.phases, self.critic.phases
     if self.mode == "async":
       return max(self.actor.seconds, self.critic.seconds)
-    return (a["generate"] + a.get("reference", 0.0) + c["reward"] + c["values"]
-            + max(a["update_policy"], c["update_value"]))
+    return (a["generate"] + a.get("reference", 0.0) + c["reward"] + c.get("values", 0.0)
+            + max(a["update_policy"], c.get("update_value", 0.0)))
 
   @property
   def bound(self) -> str:
@@ -97,7 +99,7 @@ def _seconds(work: Work, n: int, acc) -> float:
 
 
 def plan_pool(stage, role: str, n: int, acc, mesh: dict = None) -> PoolPlan:
-  """Roofline seconds of ``role``'s phases of the PPO ``stage`` on ``n`` devices of ``acc``."""
+  """Roofline seconds of ``role``'s phases of the RL ``stage`` on ``n`` devices of ``acc``."""
   mesh = mesh or pool_mesh(n, acc.name)
   cfg, scfg = stage.cfg, stage.scfg
   work = workload(stage, mesh)
@@ -112,35 +114,36 @@ def plan_pool(stage, role: str, n: int, acc, mesh: dict = None) -> PoolPlan:
     if "reference" in work:
       phases["reference"] = work["reference"]
   else:
-    m = cfg.role_model("value")
-    upd = Work(scfg.ppo_epochs * decoder_flops(m, rows, T, head="scalar", train=True),
+    phases = {"reward": work.get("reward", Work(0.0, 0.0))}
+    if "value" in stage.trainable:
+      m = cfg.role_model("value")
+      upd = Work(scfg.ppo_epochs * decoder_flops(m, rows, T, head="scalar", train=True),
                  train_bytes(m, "scalar", mesh, passes, stage.precision["value"]))
-    phases = {"reward": work["reward"], "values": work["values"], "update_value": upd}
+      phases.update({"values": work["values"], "update_value": upd})
   return PoolPlan(role=role, devices=n, accelerator=acc, mesh=mesh,
                   phases={k: _seconds(w, n, acc) for k, w in phases.items()})
 
 
 def plan_pools(cfg: ExperimentConfig, actor_devices: int, actor_accelerator: str,
                critic_devices: int, critic_accelerator: str) -> PipelinePlan:
-  from jaxrlhf.data import DataSource
-  from jaxrlhf.train.ppo import PPOStage
-  if cfg.stages[-1] != "ppo":
-    raise ConfigError(f"--plan --role plans the PPO stage's pools; {cfg.name}'s last stage is "
-                      f"{cfg.stages[-1]!r}")
+  from jaxrlhf.pools import common as C
+  C.check_config(cfg)
   for what, n in (("--devices", actor_devices), ("--critic_devices", critic_devices)):
     if n < 1:
       raise ConfigError(f"{what}={n}: each pool needs at least one device")
   # Construction allocates nothing; the mesh is not used by the analytic figures.
-  stage = PPOStage(cfg, None, DataSource(cfg.data, cfg.seed))
+  stage = C.build_stage(cfg, None)
   accs = {r: hardware.get_accelerator(a) for r, a in (("actor", actor_accelerator),
                                                       ("critic", critic_accelerator))}
   return PipelinePlan(experiment=cfg.name, mode=cfg.pools.mode, steps=stage.steps,
+                      stage=stage.name,
                       actor=plan_pool(stage, "actor", actor_devices, accs["actor"]),
                       critic=plan_pool(stage, "critic", critic_devices, accs["critic"]))
 
 
 def format_pipeline(p: PipelinePlan) -> str:
-  lines = [f"{p.experiment}: disaggregated PPO, mode {p.mode} (roofline lower bounds)"]
+  lines = [f"{p.experiment}: disaggregated {p.stage.upper()}, mode {p.mode} (roofline lower "
+           "bounds)"]
   for pool in (p.actor, p.critic):
     m = pool.mesh
     phases = ", ".join(f"{k} {v:.3g}s" for k, v in pool.phases.items())

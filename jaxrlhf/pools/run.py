@@ -1,8 +1,8 @@
 """``python -m jaxrlhf.main --experiment=NAME --role=actor|critic|all``: one pool of a
-disaggregated PPO run, or (``all``) both on this machine.
+disaggregated RL run (PPO, GRPO...), or (``all``) both on this machine.
 
 A pool is an ordinary JAX program on its own devices (its own mesh; one process per pool for
-now — several processes under ``jax.distributed`` are refused): the stages before PPO (SFT, reward model) must have finished in
+now — several processes under ``jax.distributed`` are refused): the stages before the RL stage (SFT, reward model) must have finished in
 ``--workdir`` (``--role=all`` trains them first with the normal pipeline), then the actor and
 critic exchange batches through Redis.  ``--role=all`` also starts a loopback redis-server
 when no Redis is configured, and stops it at the end.
@@ -27,7 +27,7 @@ ROLES = ("actor", "critic", "all")
 
 
 def earlier_roles(cfg: ExperimentConfig, mesh, data, workdir: str) -> tuple[dict, dict]:
-  """``(roles, inputs)``: the roles the stages before PPO produced, from their results in
+  """``(roles, inputs)``: the roles the stages before the RL stage produced, from their results in
   ``workdir``, and each stage's result id (what a pool's checkpoint records it was built on)."""
   from jaxrlhf import checkpoint as ckpt
   from jaxrlhf.train import pipeline
@@ -36,7 +36,7 @@ def earlier_roles(cfg: ExperimentConfig, mesh, data, workdir: str) -> tuple[dict
     if not ckpt.stage_result_exists(workdir, name):
       raise ConfigError(
           f"stage {name!r} has no result in {workdir}; the pools start from it. Train the "
-          f"stages before ppo first (--role=all does), e.g. python -m jaxrlhf.main "
+          f"stages before {cfg.stages[-1]} first (--role=all does), e.g. python -m jaxrlhf.main "
           f"--experiment={cfg.name} --set=stages={','.join(cfg.stages[:-1])} --workdir={workdir}")
     outcome = pipeline.load_finished(pipeline.spec.build_stage(name, cfg, mesh, data), workdir)
     roles.update(outcome.outputs)
@@ -82,16 +82,17 @@ def run_role(cfg: ExperimentConfig, workdir: str, role: str, redis_url: str = ""
   else:
     from jaxrlhf.pools.critic import run_critic as fn
   from jaxrlhf.metrics import MetricsWriter
-  writer = MetricsWriter(C.pool_dir(workdir, role), cfg.logging,
-                         {f"{C.STAGE}.{role}": cfg.ppo.steps}, config=to_dict(cfg),
+  steps = getattr(cfg, C.stage_name(cfg)).steps
+  writer = MetricsWriter(C.pool_dir(workdir, role, cfg), cfg.logging,
+                         {C.pool_name(cfg, role): steps}, config=to_dict(cfg),
                          run_name=f"{os.path.basename(os.path.abspath(workdir))}.{role}")
   try:
     with PreemptionHandler() as stop:
       out = fn(cfg, workdir, store, mesh, roles, events=events, log=log,
                should_stop=stop.should_stop, writer=writer, inputs=inputs, resume=resume)
-    if out.get("done") == cfg.ppo.steps:  # the pool's trackers mark its run as finished
+    if out.get("done") == steps:  # the pool's trackers mark its run as finished
       writer.finish({role: {k: v for k, v in out.items() if isinstance(v, (int, float))}},
-                    lambda: report.report_files(C.pool_dir(workdir, role)))
+                    lambda: report.report_files(C.pool_dir(workdir, role, cfg)))
   except (S.Unreachable, S.PeerTimeout, S.StoreError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     return 1

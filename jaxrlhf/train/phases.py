@@ -339,7 +339,10 @@ def rl_phases(roles, terms, scfg=None) -> tuple[Phase, ...]:
       Phase(HOST, None, pool="critic"),
       Phase("reference", reference, pool="actor"),
       Phase("reward", reward, pool="critic"),
-      *((Phase("select", select, pool="critic"),) if dynamic else ()),
+      *((Phase("select", select, pool="critic", pools_note=(
+          "{stage}.dynamic_sampling=true picks the trained groups in the critic, after the "
+          "actor has generated them, and the pools exchange whole generated batches; set "
+          "{stage}.dynamic_sampling=false")),) if dynamic else ()),
       *((Phase("values", values, pool="critic"),) if "value" in terms else ()),
       Phase("shape", shape, pool="critic", group="update"),
       *((Phase("off_policy", off_policy, pool="actor", group="update"),) if correct else ()),

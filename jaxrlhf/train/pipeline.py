@@ -345,8 +345,9 @@ def start_over(workdir: str, stages) -> None:
   paths = [path for name in stages
            for path in (ckpt.checkpoint_dir(workdir, name), ckpt.stage_result_dir(workdir, name))]
   paths += run_files(workdir)
-  if "ppo" in stages:  # the actor and critic pools' folders (--role, docs/pools.md)
-    paths += [os.path.join(os.path.abspath(workdir), f"ppo.{r}") for r in ("actor", "critic")]
+  # The actor and critic pools' folders of an RL stage (--role, docs/pools.md).
+  paths += [os.path.join(os.path.abspath(workdir), f"{s}.{r}") for s in stages
+            if spec.get(s).generates for r in ("actor", "critic")]
   moved = [ckpt._move_aside(path, "replaced") for path in paths]
   moved = [os.path.relpath(m, workdir) for m in moved if m]
   if moved:

@@ -46,12 +46,15 @@ HOST = "host_reward"
 class Phase:
   """One pure piece of the step.  ``group`` names the timed program it belongs to (phases of
   one group run as one program under ``logging.phase_timing``); ``pool`` is where it runs in
-  a disaggregated run (``actor``, ``critic``, or ``both``)."""
+  a disaggregated run (``actor``, ``critic``, or ``both``); ``pools_note``, when set, says
+  why the phase cannot run in a disaggregated run and which setting avoids it (the pools
+  refuse the configuration with it; ``{stage}`` stands for the stage's name)."""
 
   name: str
   fn: Callable  # (stage, frozen, batch, carry) -> carry
   pool: str = "actor"
   group: str = ""
+  pools_note: str = ""
 
   @property
   def timing_group(self) -> str:
@@ -225,19 +228,7 @@ class PhasedProgram:
         if self.host_fn is None:
           continue
         with timer.phase(HOST):
-          # Only the tokens come to the host: the functions score decoded text.
-          # (Gathered from every process on a multi-process mesh; each scores the whole
-          # batch, and the scores go back as one global array.)
-          index = carry.rollout.prompt_index_B
-          if index is not None:  # refill: the trained groups' prompts, in completion order
-            host = host.take(to_host(index)[::self.stage.n])
-          ro = carry.rollout
-          scores, got = self.host_fn(to_host(ro.tokens_BT)[:, ro.prompt_len:], host)
-          if carry.host_score_B is not None:  # an environment's returns are host scores too
-            scores = to_host(carry.host_score_B) + scores
-          scores = np.asarray(scores, np.float32)
-          carry = carry.replace(host_score_B=put_global(scores,
-                                                        carry.rollout.lengths_B.sharding))
+          carry, got = host_reward(self.stage, carry, host, self.host_fn)
         host_metrics.update(got)
         continue
       carry = timer.run(name, self.jitted[label], frozen, batch, carry)
@@ -248,6 +239,23 @@ class PhasedProgram:
   def programs(self):
     """``(label, jitted fn)`` of each device program, in order (for the planner)."""
     return [(lab, self.jitted[lab]) for lab, _ in self.parts if lab in self.jitted]
+
+
+def host_reward(stage, carry: StepCarry, host, host_fn) -> tuple[StepCarry, dict]:
+  """The host reward between two programs: ``host_fn(responses, host)`` on the rollout's
+  response tokens and the examples behind its prompts, added to any host scores already in
+  the carry (an environment's returns); ``(carry with host_score_B, metrics)``.  Only the
+  tokens come to the host (gathered from every process on a multi-process mesh; each scores
+  the whole batch, and the scores go back as one global array)."""
+  index = carry.rollout.prompt_index_B
+  if index is not None:  # refill: the trained groups' prompts, in completion order
+    host = host.take(to_host(index)[::stage.n])
+  ro = carry.rollout
+  scores, got = host_fn(to_host(ro.tokens_BT)[:, ro.prompt_len:], host)
+  if carry.host_score_B is not None:  # an environment's returns are host scores too
+    scores = to_host(carry.host_score_B) + scores
+  scores = np.asarray(scores, np.float32)
+  return carry.replace(host_score_B=put_global(scores, ro.lengths_B.sharding)), got
 
 
 def pool_programs(phases: Sequence[Phase], pool: str) -> list[list[Phase]]:

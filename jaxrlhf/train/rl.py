@@ -112,12 +112,13 @@ class RLStage(Stage):
       extras["carry"] = initial_carry(self.scfg.batch_size, self.P, self.R)
     return extras
 
-  def init(self, key, roles):
+  def init(self, key, roles, **kw):
+    # (A pool, ``only=...``, warns in its own log: jaxrlhf.pools.critic.)
     if "reward" in self.frozen() and "reward" not in roles and not self.cfg.role_model(
-        "reward").hf_path:
+        "reward").hf_path and kw.get("only") is None:
       print(f"warning: {self.name} uses a reward model but no earlier stage trained one; "
             f"it starts from random weights (add an 'rm' stage or set reward_model.hf_path)")
-    return super().init(key, roles)
+    return super().init(key, roles, **kw)
 
   @property
   def prompts_per_step(self) -> int:

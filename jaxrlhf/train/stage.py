@@ -118,17 +118,25 @@ class Stage:
     return rows
 
   # -- shared machinery ---------------------------------------------------------------------
-  def init(self, key: jax.Array, roles: dict) -> tuple[TrainState, dict]:
+  def init(self, key: jax.Array, roles: dict, *, only: tuple | None = None,
+           extras: dict | None = None) -> tuple[TrainState, dict]:
     """Parameters of every role (from earlier stages, a Hugging Face directory, or fresh) on
-    the mesh, and the train state around the trainable ones."""
+    the mesh, and the train state around the trainable ones.  ``only=(trained, frozen)``
+    builds a subset (one pool of a disaggregated run), each role from the same key as the
+    whole stage's, plus the frozen base of each LoRA role it trains; ``extras`` then replaces
+    :meth:`initial_extras` (a pool keeps its own share of the algorithm's state)."""
     keys = dict(zip(("state",) + tuple(self.trainable) + tuple(self.frozen()),
                     jax.random.split(key, 1 + len(self.trainable) + len(self.frozen()))))
+    trained, wanted = only or (tuple(self.trainable), tuple(self.frozen()))
+    wanted = set(wanted) | {self.base_keys[r] for r in trained if r in self.lora}
     # The reference starts from the same weights as the policy when both are fresh.
     frozen = {r: self.role_params(roles, r, keys.get("policy", keys[r]) if r == "reference"
                                   else keys[r], head=h, frozen=True)
-              for r, h in self.frozen().items()}
+              for r, h in self.frozen().items() if r in wanted}
     params = {}
     for r, h in self.trainable.items():
+      if r not in trained:
+        continue
       if r not in self.lora:
         params[r] = self.role_params(roles, r, keys[r], head=h)
         continue
@@ -140,10 +148,11 @@ class Stage:
         frozen[bk] = jax.device_put(base, self.base_shardings(r))
       params[r] = self.lora_params(r, keys[r], head)
     for r, bk in self.base_keys.items():
-      frozen[bk] = LORA.cast_base(frozen[bk], self.lora[r].base_dtype)
+      if r in trained:
+        frozen[bk] = LORA.cast_base(frozen[bk], self.lora[r].base_dtype)
     params = {r: self.precision[r].to_master(p) for r, p in params.items()}
-    state = init_state(self.mesh, params, self.opt, keys["state"], self.initial_extras(),
-                       self.precision)
+    state = init_state(self.mesh, params, {r: self.opt[r] for r in trained}, keys["state"],
+                       self.initial_extras() if extras is None else extras, self.precision)
     return state, frozen
 
   def abstract_init(self) -> tuple[TrainState, dict]:
