@@ -218,7 +218,7 @@ def cispo_policy_loss(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low: float,
 # *, clip_low, clip_high, dual_clip, agg, denom, max_len) -> (loss, metrics).  An off-policy
 # weight w >= 0 enters through the advantages: each loss is positively homogeneous in A.
 POLICY_LOSSES = {
-    "ppo": ppo_policy_loss,
+    "ppo": ppo_policy_loss,  # not a stage name: the clipped surrogate
     "gspo": gspo_policy_loss,
     "gspo_token": functools.partial(gspo_policy_loss, token_level=True),
     "cispo": cispo_policy_loss,

@@ -12,6 +12,6 @@ from jaxrlhf.config.sections import (  # noqa: F401
 from jaxrlhf.config.stages import (  # noqa: F401
     DPOConfig, GRPOConfig, KTOConfig, PPOConfig, RLConfig, RMConfig, SFTConfig, StageConfig)
 from jaxrlhf.config.experiment import (  # noqa: F401
-    EVAL_KIND, ExperimentConfig, STAGE_NAMES, Stage, sink_problems, validate)
+    ExperimentConfig, STAGE_NAMES, Stage, sink_problems, validate)
 from jaxrlhf.config.overrides import (  # noqa: F401
     apply_overrides, diff, from_dict, load_config_file, set_field, to_dict, to_json)

@@ -158,12 +158,6 @@ def sink_problems(sinks) -> list[str]:
   return problems
 
 
-# The kind of held-out data each stage evaluates on: greedy answers on prompts with an
-# "answer" (exact match), or preference pairs (pair accuracy).
-EVAL_KIND = {"sft": "prompts", "rm": "pairs", "ppo": "prompts", "grpo": "prompts",
-             "dpo": "pairs", "kto": "pairs"}
-
-
 def _validate_data(cfg: "ExperimentConfig", problems: list) -> None:
   d = cfg.data
   targets = []
@@ -190,7 +184,8 @@ def _validate_data(cfg: "ExperimentConfig", problems: list) -> None:
   if d.pack_buckets < 1:
     problems.append(f"data.pack_buckets={d.pack_buckets}: must be >= 1 (the number of row "
                     f"counts a packed batch is rounded up to; 8 is the default)")
-  kinds = sorted({EVAL_KIND[s] for s in cfg.stages})
+  # The kind of held-out data each stage evaluates on (its config type's eval_data).
+  kinds = sorted({type(getattr(cfg, s)).eval_data for s in cfg.stages})
   if d.task == "jsonl" and d.eval_path and len(kinds) > 1:
     problems.append(f"data.eval_path={d.eval_path!r} serves every stage, but the stages "
                     f"({', '.join(cfg.stages)}) read different kinds of data ({', '.join(kinds)}); "

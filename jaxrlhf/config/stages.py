@@ -96,6 +96,9 @@ class StageConfig:
   lora: LoraConfig = LoraConfig()
   # The role ``optim`` trains (its model's param_dtype decides what ``optim.precision`` means).
   optim_role: ClassVar[str] = "policy"
+  # The kind of held-out data the stage evaluates on: "prompts" (greedy answers, exact
+  # match) or "pairs" (preference accuracy): which data.*_eval_path it reads.
+  eval_data: ClassVar[str] = "prompts"
 
   def check(self, name: str, cfg, c: _Checks) -> None:
     """Adds the problems of this stage's settings to ``c``; ``cfg`` is the whole
@@ -149,6 +152,7 @@ class SFTConfig(StageConfig):
 
 @dataclasses.dataclass(frozen=True)
 class RMConfig(StageConfig):
+  eval_data: ClassVar[str] = "pairs"
   # rm.optim trains the reward model (its param_dtype decides what optim.precision means).
   optim_role: ClassVar[str] = "reward"
   # Reward-model training steps.
@@ -390,6 +394,7 @@ class GRPOConfig(RLConfig):
 
 @dataclasses.dataclass(frozen=True)
 class DPOConfig(StageConfig):
+  eval_data: ClassVar[str] = "pairs"
   # Preference pairs per step (two sequences each).
   batch_size: int = 32
   # The implicit reward's scale, beta x (policy - reference log-prob) (SimPO: of the
@@ -428,6 +433,7 @@ class DPOConfig(StageConfig):
 
 @dataclasses.dataclass(frozen=True)
 class KTOConfig(StageConfig):
+  eval_data: ClassVar[str] = "pairs"
   """KTO on unpaired examples (data.unpaired_path, or each pair's two sides)."""
 
   # Examples per step (from pairs: both sides of half as many pairs).

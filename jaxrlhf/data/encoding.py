@@ -25,7 +25,7 @@ def _blank(value: "str | Chat") -> bool:
 
 # The fields of each kind whose tokens the loss trains on (besides the end token); a pair's
 # sides are compared with each other, so an empty side still carries a signal.
-_TRAINED = {"sft": ("response",), "unpaired": ("completion",)}
+_TRAINED = {"sft": ("response",), "unpaired": ("completion",)}  # not a stage name: data kinds
 
 
 class Encoder:

@@ -15,17 +15,18 @@ from jaxrlhf.data.examples import Chat, Example
 
 # What a row of each kind needs (besides the alternatives _to_example accepts: "messages"
 # for SFT, whole conversations as "chosen"/"rejected" for pairs).
-_REQUIRED = {"prompts": ("prompt",), "sft": ("prompt", "response"),
+# ("sft" here and below: not a stage name, the kind of file data.sft_path names.)
+_REQUIRED = {"prompts": ("prompt",), "sft": ("prompt", "response"),  # not a stage name
              "pairs": ("prompt", "chosen", "rejected"),
              "unpaired": ("prompt", "completion")}  # and "label": true|false
 
 
-_PATH_FIELD = {"prompts": "prompts_path", "sft": "sft_path", "pairs": "pairs_path",
-               "unpaired": "unpaired_path"}
+_PATH_FIELD = {"prompts": "prompts_path", "sft": "sft_path",  # not a stage name
+               "pairs": "pairs_path", "unpaired": "unpaired_path"}
 
 
 # The fields of each kind that batches encode (besides the prompt).
-_TEXT_FIELDS = {"prompts": ("answer",), "sft": ("response", "answer"),
+_TEXT_FIELDS = {"prompts": ("answer",), "sft": ("response", "answer"),  # not a stage name
                 "pairs": ("chosen", "rejected"), "unpaired": ("completion",)}
 
 
@@ -304,7 +305,7 @@ def _to_example(obj: dict, kind: str, where: str, line: int) -> Example:
   else:
     missing = [k for k in _REQUIRED[kind] if not isinstance(obj.get(k), (str, list))]
     if missing:
-      alt = {"sft": " or {\"messages\": [...]}",
+      alt = {"sft": " or {\"messages\": [...]}",  # not a stage name
              "pairs": " or {\"chosen\": [messages], \"rejected\": [messages]}"}.get(kind, "")
       others = [k for k, v in obj.items() if isinstance(v, (str, list)) and k not in missing]
       rename = (f"; this row has {', '.join(map(repr, others))}: name the one to use with "

@@ -208,6 +208,7 @@ class DataSource:
               f"data.eval_split=0.05 for a held-out set")
     if kind not in self._said:
       self._said.add(kind)
-      what = {"prompts": "greedy answers", "sft": "loss"}.get(kind, "pair accuracy")
+      what = {"prompts": "greedy answers",
+              "sft": "loss"}.get(kind, "pair accuracy")  # not a stage name: a data kind
       print(f"evaluation ({what}, {kind}): {note}", flush=True)
     return examples

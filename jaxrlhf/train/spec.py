@@ -1,10 +1,19 @@
 """What an algorithm is, declared once: :class:`AlgorithmSpec` and the registry of them.
 
-The pipeline, the FLOP count, the planner and the entry point read a stage's spec instead of
-branching on its name; the config checks live on each algorithm's config type
-(``check``, called by :func:`jaxrlhf.config.validate`).  Adding an algorithm is its spec and
-its math: a module under ``jaxrlhf/train/`` that calls :func:`register`, listed in
-``jaxrlhf/train/__init__.py``, and the stage name in :data:`jaxrlhf.config.Stage`.
+The pipeline, the FLOP count, the planner, the pools and the entry point read a stage's spec
+instead of branching on its name (tests/test_layering.py fails on any comparison with, or
+lookup table keyed by, a registered name outside the registry and the algorithms' modules);
+the config checks live on each algorithm's config type (``check``, called by
+:func:`jaxrlhf.config.validate`).  Adding an algorithm takes:
+
+- its settings: a :class:`jaxrlhf.config.StageConfig` subclass in ``jaxrlhf/config/stages.py``
+  (its ``check``, and ``eval_data``: the held-out data it reads), a field of that type on
+  :class:`jaxrlhf.config.ExperimentConfig` named as the stage, and the name in
+  :data:`jaxrlhf.config.Stage`;
+- its spec and its math: a module under ``jaxrlhf/train/`` that calls :func:`register`,
+  listed in ``jaxrlhf/train/__init__.py``.
+
+tests/test_layering.py checks that each registered spec has all of these.
 """
 
 from __future__ import annotations
