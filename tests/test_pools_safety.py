@@ -330,20 +330,41 @@ def test_a_pool_agrees_with_itself_and_a_changed_setting_is_named(server):
 
 
 def test_repeated_non_finite_updates_stop_a_pool_after_a_checkpoint():
+  """A pool runs the colocated stage's training loop: after max_consecutive_skips non-finite
+  updates in a row it checkpoints (and acknowledges what that covers), then stops with the
+  setting to change."""
   import types
   import jax.numpy as jnp
-  from jaxrlhf.train.loop import TrainingError
-  stage = types.SimpleNamespace(name="ppo", scfg=types.SimpleNamespace(
-      optim=types.SimpleNamespace(max_consecutive_skips=3)))
-  saved = []
-  for n in (0, 2):
-    C.check_skips(stage, types.SimpleNamespace(extras={"skips/consecutive": jnp.int32(n)}),
-                  "critic", 5, lambda: saved.append(1))
-  assert not saved
-  with pytest.raises(TrainingError, match="ppo.optim.max_consecutive_skips"):
-    C.check_skips(stage, types.SimpleNamespace(extras={"skips/consecutive": jnp.int32(3)}),
-                  "critic", 5, lambda: saved.append(1))
-  assert saved == [1]
+  from jaxrlhf.train.driver import TrainingError
+  from test_pools import Records
+  stage = types.SimpleNamespace(
+      name="ppo", steps=10, eval_every=0, target_reached=lambda m: "",
+      scfg=types.SimpleNamespace(optim=types.SimpleNamespace(max_consecutive_skips=3)),
+      cfg=types.SimpleNamespace(logging=types.SimpleNamespace(every_steps=1)))
+  saved, acked = [], []
+
+  class Checkpointer:
+    enabled, directory = True, "/ckpt/ppo.critic"
+
+    def save(self, step, state, extra, metrics=None, *, force=False):
+      if force:
+        saved.append(step)
+      return force
+
+  counts = iter([0, 2, 3])
+
+  def program(state, step):
+    return types.SimpleNamespace(extras={"skips/consecutive": jnp.int32(next(counts))}), {
+        "loss": float("nan")}
+
+  writer = Records()
+  saves = C.PoolSaves(Checkpointer(), lambda done: {"done": done}, acked.append)
+  loop = C.driver(stage, "critic", writer, saves, lambda: False)
+  with pytest.raises(TrainingError, match=r"ppo.critic: 3 consecutive steps had a non-finite "
+                     r"loss or gradient \(step 3\).*checkpointed as step 3 in "
+                     r"/ckpt/ppo.critic.*raise ppo.optim.max_consecutive_skips"):
+    loop.run(program, None, 0)
+  assert saved == [3] and acked == [3] and sorted(writer.by_step) == [1, 2]
 
 
 def test_the_critic_never_publishes_a_non_finite_advantage():

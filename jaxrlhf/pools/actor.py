@@ -104,13 +104,13 @@ def _run_actor(cfg, workdir, store, mesh, roles, *, events, log, should_stop, co
     C.start_over(workdir, ROLE, cfg, log)
   events = events or C.EventLog(None)
   stage = C.build_stage(cfg, mesh)
-  pcfg, steps, ahead = cfg.pools, stage.steps, C.staleness(cfg)
   trained, frozen_roles = C.pool_roles(stage, ROLE)
   state, frozen = C.init_roles(stage, C.stage_key(cfg), roles, trained, frozen_roles,
                                {k: v for k, v in stage.initial_extras().items()
                                 if k != "reward_stats"})
-  name = C.pool_name(cfg, ROLE)
+  name, steps = C.pool_name(cfg, ROLE), stage.steps
   writer = writer or MetricsWriter(C.pool_dir(workdir, ROLE, cfg), cfg.logging, {name: steps})
+  evaluate = lambda s: stage.evaluate(s, frozen)  # noqa: E731
   with C.PoolCheckpointer(workdir, ROLE, cfg) as ck:
     point = ck.resume(C.abstract_of(state), resume, cfg)
     if point is not None:
@@ -122,7 +122,7 @@ def _run_actor(cfg, workdir, store, mesh, roles, *, events, log, should_stop, co
       events(event="resumed", done=done, published=published, run=run)
     else:
       run, done, published = uuid.uuid4().hex[:12], 0, 0
-      start_eval = stage.evaluate(state, frozen)
+      start_eval = evaluate(state)
       # Saved before anything is published: a restart always finds this run's id.
       ck.save(0, state, {"run": run, "done": 0, "published": 0, "start_eval": start_eval,
                          "inputs": inputs}, force=True)
@@ -131,124 +131,133 @@ def _run_actor(cfg, workdir, store, mesh, roles, *, events, log, should_stop, co
     log(f"actor: run {run} in redis namespace {streams.ns} (pools.namespace)")
     store.set_str(streams.run_key, run)
     if not C.agree(store, streams, ROLE, C.settings_of(cfg, stage, inputs),
-                   timeout=pcfg.peer_wait_s, should_stop=should_stop):
+                   timeout=cfg.pools.peer_wait_s, should_stop=should_stop):
       return {"start_eval": start_eval, "state": state, "done": done}
-    ro_stream, ro_index = streams.stream("rollouts"), streams.index("rollouts")
-    store.ensure_group(ro_stream, C.GROUP["rollouts"])
-    ro_schema = C.rollout_schema(stage)
-    inbox = Inbox(store, streams.stream("scores"), streams.index("scores"), C.GROUP["scores"],
-                  consumer, kind="scores", run=run, schema=C.scores_schema(stage), log=log,
-                  event=events)
-    state_sh = shardings_of(state)
-    rollout_phases, update_phases = actor_programs(stage)
-    gen = C.pool_program(stage, rollout_phases, state)
-    upd = C.pool_program(stage, update_phases, state)
-    skip_gen = jax.jit(lambda s: s.replace(rng=jax.random.split(s.rng)[0]),
-                       out_shardings=state_sh, donate_argnums=(0,))
-
-    def extra_of():
-      return {"run": run, "done": done, "published": published, "start_eval": start_eval,
-              "stage": name, "inputs": inputs}
-
-    inflight: dict = {}  # batch id -> (rollout on device, policy version)
-    # Rollouts the checkpoint's state had already published: read back, not regenerated.
-    for b in range(done, published):
-      got = store.get(ro_stream, ro_index, b)
-      if got is None:
-        raise RuntimeError(f"actor: rollout {b} was published before the restart but is gone "
-                           f"from {ro_stream}; the store lost data (Redis without persistence?)")
-      msg = wire.decode(got[1], kind="rollout", run=run, schema=ro_schema)
-      inflight[b] = (C.rollout_of(mesh, msg.arrays), msg.policy_version)
-    last: dict = {}
-    t_prev = time.perf_counter()
+    loop = ActorLoop(stage, store, streams, frozen, state, consumer=consumer, events=events,
+                     log=log, should_stop=should_stop, published=published, start=done)
+    saves = C.PoolSaves(ck, lambda done: {
+        "run": run, "done": done, "published": loop.published, "start_eval": start_eval,
+        "stage": name, "inputs": inputs}, loop.final,
+        must=lambda: len(loop.inbox.unacked) >= C.MAX_UNACKED)
     with jax.set_mesh(mesh):
-      while done < steps:
-        if should_stop():
-          break
-        t_gen = 0.0
-        while published < steps and published - done <= ahead:
-          b = published
-          t0 = time.perf_counter()
-          got = store.get(ro_stream, ro_index, b)
-          if got is not None:
-            # Published by this run before a restart (after its checkpoint): reuse it, and
-            # take the RNG step its generation took so the run goes on as if uninterrupted.
-            msg = wire.decode(got[1], kind="rollout", run=run, schema=ro_schema)
-            state = skip_gen(state)
-            ro = C.rollout_of(mesh, msg.arrays)
-            version = msg.policy_version
-            log(f"actor: rollout {b} was published before the restart; reusing it")
-            events(event="reused", batch=b)
-          else:
-            c = gen(frozen, put_batch(mesh, device_batch(stage.batch(b))),
-                    StepCarry(state=state))
-            state, ro = c.state, c.rollout
-            arrays = {**C.rollout_arrays(ro), "perm_key": jax.device_get(C.keys_of(state))}
-            version = done
-            msg = wire.Message(kind="rollout", run=run, batch=b, step=done,
-                               policy_version=version, producer=consumer,
-                               meta={"kl_coef": C.scalar(state.extras["kl"].coef)},
-                               arrays=arrays)
-            added = store.publish(ro_stream, ro_index, b, wire.encode(msg),
-                                  group=C.GROUP["rollouts"], max_queue=pcfg.max_queue,
-                                  should_stop=should_stop, wait_s=pcfg.peer_wait_s)
-            if not added.published:  # stopped while the queue was full: b stays unpublished
-              break
-            # PRESENT: Redis ran the publish but its reply was lost to an outage, and the
-            # retry found the entry.  It is this rollout (nothing else can have published b:
-            # the read-back above found none), so b counts as published.
-            events(event="published", batch=b, policy_version=version, how=added.value)
-          inflight[b] = (ro, version)
-          published += 1
-          t_gen += time.perf_counter() - t0
-        if should_stop():
-          break
-        t0 = time.perf_counter()
-        scores = inbox.take(done, timeout=pcfg.peer_wait_s, should_stop=should_stop)
-        if scores is None:
-          break
-        t_wait = time.perf_counter() - t0
-        ro, version = inflight.pop(done)
-        lag = done - version
-        if lag > ahead:  # cannot happen by construction; a guard against a broken restart
-          raise RuntimeError(f"actor: rollout {done} is {lag} updates stale (limit {ahead})")
-        t0 = time.perf_counter()
-        valid = jnp.asarray(scores.arrays["valid_B"])
-        shaped = Shaped(adv_BN=jnp.asarray(scores.arrays["adv_BN"]),
-                        update_mask_BN=ro.response_mask_BN & valid[:, None])
-        c = upd(frozen, {}, StepCarry(state=state, rollout=ro, shaped=shaped))
-        state = c.state
-        metrics = {k: float(v) for k, v in jax.device_get(c.metrics).items()}
-        t_upd = time.perf_counter() - t0
-        done += 1
-        now = time.perf_counter()
-        events(event="applied", batch=done - 1, policy_version=version, scores_batch=scores.batch)
-        C.check_skips(stage, state, ROLE, done, lambda: (
-            ck.save(done, state, extra_of(), metrics, force=True), inbox.ack_through(done - 1)))
-        metrics.update({"time/step_s": now - t_prev, "time/actor/generate_s": t_gen,
-                        "time/actor/wait_s": t_wait, "time/actor/update_s": t_upd,
-                        "pools/staleness": float(lag),
-                        **{f"critic/{k}": v for k, v in scores.meta.items()}})
-        t_prev = now
-        if stage.eval_every and (done % stage.eval_every == 0 or done == steps):
-          metrics.update(stage.evaluate(state, frozen))
-        writer.write(name, done, metrics)
-        last = metrics
-        # A checkpoint at least every MAX_UNACKED batches, whatever checkpoint.every_steps:
-        # the streams hold what a restart may re-read, and this bounds it.
-        if ck.save(done, state, extra_of(), metrics,
-                   force=done == steps or len(inbox.unacked) >= C.MAX_UNACKED):
-          inbox.ack_through(done - 1)
-          store.trim(ro_stream, ro_index, C.GROUP["rollouts"],
-                     keep_from=store.entry_of(ro_index, done))
-    if should_stop():
-      ck.save(done, state, extra_of(), last, force=True)
-      inbox.ack_through(done - 1)
+      end = C.driver(stage, ROLE, writer, saves, should_stop, evaluate=evaluate,
+                     samples=stage.take_samples).run(loop, state, done)
+  state, last, done = end.state, dict(end.last), end.done
   if done == steps and "eval/accuracy" not in last:
-    last.update(stage.evaluate(state, frozen))
+    last.update(evaluate(state))
   if done == steps:
     C.save_result(workdir, ROLE, cfg, {r: stage.merged(state.params, frozen, r) for r in trained},
                   {"summary": {name: {k: v for k, v in last.items() if k.startswith("eval/")}},
                    "start_eval": start_eval, "steps": steps})
     events(event="finished", done=done)
   return {**last, "start_eval": start_eval, "state": state, "done": done}
+
+
+class ActorLoop:
+  """The actor's program for the training loop: per update ``done``, generate and publish
+  the rollouts up to ``max_staleness`` ahead (or read back those published before a restart,
+  taking the RNG step their generation took), take the critic's advantages of batch
+  ``done`` and train the policy on them.  Returns ``(state, None)`` when told to stop."""
+
+  def __init__(self, stage, store, streams, frozen, state, *, consumer, events, log,
+               should_stop, published: int, start: int):
+    cfg, mesh = stage.cfg, stage.mesh
+    self.stage, self.store, self.frozen, self.mesh = stage, store, frozen, mesh
+    self.consumer, self.events, self.log, self.should_stop = consumer, events, log, should_stop
+    self.run, self.published, self.ahead = streams.run, published, C.staleness(cfg)
+    self.wait_s, self.max_queue = cfg.pools.peer_wait_s, cfg.pools.max_queue
+    self.ro_stream, self.ro_index = streams.stream("rollouts"), streams.index("rollouts")
+    store.ensure_group(self.ro_stream, C.GROUP["rollouts"])
+    self.schema = C.rollout_schema(stage)
+    self.inbox = Inbox(store, streams.stream("scores"), streams.index("scores"),
+                       C.GROUP["scores"], consumer, kind="scores", run=streams.run,
+                       schema=C.scores_schema(stage), log=log, event=events)
+    rollout_phases, update_phases = actor_programs(stage)
+    self.gen = C.pool_program(stage, rollout_phases, state)
+    self.upd = C.pool_program(stage, update_phases, state)
+    self.skip_gen = jax.jit(lambda s: s.replace(rng=jax.random.split(s.rng)[0]),
+                            out_shardings=shardings_of(state), donate_argnums=(0,))
+    self.inflight: dict = {}  # batch id -> (rollout on device, policy version)
+    # Rollouts the checkpoint's state had already published: read back, not regenerated.
+    for b in range(start, published):
+      got = store.get(self.ro_stream, self.ro_index, b)
+      if got is None:
+        raise RuntimeError(f"actor: rollout {b} was published before the restart but is gone "
+                           f"from {self.ro_stream}; the store lost data (Redis without "
+                           "persistence?)")
+      msg = wire.decode(got[1], kind="rollout", run=self.run, schema=self.schema)
+      self.inflight[b] = (C.rollout_of(mesh, msg.arrays), msg.policy_version)
+    self.t_prev = time.perf_counter()
+
+  def final(self, done: int) -> None:
+    """Everything through update ``done`` is checkpointed: acknowledge its scores, and trim
+    the rollouts a restart can no longer need."""
+    self.inbox.ack_through(done - 1)
+    self.store.trim(self.ro_stream, self.ro_index, C.GROUP["rollouts"],
+                    keep_from=self.store.entry_of(self.ro_index, done))
+
+  def _next_rollout(self, state, b: int, done: int):
+    """``(state, (rollout, version))`` of batch ``b``, or ``(state, None)`` when told to stop
+    while the rollouts stream was full (``b`` stays unpublished)."""
+    got = self.store.get(self.ro_stream, self.ro_index, b)
+    if got is not None:
+      # Published by this run before a restart (after its checkpoint): reuse it, and take
+      # the RNG step its generation took so the run goes on as if uninterrupted.
+      msg = wire.decode(got[1], kind="rollout", run=self.run, schema=self.schema)
+      self.log(f"actor: rollout {b} was published before the restart; reusing it")
+      self.events(event="reused", batch=b)
+      return self.skip_gen(state), (C.rollout_of(self.mesh, msg.arrays), msg.policy_version)
+    c = self.gen(self.frozen, put_batch(self.mesh, device_batch(self.stage.batch(b))),
+                 StepCarry(state=state))
+    state, ro = c.state, c.rollout
+    arrays = {**C.rollout_arrays(ro), "perm_key": jax.device_get(C.keys_of(state))}
+    msg = wire.Message(kind="rollout", run=self.run, batch=b, step=done, policy_version=done,
+                       producer=self.consumer,
+                       meta={"kl_coef": C.scalar(state.extras["kl"].coef)}, arrays=arrays)
+    added = self.store.publish(self.ro_stream, self.ro_index, b, wire.encode(msg),
+                               group=C.GROUP["rollouts"], max_queue=self.max_queue,
+                               should_stop=self.should_stop, wait_s=self.wait_s)
+    if not added.published:  # stopped while the queue was full
+      return state, None
+    # PRESENT: Redis ran the publish but its reply was lost to an outage, and the retry found
+    # the entry.  It is this rollout (nothing else can have published b: the read-back above
+    # found none), so b counts as published.
+    self.events(event="published", batch=b, policy_version=done, how=added.value)
+    return state, (ro, done)
+
+  def __call__(self, state, done: int):
+    if self.should_stop():
+      return state, None
+    t0 = time.perf_counter()
+    while self.published < self.stage.steps and self.published - done <= self.ahead:
+      state, got = self._next_rollout(state, self.published, done)
+      if got is None:
+        break
+      self.inflight[self.published] = got
+      self.published += 1
+    t_gen = time.perf_counter() - t0
+    if self.should_stop():
+      return state, None
+    t0 = time.perf_counter()
+    scores = self.inbox.take(done, timeout=self.wait_s, should_stop=self.should_stop)
+    if scores is None:
+      return state, None
+    t_wait = time.perf_counter() - t0
+    ro, version = self.inflight.pop(done)
+    lag = done - version
+    if lag > self.ahead:  # cannot happen by construction; a guard against a broken restart
+      raise RuntimeError(f"actor: rollout {done} is {lag} updates stale (limit {self.ahead})")
+    t0 = time.perf_counter()
+    valid = jnp.asarray(scores.arrays["valid_B"])
+    shaped = Shaped(adv_BN=jnp.asarray(scores.arrays["adv_BN"]),
+                    update_mask_BN=ro.response_mask_BN & valid[:, None])
+    c = self.upd(self.frozen, {}, StepCarry(state=state, rollout=ro, shaped=shaped))
+    metrics = {k: float(v) for k, v in jax.device_get(c.metrics).items()}
+    now = time.perf_counter()
+    self.events(event="applied", batch=done, policy_version=version, scores_batch=scores.batch)
+    metrics.update({"time/step_s": now - self.t_prev, "time/actor/generate_s": t_gen,
+                    "time/actor/wait_s": t_wait, "time/actor/update_s": now - t0,
+                    "pools/staleness": float(lag),
+                    **{f"critic/{k}": v for k, v in scores.meta.items()}})
+    self.t_prev = now
+    return c.state, metrics

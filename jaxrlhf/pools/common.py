@@ -28,7 +28,7 @@ from jaxrlhf import checkpoint as ckpt
 from jaxrlhf.config import ConfigError, ExperimentConfig, to_dict
 from jaxrlhf.train import phases, program, spec
 from jaxrlhf.train.common import put_batch
-from jaxrlhf.train.loop import TrainingError
+from jaxrlhf.train.driver import Driver, Saves
 from jaxrlhf.train.types import Rollout, StepCarry
 
 # The loss term each pool trains: the policy's where the rollouts are generated, every other
@@ -123,20 +123,40 @@ def check_config(cfg: ExperimentConfig) -> None:
                       "of rollouts that are not stale at all")
 
 
-def check_skips(stage, state, role: str, done: int, save) -> None:
-  """Stops the pool, as the colocated loop (:func:`jaxrlhf.train.loop.train_loop`) stops a
-  run, after ``optim.max_consecutive_skips`` non-finite updates in a row; ``save()`` first
-  checkpoints the state (the last finite update's parameters: a skip leaves them as they
-  were)."""
-  limit = stage.scfg.optim.max_consecutive_skips
-  consecutive = int(jax.device_get(state.extras["skips/consecutive"]))
-  if limit and consecutive >= limit:
-    save()
-    raise TrainingError(
-        f"{stage.name}.{role}: {consecutive} consecutive updates had a non-finite loss or "
-        f"gradient (batch {done - 1}); parameters were left at the last good state and "
-        f"checkpointed. Lower the learning rate, check the data, or raise "
-        f"{stage.name}.optim.max_consecutive_skips")
+class PoolSaves(Saves):
+  """A pool's checkpoints for the training loop (:class:`jaxrlhf.train.driver.Driver`):
+  every save complete on disk before ``on_final(done)`` acknowledges (and trims) the stream
+  entries it covers; a save at least every ``MAX_UNACKED`` entries taken (``must()``),
+  whatever ``checkpoint.every_steps``, so the streams stay bounded."""
+
+  def __init__(self, ck: "PoolCheckpointer", extra_of, on_final, must=lambda: False):
+    self.ck, self.extra_of, self.on_final, self.must = ck, extra_of, on_final, must
+    self.force = False
+
+  def plan(self, done, state, metrics, *, force, reason):
+    self.force = force
+    return True  # the checkpointer decides (every_steps), after the step's record
+
+  def save(self, done, state, metrics, *, reason):
+    if self.ck.save(done, state, self.extra_of(done), metrics, force=self.force or self.must()):
+      self.on_final(done)
+
+  def stop(self, done, state, metrics):
+    self.ck.save(done, state, self.extra_of(done), metrics, force=True)
+    self.on_final(done)
+    return self.ck.directory if self.ck.enabled else ""
+
+
+def driver(stage, role: str, writer, saves: PoolSaves, should_stop, *, evaluate=None,
+           samples=None) -> Driver:
+  """The training loop of one pool: the colocated stage's, named ``STAGE.ROLE``."""
+  return Driver(name=f"{stage.name}.{role}", steps=stage.steps, writer=writer,
+                should_stop=should_stop, saves=saves,
+                max_skips=stage.scfg.optim.max_consecutive_skips,
+                skips_setting=f"{stage.name}.optim.max_consecutive_skips",
+                evaluate=evaluate, eval_every=stage.eval_every if evaluate else 0,
+                target_reached=stage.target_reached,
+                log_every=stage.cfg.logging.every_steps, samples=samples)
 
 
 def staleness(cfg: ExperimentConfig) -> int:
@@ -270,7 +290,7 @@ MAX_UNACKED = 32
 
 def rollout_schema(stage) -> dict:
   """name -> (shape, dtype) of a rollout message: the fields of
-  :class:`~jaxrlhf.train.types.Rollout` as generation and the reference phase fill them, and
+  :class:`~jaxrlhf.rollout.Rollout` as generation and the reference phase fill them, and
   the key of the update's minibatch permutations."""
   state, frozen = stage.abstract_init()
   c = jax.eval_shape(lambda st, fz, b: phases.generate(stage, fz, b, StepCarry(state=st)),

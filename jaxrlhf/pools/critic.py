@@ -100,9 +100,8 @@ def _run_critic(cfg, workdir, store, mesh, roles, *, events, log, should_stop, c
     C.start_over(workdir, ROLE, cfg, log)
   events = events or C.EventLog(None)
   stage = C.build_stage(cfg, mesh)
-  pcfg, steps = cfg.pools, stage.steps
   trained, frozen_roles = C.pool_roles(stage, ROLE)
-  name = C.pool_name(cfg, ROLE)
+  name, steps = C.pool_name(cfg, ROLE), stage.steps
   if "reward" in frozen_roles and "reward" not in roles and not cfg.role_model("reward").hf_path:
     # As the colocated stage warns (RLStage.init): scores from random weights are noise.
     log(f"warning: {name} uses a reward model but no earlier stage trained one; it "
@@ -115,7 +114,7 @@ def _run_critic(cfg, workdir, store, mesh, roles, *, events, log, should_stop, c
   run_key = C.Streams(ns, "").run_key
   log(f"critic: redis namespace {ns} (pools.namespace)")
   run = C.wait_for(f"the actor to start a run (key {run_key} on redis at {store.where})",
-                   lambda: store.get_str(run_key), pcfg.peer_wait_s, should_stop)
+                   lambda: store.get_str(run_key), cfg.pools.peer_wait_s, should_stop)
   if run is None:
     return {}
   with C.PoolCheckpointer(workdir, ROLE, cfg) as ck:
@@ -137,103 +136,114 @@ def _run_critic(cfg, workdir, store, mesh, roles, *, events, log, should_stop, c
     del fresh
     streams = C.Streams(ns, run)
     if not C.agree(store, streams, ROLE, C.settings_of(cfg, stage, inputs),
-                   timeout=pcfg.peer_wait_s, should_stop=should_stop):
+                   timeout=cfg.pools.peer_wait_s, should_stop=should_stop):
       return {"state": state, "done": done}
-    sc_stream, sc_index = streams.stream("scores"), streams.index("scores")
-    store.ensure_group(sc_stream, C.GROUP["scores"])
-    last_check = [time.monotonic()]
-
-    def extra_of(done):
-      return {"run": run, "done": done, "stage": name, "inputs": inputs}
-
-    def check_run():
-      # The actor started a new run (its workdir was wiped): this critic's work is void.
-      if time.monotonic() - last_check[0] > 2.0:
-        last_check[0] = time.monotonic()
-        now = store.get_str(run_key)
-        if now != run:
-          raise RunChanged(f"the actor moved from run {run} to {now}")
-
-    inbox = Inbox(store, streams.stream("rollouts"), streams.index("rollouts"),
-                  C.GROUP["rollouts"], consumer, kind="rollout", run=run,
-                  schema=C.rollout_schema(stage), log=log, event=events)
-    score_phases, update_phases = critic_programs(stage)
-    score = C.pool_program(stage, score_phases, state)
-    upd = C.pool_program(stage, update_phases, state)
-    last: dict = {}
-    t_prev = time.perf_counter()
+    loop = CriticLoop(stage, store, streams, frozen, state, run_key=run_key, consumer=consumer,
+                      events=events, log=log, should_stop=should_stop)
+    saves = C.PoolSaves(ck, lambda done: {"run": run, "done": done, "stage": name,
+                                          "inputs": inputs}, loop.final,
+                        must=lambda: len(loop.inbox.unacked) >= C.MAX_UNACKED)
     with jax.set_mesh(mesh):
-      while done < steps:
-        t0 = time.perf_counter()
-        msg = inbox.take(done, timeout=pcfg.peer_wait_s, should_stop=should_stop,
-                         idle=check_run)
-        if msg is None:
-          break
-        t_wait = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        host_batch = stage.batch(msg.batch)
-        host = host_batch.pop("host", None)  # the examples behind the prompts (host rewards)
-        batch = put_batch(mesh, host_batch)
-        # The update's minibatches follow the actor's key: in sync mode the very permutation
-        # the colocated step draws.
-        perm_key = jax.random.wrap_key_data(jnp.asarray(msg.arrays["perm_key"]))
-        c = StepCarry(state=state.replace(rng=perm_key), rollout=C.rollout_of(mesh, msg.arrays),
-                      kl_coef=jnp.float32(msg.meta["kl_coef"]))
-        hmetrics = {}
-        if stage.host_sources:
-          c, hmetrics = program.host_reward(stage, c, host, stage.host_scores)
-        c = score(frozen, batch, c)
-        smetrics = {**{k: float(v) for k, v in jax.device_get(c.metrics).items()}, **hmetrics}
-        adv, valid, bad = finite_scores(c.shaped.adv_BN, c.scored.keep_B, c.scored.score_B)
-        if bad:
-          log(f"critic: batch {msg.batch}: {bad} rows with non-finite advantages sent as "
-              "invalid (masked out of the policy update)")
-          events(event="nonfinite_advantages", batch=msg.batch, rows=bad)
-        out = wire.Message(kind="scores", run=run, batch=msg.batch, step=done,
-                           policy_version=msg.policy_version, producer=consumer,
-                           meta=smetrics,
-                           arrays=C.to_host({"adv_BN": adv, "valid_B": valid}))
-        added = store.publish(sc_stream, sc_index, msg.batch, wire.encode(out),
-                              group=C.GROUP["scores"], max_queue=pcfg.max_queue,
-                              should_stop=should_stop, wait_s=pcfg.peer_wait_s)
-        if not added.published:
-          # Stopped while the actor's queue was full: the scores of this batch are not in
-          # the stream, so neither the value update nor the position may move past it (a
-          # checkpoint covering it would leave the actor waiting for them forever).  Its
-          # rollout stays unacked (ack_through below stops at done - 1), so the restarted
-          # critic reads it again.
-          break
-        events(event="scored", batch=msg.batch, published=added.value)
-        t_score = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        c = upd(frozen, batch, c.replace(metrics={}))
-        state = c.state
-        vmetrics = {k: float(v) for k, v in jax.device_get(c.metrics).items()}
-        t_upd = time.perf_counter() - t0
-        done += 1
-        now = time.perf_counter()
-        events(event="applied", batch=msg.batch, policy_version=msg.policy_version)
-        C.check_skips(stage, state, ROLE, done, lambda: (
-            ck.save(done, state, extra_of(done), vmetrics, force=True),
-            inbox.ack_through(done - 1)))
-        metrics = {**smetrics, **vmetrics, "time/step_s": now - t_prev,
-                   "time/critic/wait_s": t_wait, "time/critic/score_s": t_score,
-                   "time/critic/update_s": t_upd}
-        t_prev = now
-        writer.write(name, done, metrics)
-        last = metrics
-        # A checkpoint at least every MAX_UNACKED batches, whatever checkpoint.every_steps:
-        # the streams hold what a restart may re-read, and this bounds it.
-        if ck.save(done, state, extra_of(done), metrics,
-                   force=done == steps or len(inbox.unacked) >= C.MAX_UNACKED):
-          inbox.ack_through(done - 1)
-          store.trim(sc_stream, sc_index, C.GROUP["scores"])
-    if should_stop() and done < steps:
-      ck.save(done, state, extra_of(done), last, force=True)
-      inbox.ack_through(done - 1)
+      end = C.driver(stage, ROLE, writer, saves, should_stop).run(loop, state, done)
+  state, done = end.state, end.done
   if done == steps:
     if trained:  # GRPO's critic trains nothing: it has no result to hand on
       C.save_result(workdir, ROLE, cfg, {r: stage.merged(state.params, frozen, r) for r in trained},
                     {"summary": {}, "steps": steps})
     events(event="finished", done=done)
-  return {**last, "state": state, "done": done}
+  return {**end.last, "state": state, "done": done}
+
+
+class CriticLoop:
+  """The critic's program for the training loop: per batch ``done``, take the actor's
+  rollout, score it (host rewards first), publish the advantages, then train the critic's
+  roles.  Returns ``(state, None)`` when told to stop before the scores went out (the
+  rollout stays unacknowledged, so a restart scores it again); raises :class:`RunChanged`
+  when the actor has moved to another run."""
+
+  def __init__(self, stage, store, streams, frozen, state, *, run_key, consumer, events, log,
+               should_stop):
+    self.stage, self.store, self.frozen, self.mesh = stage, store, frozen, stage.mesh
+    self.run, self.run_key, self.consumer = streams.run, run_key, consumer
+    self.events, self.log, self.should_stop = events, log, should_stop
+    self.wait_s, self.max_queue = stage.cfg.pools.peer_wait_s, stage.cfg.pools.max_queue
+    self.sc_stream, self.sc_index = streams.stream("scores"), streams.index("scores")
+    store.ensure_group(self.sc_stream, C.GROUP["scores"])
+    self.inbox = Inbox(store, streams.stream("rollouts"), streams.index("rollouts"),
+                       C.GROUP["rollouts"], consumer, kind="rollout", run=streams.run,
+                       schema=C.rollout_schema(stage), log=log, event=events)
+    score_phases, update_phases = critic_programs(stage)
+    self.score = C.pool_program(stage, score_phases, state)
+    self.upd = C.pool_program(stage, update_phases, state)
+    self.last_check = time.monotonic()
+    self.t_prev = time.perf_counter()
+
+  def final(self, done: int) -> None:
+    """Everything through batch ``done`` is checkpointed: acknowledge its rollouts, and trim
+    the scores the actor has read."""
+    self.inbox.ack_through(done - 1)
+    self.store.trim(self.sc_stream, self.sc_index, C.GROUP["scores"])
+
+  def _check_run(self) -> None:
+    # The actor started a new run (its workdir was wiped): this critic's work is void.
+    if time.monotonic() - self.last_check > 2.0:
+      self.last_check = time.monotonic()
+      now = self.store.get_str(self.run_key)
+      if now != self.run:
+        raise RunChanged(f"the actor moved from run {self.run} to {now}")
+
+  def _scored(self, state, msg):
+    """``(carry after the score program, device batch, its metrics)`` of a rollout message."""
+    stage = self.stage
+    host_batch = stage.batch(msg.batch)
+    host = host_batch.pop("host", None)  # the examples behind the prompts (host rewards)
+    batch = put_batch(self.mesh, host_batch)
+    # The update's minibatches follow the actor's key: in sync mode the very permutation the
+    # colocated step draws.
+    perm_key = jax.random.wrap_key_data(jnp.asarray(msg.arrays["perm_key"]))
+    c = StepCarry(state=state.replace(rng=perm_key), rollout=C.rollout_of(self.mesh, msg.arrays),
+                  kl_coef=jnp.float32(msg.meta["kl_coef"]))
+    hmetrics = {}
+    if stage.host_sources:
+      c, hmetrics = program.host_reward(stage, c, host, stage.host_scores)
+    c = self.score(self.frozen, batch, c)
+    return c, batch, {**{k: float(v) for k, v in jax.device_get(c.metrics).items()}, **hmetrics}
+
+  def __call__(self, state, done: int):
+    t0 = time.perf_counter()
+    msg = self.inbox.take(done, timeout=self.wait_s, should_stop=self.should_stop,
+                          idle=self._check_run)
+    if msg is None:
+      return state, None
+    t_wait = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    c, batch, smetrics = self._scored(state, msg)
+    adv, valid, bad = finite_scores(c.shaped.adv_BN, c.scored.keep_B, c.scored.score_B)
+    if bad:
+      self.log(f"critic: batch {msg.batch}: {bad} rows with non-finite advantages sent as "
+               "invalid (masked out of the policy update)")
+      self.events(event="nonfinite_advantages", batch=msg.batch, rows=bad)
+    out = wire.Message(kind="scores", run=self.run, batch=msg.batch, step=done,
+                       policy_version=msg.policy_version, producer=self.consumer, meta=smetrics,
+                       arrays=C.to_host({"adv_BN": adv, "valid_B": valid}))
+    added = self.store.publish(self.sc_stream, self.sc_index, msg.batch, wire.encode(out),
+                               group=C.GROUP["scores"], max_queue=self.max_queue,
+                               should_stop=self.should_stop, wait_s=self.wait_s)
+    if not added.published:
+      # Stopped while the actor's queue was full: the scores of this batch are not in the
+      # stream, so neither the update nor the position may move past it (a checkpoint
+      # covering it would leave the actor waiting for them forever).  Its rollout stays
+      # unacked (the stop checkpoint acks through done - 1), so a restart reads it again.
+      return state, None
+    self.events(event="scored", batch=msg.batch, published=added.value)
+    t_score = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    c = self.upd(self.frozen, batch, c.replace(metrics={}))
+    vmetrics = {k: float(v) for k, v in jax.device_get(c.metrics).items()}
+    now = time.perf_counter()
+    self.events(event="applied", batch=msg.batch, policy_version=msg.policy_version)
+    metrics = {**smetrics, **vmetrics, "time/step_s": now - self.t_prev,
+               "time/critic/wait_s": t_wait, "time/critic/score_s": t_score,
+               "time/critic/update_s": now - t0}
+    self.t_prev = now
+    return c.state, metrics

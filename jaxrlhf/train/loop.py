@@ -1,6 +1,6 @@
-"""The loop around any stage: batches, the jitted step, evaluation every K steps, metrics
-(step time, throughput, memory, MFU), checkpoints, and stopping cleanly on repeated non-finite
-steps or a signal."""
+"""A colocated stage's program and its checkpoints, run by the one training loop
+(:class:`jaxrlhf.train.driver.Driver`): batches, the jitted step, per-step metrics (step time,
+throughput, memory, MFU), and the stage's asynchronous checkpointer."""
 
 from __future__ import annotations
 
@@ -11,11 +11,8 @@ import jax
 
 from jaxrlhf.perf import compile_ahead, memory_in_use, release_host_memory
 from jaxrlhf.train.common import metrics_to_host, put_batch
+from jaxrlhf.train.driver import Driver, Saves, TrainingError  # noqa: F401 - re-exported
 from jaxrlhf.train.work import step_utilisation
-
-
-class TrainingError(RuntimeError):
-  """The run cannot continue (e.g. too many consecutive non-finite steps)."""
 
 
 def prepare_step(stage, state, frozen, batch):
@@ -27,106 +24,103 @@ def prepare_step(stage, state, frozen, batch):
   return step_fn, compile_ahead(step_fn, state, frozen, batch)
 
 
-def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer=None,
-              should_stop=lambda: False, extra_fn=None, profiler=None, work=None):
-  """Trains ``stage`` from ``start_step`` (steps already done) to ``stage.steps``; returns
-  ``(state, last_metrics, stopped_early, steps_done)``.  ``steps_done`` is below
-  ``stage.steps`` when an evaluation met the stage's target (:meth:`Stage.target_reached`):
-  the stage has then finished, and its checkpoint of that step records why
-  (``target_reached`` in its JSON).
+class StageProgram:
+  """One step of a colocated stage: its batch (a pure function of the step, so the step is
+  also the data position), the jitted step (compiled ahead on first use), and the step's
+  metrics: wall time (host work included; phase timers report their own parts), compile
+  time, memory, throughput and, with ``work`` (:class:`jaxrlhf.train.work.StepWork`), the
+  ``perf/*`` utilisation."""
 
-  Batches are a pure function of the step (``stage.batch(step)``), so ``start_step`` is also
-  the data position.  After each step: evaluation when due, one metrics record, the samples of
-  the evaluation and (every ``logging.samples_every`` steps) of the rollout, a checkpoint
-  when due (``checkpointer.due``, then ``save_now``: asynchronous), then ``should_stop()``; when it says
-  stop, a checkpoint of this step is written (``save_now``) before returning with
-  ``stopped_early=True``.  ``extra_fn(done)`` is the JSON saved beside the state; ``work``
-  (:class:`jaxrlhf.train.work.StepWork`) adds ``perf/*`` utilisation metrics.
-  """
-  step_fn = None
-  last: dict = {}
-  extra = extra_fn or (lambda done: {})
-  max_skips = getattr(stage.scfg.optim, "max_consecutive_skips", 0)
-  log_every = max(stage.cfg.logging.every_steps, 1)
-  n_samples = stage.cfg.logging.samples
-  samples_every = stage.cfg.logging.samples_every if n_samples else 0
-  said_where = False
-  for step in range(start_step, stage.steps):
-    done = step + 1
+  def __init__(self, stage, frozen, *, start: int, profiler=None, work=None):
+    self.stage, self.frozen, self.start = stage, frozen, start
+    self.profiler, self.work = profiler, work
+    self.step_fn = None
+    logging = stage.cfg.logging
+    self.n_samples = logging.samples
+    self.samples_every = logging.samples_every if logging.samples else 0
+
+  def __call__(self, state, step: int):
+    stage, profiler, done = self.stage, self.profiler, step + 1
     if profiler is not None:
       profiler.before_step(stage.name, done)
     # Rows of this step's rollout to record as samples (an RL stage keeps them; others
     # have no rollout and ignore it).
-    stage.samples_wanted = n_samples if samples_every and done % samples_every == 0 else 0
+    every = self.samples_every
+    stage.samples_wanted = self.n_samples if every and done % every == 0 else 0
     batch = put_batch(stage.mesh, stage.batch(step))
     with jax.set_mesh(stage.mesh):
       compile_s = None
-      if step_fn is None:
-        step_fn, compile_s = prepare_step(stage, state, frozen, batch)
+      if self.step_fn is None:
+        self.step_fn, compile_s = prepare_step(stage, state, self.frozen, batch)
       t0 = time.perf_counter()
       with profiler.annotate(done) if profiler is not None else contextlib.nullcontext():
-        new_state, metrics = step_fn(state, frozen, batch)
+        state, metrics = self.step_fn(state, self.frozen, batch)
       metrics = metrics_to_host(metrics)
       dt = time.perf_counter() - t0
-    if step == start_step:
+    if step == self.start:
       release_host_memory()  # what the first step freed (its inputs' staging, dispatch caches)
     if profiler is not None:
-      profiler.after_step(stage.name, done, new_state)
-    consecutive = int(jax.device_get(new_state.extras["skips/consecutive"]))
-    state = new_state
-    # Wall time of the whole step, host work included (phase timers report their own parts).
+      profiler.after_step(stage.name, done, state)
     metrics["time/step_s"] = dt
     if compile_s is not None:
       metrics["time/compile_s"] = compile_s
     metrics.update(memory_in_use())
     if "rollout/tokens" in metrics:
       metrics["throughput/tokens_per_s"] = metrics["rollout/tokens"] / dt
-    if work is not None:
-      metrics.update(step_utilisation(work, metrics))
-    if max_skips and consecutive >= max_skips:
-      # A skipped step leaves params and optimizer states untouched (common.apply_update), so
-      # this state holds those of the last finite step: the one worth keeping.
-      if checkpointer is not None:
-        checkpointer.save_now(done, state, extra(done))
-        checkpointer.wait()
-      raise TrainingError(
-          f"{stage.name}: {consecutive} consecutive steps had a non-finite loss or gradient "
-          f"(step {done}); parameters were left at the last good state"
-          + (f" and checkpointed as step {done} in {checkpointer.directory}"
-             if checkpointer is not None else "")
-          + ". Lower the learning rate, check the data, or raise "
-          f"{stage.name}.optim.max_consecutive_skips")
-    evaluated = False
-    if stage.eval_every and (done % stage.eval_every == 0 or done == stage.steps):
-      metrics.update(stage.evaluate(state, frozen))
-      evaluated = True
-    reason = stage.target_reached(metrics) if evaluated and done < stage.steps else ""
-    extra_now = {**extra(done), "target_reached": reason} if reason else extra(done)
-    # The stage's last step (or the one that meets its target) is always saved: it ends there.
-    # The record, with the checkpoint's size, is written before the save starts, so a crash
-    # after the save never loses the step's record.
-    force = bool(reason) or done == stage.steps
-    save = checkpointer is not None and checkpointer.due(done, force=force)
-    if save:
-      metrics["checkpoint/bytes"] = float(checkpointer.save_bytes(state, extra_now))
-      if not said_where:  # the folder once; each save is a note on the progress line
-        writer.message(f"{stage.name}: checkpoints -> {checkpointer.directory}")
-        said_where = True
-      writer.note(stage.name, f"ckpt {done} ({metrics['checkpoint/bytes'] / 2**20:.1f} MiB)")
-    if evaluated or done % log_every == 0 or done == stage.steps:
-      writer.write(stage.name, done, metrics)
-    writer.write_samples(stage.name, done, stage.take_samples())
-    last = metrics
-    if save:  # decided once above (every_seconds reads the clock, across hosts a collective)
-      checkpointer.save_now(done, state, extra_now, metrics)
-    if reason:
-      writer.end_stage(stage.name)
-      writer.message(f"{stage.name}: {reason} at step {done} of {stage.steps}; "
-                     "the stage ends here")
-      return state, last, False, done
-    if should_stop() and done < stage.steps:  # after the last step the stage just finishes
-      if checkpointer is not None:
-        checkpointer.save_now(done, state, extra(done), metrics)
-      return state, last, True, done
-  return state, last, False, stage.steps
+    if self.work is not None:
+      metrics.update(step_utilisation(self.work, metrics))
+    return state, metrics
 
+
+class StageSaves(Saves):
+  """A colocated stage's checkpoints: when ``checkpointer.due`` says (asynchronous saves),
+  the stage's last step and the one that meets its target always; ``extra_fn(done)`` is the
+  JSON saved beside the state (with ``target_reached`` when the stage ends early)."""
+
+  def __init__(self, checkpointer, extra_fn, writer, name: str):
+    self.ck, self.extra_fn, self.writer, self.name = checkpointer, extra_fn, writer, name
+    self.said_where = False
+
+  def _extra(self, done: int, reason: str) -> dict:
+    return {**self.extra_fn(done), "target_reached": reason} if reason else self.extra_fn(done)
+
+  def plan(self, done, state, metrics, *, force, reason):
+    if not self.ck.due(done, force=force):  # every_seconds reads the clock: decided once
+      return False
+    metrics["checkpoint/bytes"] = float(self.ck.save_bytes(state, self._extra(done, reason)))
+    if not self.said_where:  # the folder once; each save is a note on the progress line
+      self.writer.message(f"{self.name}: checkpoints -> {self.ck.directory}")
+      self.said_where = True
+    self.writer.note(self.name, f"ckpt {done} ({metrics['checkpoint/bytes'] / 2**20:.1f} MiB)")
+    return True
+
+  def save(self, done, state, metrics, *, reason):
+    self.ck.save_now(done, state, self._extra(done, reason), metrics)
+
+  def stop(self, done, state, metrics):
+    self.ck.save_now(done, state, self.extra_fn(done), metrics)
+    self.ck.wait()
+    return self.ck.directory
+
+
+def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer=None,
+              should_stop=lambda: False, extra_fn=None, profiler=None, work=None):
+  """Trains ``stage`` from ``start_step`` (steps already done) to ``stage.steps`` with the
+  one training loop (:class:`~jaxrlhf.train.driver.Driver`); returns ``(state, last_metrics,
+  stopped_early, steps_done)``.  ``steps_done`` is below ``stage.steps`` when an evaluation
+  met the stage's target (:meth:`Stage.target_reached`): the stage has then finished, and its
+  checkpoint of that step records why (``target_reached`` in its JSON).  ``extra_fn(done)``
+  is the JSON saved beside the state."""
+  extra = extra_fn or (lambda done: {})
+  saves = StageSaves(checkpointer, extra, writer, stage.name) if checkpointer is not None else (
+      Saves())
+  driver = Driver(name=stage.name, steps=stage.steps, writer=writer, should_stop=should_stop,
+                  saves=saves, max_skips=getattr(stage.scfg.optim, "max_consecutive_skips", 0),
+                  skips_setting=f"{stage.name}.optim.max_consecutive_skips",
+                  evaluate=lambda s: stage.evaluate(s, frozen),
+                  eval_every=lambda: stage.eval_every,
+                  target_reached=stage.target_reached,
+                  log_every=stage.cfg.logging.every_steps, samples=stage.take_samples)
+  program = StageProgram(stage, frozen, start=start_step, profiler=profiler, work=work)
+  end = driver.run(program, state, start_step)
+  return end.state, end.last, end.stopped, end.done
