@@ -86,13 +86,13 @@ def main(argv=None) -> int:
     score = jax.jit(lambda w, t, m, cfg=cfg: token_logprobs(w, t, m, cfg=cfg, start=p,
                                                             kernels=kernels)[0])
     r = gen(params, toks, mask, jax.random.key(1))
-    want = np.asarray(score(params, r.tokens, r.mask))
-    rm = np.asarray(r.response_mask)
-    gap = np.abs(np.asarray(r.logprobs) - want)[rm]
-    half = r.tokens.shape[0] // 2
-    rows = np.abs(np.asarray(score(params, r.tokens[:half], r.mask[:half])) - want[:half])
+    want = np.asarray(score(params, r.tokens_BT, r.mask_BT))
+    rm = np.asarray(r.response_mask_BN)
+    gap = np.abs(np.asarray(r.behaviour_logp_BN) - want)[rm]
+    half = r.tokens_BT.shape[0] // 2
+    rows = np.abs(np.asarray(score(params, r.tokens_BT[:half], r.mask_BT[:half])) - want[:half])
     pad = lambda x: jnp.pad(x, ((0, 0), (0, 16)))
-    cols = np.abs(np.asarray(score(params, pad(r.tokens), pad(r.mask)))[:, :args.new_tokens]
+    cols = np.abs(np.asarray(score(params, pad(r.tokens_BT), pad(r.mask_BT)))[:, :args.new_tokens]
                   - want)
     loss = lambda w, cfg=cfg: token_logprobs(w, step_toks, step_mask, cfg=cfg, start=32,
                                              kernels=kernels)[0].sum()

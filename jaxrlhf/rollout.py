@@ -4,9 +4,9 @@
 ``jax.jit`` such as a PPO/GRPO training step.  It prefills each prompt once, replicates the
 prompt's cache for the ``num_samples`` responses of its group, and decodes one token per
 ``lax.while_loop`` iteration, leaving the loop as soon as every row has stopped.  It returns
-the tokens, masks and two kinds of log-probs per sampled token: under the policy at
-temperature 1 (what KL and the PPO ratio need) and under the distribution actually sampled
-from (temperature, top-k, top-p).
+a :class:`Rollout` (the one rollout type, from here to the update): the tokens, masks and two
+kinds of log-probs per sampled token, under the policy at temperature 1 (what KL and the PPO
+ratio need) and under the distribution actually sampled from (temperature, top-k, top-p).
 
 :func:`generate_uncached` has the same contract but recomputes the full forward pass over the
 whole sequence at every step: the slow reference the cached decoder is tested and benchmarked
@@ -36,22 +36,57 @@ _STATIC = ("cfg", "rollout", "eos_id", "pad_id", "num_samples", "kernels")
 
 @flax.struct.dataclass
 class Rollout:
-  """Sampled responses, ``B*n`` rows ordered prompt-major (rows ``i*n .. i*n+n-1`` are the
-  ``n`` samples of prompt ``i``); ``P`` prompt slots, ``N = max_new_tokens`` response slots."""
+  """Generated sequences and everything the update needs of them: the one rollout type from
+  generation (:func:`generate`, :func:`generate_refill`, multi-turn episodes) through the RL
+  step's phases to the update, and over the pools' wire.
 
-  tokens: jax.Array  # [B*n, P+N] int32: prompt (as given, pads -> pad_id), then the response
-  mask: jax.Array  # [B*n, P+N] bool: real prompt tokens + response tokens up to and incl. stop
-  response_mask: jax.Array  # [B*n, N] bool: generated tokens up to and including EOS/stop
-  logprobs: jax.Array  # [B*n, N] f32: log p(token) under the policy at temperature 1; 0 if masked
-  sample_logprobs: jax.Array  # [B*n, N] f32: under the sampling distribution; 0 if masked
-  lengths: jax.Array  # [B*n] int32: response lengths (incl. the stop token)
-  finished: jax.Array  # [B*n] bool: ended by EOS/stop (False: ran into max_new_tokens)
-  # In-flight refill only (:func:`generate_refill`):
-  prompt_index: Optional[jax.Array] = None  # [B] int32: each group's prompt in the queue
-  stats: Optional[dict] = None  # scalar counts: started, completed, decode steps, busy slots
+  Shape suffixes name the axes: ``B`` rows (prompts x samples, prompt-major: rows
+  ``i*n .. i*n+n-1`` are the ``n`` samples of prompt ``i``), ``T`` prompt + response slots
+  (``P + N``), ``N = max_new_tokens`` response slots, ``R`` answer slots.
+  ``behaviour_logp_BN`` are the log-probs of the policy that sampled the rollout.
+  """
+
+  tokens_BT: jax.Array  # int32 prompt (as given, pads -> pad_id), then the response
+  mask_BT: jax.Array  # bool: real prompt tokens + response tokens up to and incl. the stop
+  response_mask_BN: jax.Array  # bool: generated tokens up to and including EOS / stop
+  behaviour_logp_BN: jax.Array  # f32: log p(token) under the sampling policy at temperature 1
+  lengths_B: jax.Array  # int32 response lengths (incl. the stop token)
+  finished_B: jax.Array  # bool: ended by EOS / stop (False: ran into max_new_tokens)
+  # Multi-turn episodes (env.name): each turn's environment reward at its action's last token.
+  # The response then holds actions and observations; response_mask_BN marks the actions.
+  turn_rewards_BN: Optional[jax.Array] = None
+  # In-flight refill (rollout.refill): each row's prompt in the step's queue (int32).
+  prompt_index_B: Optional[jax.Array] = None
+  # Refill: each row's answer, from the step's queue (with carry-over the queue is not the
+  # batch: the carried prompts come first) (``R`` answer slots).
+  answer_BR: Optional[jax.Array] = None  # int32
+  answer_mask_BR: Optional[jax.Array] = None  # bool
+  # Filled by the reference phase:
+  ref_logp_BN: Optional[jax.Array] = None  # f32 under the frozen reference
+  # f32 per-token KL(behaviour || reference), 0 where masked; exactly 0 while the policy's
+  # weights are the reference's (phases.reference)
+  kl_BN: Optional[jax.Array] = None
+  # f32 under the distribution actually sampled from (temperature, top-k, top-p), 0 where
+  # masked: what generation reports beside behaviour_logp_BN (the step drops it).
+  sample_logp_BN: Optional[jax.Array] = None
+
+  @property
+  def prompt_len(self) -> int:
+    """The prompt's columns: ``data.max_prompt_len``, or the batch's prompt bucket
+    (``rollout.prompt_buckets``); the response starts there."""
+    return self.tokens_BT.shape[1] - self.response_mask_BN.shape[1]
+
+
+@flax.struct.dataclass
+class Refill:
+  """What the in-flight refill loop (:func:`generate_refill`) reports beside its rollout,
+  per decoded group ``G``."""
+
+  prompt_index_G: jax.Array  # int32: each group's prompt in the queue (completion order)
+  stats: dict  # scalar counts: started, completed, decode steps, busy slots (and carry-over)
   # Carry-over only (``num_carried`` given): the queue index of each group started but not
-  # trained, in queue order ([B] int32; the first ``stats["carried_out"]`` are valid, 0 after).
-  leftover_index: Optional[jax.Array] = None
+  # trained, in queue order (the first ``stats["carried_out"]`` are valid, 0 after).
+  leftover_index_G: Optional[jax.Array] = None
 
 
 # -------------------------------------------------------------------------------- sampling
@@ -291,10 +326,10 @@ def _assemble(prompt_BP, pmask_BP, decoded, num_samples: int, pad_id: int) -> Ro
   resp, rmask, lp, slp, done, _ = decoded
   pmask = jnp.repeat(pmask_BP, num_samples, axis=0)
   prompt = jnp.where(pmask, jnp.repeat(prompt_BP, num_samples, axis=0), pad_id)
-  return Rollout(tokens=jnp.concatenate([prompt, resp], axis=1),
-                 mask=jnp.concatenate([pmask, rmask], axis=1), response_mask=rmask, logprobs=lp,
-                 sample_logprobs=slp, lengths=jnp.sum(rmask, axis=1, dtype=jnp.int32),
-                 finished=done)
+  return Rollout(tokens_BT=jnp.concatenate([prompt, resp], axis=1),
+                 mask_BT=jnp.concatenate([pmask, rmask], axis=1), response_mask_BN=rmask,
+                 behaviour_logp_BN=lp, sample_logp_BN=slp,
+                 lengths_B=jnp.sum(rmask, axis=1, dtype=jnp.int32), finished_B=done)
 
 
 # ---------------------------------------------------------------------- cached decoding
@@ -392,7 +427,7 @@ def _check_refill(prompt_tokens_QP, num_groups: int):
 def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=None,
                      num_carried=None, *, cfg: ModelConfig, rollout: RolloutConfig, eos_id: int,
                      pad_id: int, num_samples: int, num_groups: int,
-                     kernels: KernelsConfig) -> Rollout:
+                     kernels: KernelsConfig) -> tuple[Rollout, Refill]:
   """:func:`generate_refill` (docs/rollout.md, "In-flight refill").
 
   Layout: ``G = num_groups`` groups of ``n`` rows, a cache of ``P + N - 1`` slots with one
@@ -409,7 +444,7 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
   Other groups are harvested while fewer than ``G - c`` of them are (the rest of the batch),
   and no prompt starts once that many have been; the loop ends when all ``G`` are harvested
   (still by step ``N``: the carried groups and the first ``G - c`` others started at step 0).
-  ``leftover_index`` names the started groups not harvested (at most ``G``: each held a slot
+  ``leftover_index_G`` names the started groups not harvested (at most ``G``: each held a slot
   when the last prompt started).
   """
   _check(prompt_tokens_QP, prompt_mask_QP, cfg, rollout, eos_id, pad_id, num_samples)
@@ -589,24 +624,26 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
         jnp.arange(q_len, dtype=jnp.int32), mode="drop")
     stats.update(carried_in=n_carried, trained=group["kept"],
                  carried_out=jnp.minimum(jnp.sum(left_Q, dtype=jnp.int32), g_n))
-  return Rollout(tokens=jnp.concatenate([prompt, out["resp"]], axis=1),
-                 mask=jnp.concatenate([pmask, rmask], axis=1), response_mask=rmask,
-                 logprobs=out["lp"], sample_logprobs=out["slp"],
-                 lengths=jnp.sum(rmask, axis=1, dtype=jnp.int32), finished=out["stopped"],
-                 prompt_index=prompt_G, stats=stats, leftover_index=leftover_G)
+  rollout = Rollout(tokens_BT=jnp.concatenate([prompt, out["resp"]], axis=1),
+                    mask_BT=jnp.concatenate([pmask, rmask], axis=1), response_mask_BN=rmask,
+                    behaviour_logp_BN=out["lp"], sample_logp_BN=out["slp"],
+                    lengths_B=jnp.sum(rmask, axis=1, dtype=jnp.int32), finished_B=out["stopped"],
+                    prompt_index_B=jnp.repeat(prompt_G, n))
+  return rollout, Refill(prompt_index_G=prompt_G, stats=stats, leftover_index_G=leftover_G)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("num_groups",))
 def generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=None,
                     num_carried=None, *, cfg: ModelConfig, rollout: RolloutConfig, eos_id: int,
                     pad_id: int = 0, num_samples: int = 1, num_groups: int = 1,
-                    kernels: KernelsConfig = KernelsConfig()) -> Rollout:
+                    kernels: KernelsConfig = KernelsConfig()) -> tuple[Rollout, Refill]:
   """Continuous batching on fixed shapes: ``num_groups`` groups of ``num_samples`` rows
   decode the queue of ``Q`` prompts ``prompt_tokens_QP``; when every row of a group has
   stopped, the group's rows take the next queued prompt, prefilled inside the loop.  Returns
-  the first ``num_groups`` groups to complete, in completion order (``prompt_index``: each
-  one's prompt in the queue), each response equal (tokens; log-probs up to float rounding) to
-  :func:`generate` of its prompt with ``rollout.row_keys``.  ``stats``: prompts started,
+  ``(rollout, refill)``: the first ``num_groups`` groups to complete, in completion order
+  (``refill.prompt_index_G``: each one's prompt in the queue; ``rollout.prompt_index_B`` the
+  same per row), each response equal (tokens; log-probs up to float rounding) to
+  :func:`generate` of its prompt with ``rollout.row_keys``.  ``refill.stats``: prompts started,
   groups completed (past the quota too), sampling steps (the decode loop ran ``steps - 1``
   forward passes), and ``busy``: row-steps of those passes that fed a running response's
   token (the rest were idle slots).
@@ -614,7 +651,7 @@ def generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=Non
   ``num_carried`` (an int32 scalar, or None for drop semantics): carry-over.  The queue's
   first ``num_carried`` prompts were started but not trained last step (:func:`carry_queue`
   puts them there); they are trained this step, whatever their length, beside the first
-  ``num_groups - num_carried`` others to complete.  ``leftover_index`` and
+  ``num_groups - num_carried`` others to complete.  ``refill.leftover_index_G`` and
   ``stats["carried_out"]`` then name the groups started but not trained, for
   :func:`carry_take`; ``stats`` also holds ``carried_in`` and ``trained``."""
   return _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q,

@@ -139,12 +139,12 @@ def test_greedy_decode_matches_transformers_generate(name):
   rollout = RolloutConfig(max_new_tokens=want.shape[1] - p, temperature=0.0)
   out = generate(params, prompt, jnp.ones_like(prompt, bool), jax.random.key(0), cfg=cfg,
                  rollout=rollout, eos_id=-1)
-  np.testing.assert_array_equal(np.asarray(out.tokens), want)
+  np.testing.assert_array_equal(np.asarray(out.tokens_BT), want)
   if name == "gemma2":  # the recompute-everything reference agrees too
     ref = generate_uncached(params, prompt, jnp.ones_like(prompt, bool), jax.random.key(0),
                             cfg=cfg, rollout=rollout, eos_id=-1)
-    np.testing.assert_array_equal(np.asarray(ref.tokens), want)
-    np.testing.assert_allclose(np.asarray(ref.logprobs), np.asarray(out.logprobs), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(ref.tokens_BT), want)
+    np.testing.assert_allclose(np.asarray(ref.behaviour_logp_BN), np.asarray(out.behaviour_logp_BN), atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])

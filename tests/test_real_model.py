@@ -50,7 +50,7 @@ def _positions(mask):
 def _greedy(params, cfg, tokens, mask, n):
   out = generate(params, jnp.asarray(tokens), jnp.asarray(mask), jax.random.key(0), cfg=cfg,
                  rollout=RolloutConfig(max_new_tokens=n, temperature=0.0), eos_id=-1)
-  return np.asarray(out.tokens)[:, tokens.shape[1]:]
+  return np.asarray(out.tokens_BT)[:, tokens.shape[1]:]
 
 
 # ------------------------------------------------------------------------------ tokenizer

@@ -70,22 +70,22 @@ def test_each_refilled_response_equals_its_prompt_decoded_without_refill(params,
                                                                          sampling):
   stop_at = jnp.asarray(STOP_AT)
   ref, _ = _plain(params, prompts, stop_at, **sampling)
-  got = _refill(params, prompts, stop_at, **sampling)
-  index = np.asarray(got.prompt_index)
+  got, info = _refill(params, prompts, stop_at, **sampling)
+  index = np.asarray(info.prompt_index_G)
   assert len(set(index)) == G and index.max() >= G, index  # at least one refilled group
   for g, q in enumerate(index):
     a, b = slice(g * n, (g + 1) * n), slice(q * n, (q + 1) * n)
-    np.testing.assert_array_equal(got.tokens[a], ref.tokens[b])
-    np.testing.assert_array_equal(got.mask[a], ref.mask[b])
-    np.testing.assert_array_equal(got.finished[a], ref.finished[b])
-    np.testing.assert_array_equal(got.lengths[a], ref.lengths[b])
-    np.testing.assert_allclose(got.logprobs[a], ref.logprobs[b], atol=2e-5)
-    np.testing.assert_allclose(got.sample_logprobs[a], ref.sample_logprobs[b], atol=2e-5)
+    np.testing.assert_array_equal(got.tokens_BT[a], ref.tokens_BT[b])
+    np.testing.assert_array_equal(got.mask_BT[a], ref.mask_BT[b])
+    np.testing.assert_array_equal(got.finished_B[a], ref.finished_B[b])
+    np.testing.assert_array_equal(got.lengths_B[a], ref.lengths_B[b])
+    np.testing.assert_allclose(got.behaviour_logp_BN[a], ref.behaviour_logp_BN[b], atol=2e-5)
+    np.testing.assert_allclose(got.sample_logp_BN[a], ref.sample_logp_BN[b], atol=2e-5)
   # And the log-probs are the policy's own, teacher-forced.
-  h, _ = M.forward(params, got.tokens, M.positions_from_mask(got.mask), got.mask, cfg=CFG)
+  h, _ = M.forward(params, got.tokens_BT, M.positions_from_mask(got.mask_BT), got.mask_BT, cfg=CFG)
   logp = jax.nn.log_softmax(M.lm_logits(params, h, CFG)[:, P - 1:-1].astype(jnp.float32))
-  want = jnp.take_along_axis(logp, got.tokens[:, P:, None], axis=-1)[..., 0]
-  np.testing.assert_allclose(got.logprobs, jnp.where(got.response_mask, want, 0.0), atol=5e-5)
+  want = jnp.take_along_axis(logp, got.tokens_BT[:, P:, None], axis=-1)[..., 0]
+  np.testing.assert_allclose(got.behaviour_logp_BN, jnp.where(got.response_mask_BN, want, 0.0), atol=5e-5)
 
 
 def test_row_keys_make_a_response_independent_of_its_batch(params, prompts):
@@ -101,8 +101,8 @@ def test_row_keys_make_a_response_independent_of_its_batch(params, prompts):
   # compare against a batch whose prompt 0 is q.
   perm = jnp.asarray([q] + [i for i in range(Q) if i != q])
   moved, _ = _plain(params, (prompts[0][perm], prompts[1][perm]), stop_at[perm])
-  np.testing.assert_array_equal(one.tokens, moved.tokens[:n])
-  assert not np.array_equal(np.asarray(ref.tokens[:n]), np.asarray(moved.tokens[:n]))
+  np.testing.assert_array_equal(one.tokens_BT, moved.tokens_BT[:n])
+  assert not np.array_equal(np.asarray(ref.tokens_BT[:n]), np.asarray(moved.tokens_BT[:n]))
 
 
 def test_the_quota_stops_the_loop_before_the_slowest_row(params, prompts):
@@ -110,28 +110,28 @@ def test_the_quota_stops_the_loop_before_the_slowest_row(params, prompts):
   with refill it stops once G groups are complete."""
   stop_at = jnp.asarray((N, 2, 3, 2, 1, 3, 2, 2))
   _, plain_steps = _plain(params, prompts, stop_at)
-  got = _refill(params, prompts, stop_at)
-  st = {k: int(v) for k, v in got.stats.items()}
+  got, info = _refill(params, prompts, stop_at)
+  st = {k: int(v) for k, v in info.stats.items()}
   assert int(plain_steps) == N
   assert st["steps"] < N // 2, st
-  assert 0 not in np.asarray(got.prompt_index)  # the long group did not finish in time
+  assert 0 not in np.asarray(info.prompt_index_G)  # the long group did not finish in time
   assert st["completed"] >= G and G < st["started"] <= Q
   assert 0 < st["busy"] <= (st["steps"] - 1) * G * n
 
 
 def test_groups_stay_together_in_completion_order(params, prompts):
   stop_at = jnp.asarray(STOP_AT)
-  got = _refill(params, prompts, stop_at)
-  tokens, mask = np.asarray(got.tokens), np.asarray(got.mask)
+  got, info = _refill(params, prompts, stop_at)
+  tokens, mask = np.asarray(got.tokens_BT), np.asarray(got.mask_BT)
   ptok, pmask = np.asarray(prompts[0]), np.asarray(prompts[1])
-  for g, q in enumerate(np.asarray(got.prompt_index)):
+  for g, q in enumerate(np.asarray(info.prompt_index_G)):
     for s in range(n):
       row = g * n + s
       np.testing.assert_array_equal(mask[row, :P], pmask[q])
       np.testing.assert_array_equal(tokens[row, :P], np.where(pmask[q], ptok[q], 0))
   # The first groups to complete, in order: prompt 2 (1 token) ends at the first step,
   # prompt 0 (3 tokens) at the third, before the refilled prompts and the long prompt 1.
-  assert list(np.asarray(got.prompt_index)[:2]) == [2, 0]
+  assert list(np.asarray(info.prompt_index_G)[:2]) == [2, 0]
 
 
 # ------------------------------------------------------------------------- carry-over
@@ -154,28 +154,28 @@ def test_carry_over_restarts_unfinished_groups_first_in_the_next_queue(params, p
   untrained one) leads step 2's queue, is trained in step 2, and each of its responses equals
   a plain decode of step 2's queue under step 2's key: restarted, on-policy."""
   q1 = _queue(*prompts, LONG_TAIL)
-  ro1 = _refill_carry(params, q1, jnp.int32(0), jax.random.key(3))
-  st1 = {k: int(v) for k, v in ro1.stats.items()}
+  ro1, info1 = _refill_carry(params, q1, jnp.int32(0), jax.random.key(3))
+  st1 = {k: int(v) for k, v in info1.stats.items()}
   assert st1["carried_in"] == 0 and st1["trained"] == G
   assert st1["steps"] < N // 2, st1  # the quota stopped the loop before prompt 0 ended
-  index1 = set(np.asarray(ro1.prompt_index).tolist())
+  index1 = set(np.asarray(info1.prompt_index_G).tolist())
   left = [q for q in range(st1["started"]) if q not in index1]
   assert 0 in left and st1["carried_out"] == len(left) <= G
   assert st1["started"] == st1["trained"] + st1["carried_out"]  # nothing dropped
-  np.testing.assert_array_equal(np.asarray(ro1.leftover_index)[:len(left)], left)
+  np.testing.assert_array_equal(np.asarray(info1.leftover_index_G)[:len(left)], left)
 
   # Step 2: the carried prompts first, then a new batch with short responses.
-  count = ro1.stats["carried_out"]
-  carried = R.carry_take(q1, ro1.leftover_index, count)
+  count = info1.stats["carried_out"]
+  carried = R.carry_take(q1, info1.leftover_index_G, count)
   new = _queue(*ragged_batch(jax.random.key(7), Q, P, CFG.vocab_size), (2, 1, 3, 2, 1, 2, 1, 3))
   q2 = R.carry_queue(carried, count, new)
   c = len(left)
   for k in q2:
     np.testing.assert_array_equal(q2[k][:c], np.asarray(q1[k])[left], err_msg=k)
     np.testing.assert_array_equal(q2[k][c:], np.asarray(new[k])[:Q - c], err_msg=k)
-  ro2 = _refill_carry(params, q2, count, jax.random.key(4))
-  st2 = {k: int(v) for k, v in ro2.stats.items()}
-  index2 = np.asarray(ro2.prompt_index)
+  ro2, info2 = _refill_carry(params, q2, count, jax.random.key(4))
+  st2 = {k: int(v) for k, v in info2.stats.items()}
+  index2 = np.asarray(info2.prompt_index_G)
   assert st2["carried_in"] == c and set(range(c)) <= set(index2.tolist())
   assert st2["steps"] == N  # the loop waits for the carried long group
   assert st2["started"] == st2["trained"] + st2["carried_out"]
@@ -186,28 +186,28 @@ def test_carry_over_restarts_unfinished_groups_first_in_the_next_queue(params, p
   ptok = np.asarray(prompts[0])
   for g, q in enumerate(index2):
     a, b = slice(g * n, (g + 1) * n), slice(q * n, (q + 1) * n)
-    np.testing.assert_array_equal(ro2.tokens[a], ref.tokens[b])
-    np.testing.assert_array_equal(ro2.mask[a], ref.mask[b])
-    np.testing.assert_array_equal(ro2.finished[a], ref.finished[b])
-    np.testing.assert_allclose(ro2.logprobs[a], ref.logprobs[b], atol=2e-5)
+    np.testing.assert_array_equal(ro2.tokens_BT[a], ref.tokens_BT[b])
+    np.testing.assert_array_equal(ro2.mask_BT[a], ref.mask_BT[b])
+    np.testing.assert_array_equal(ro2.finished_B[a], ref.finished_B[b])
+    np.testing.assert_allclose(ro2.behaviour_logp_BN[a], ref.behaviour_logp_BN[b], atol=2e-5)
     if q < c:  # a carried group: step 1's prompt, its response run to the end this time
       pm = np.asarray(prompts[1])[left[q]]
-      np.testing.assert_array_equal(np.asarray(ro2.tokens)[a, :P],
+      np.testing.assert_array_equal(np.asarray(ro2.tokens_BT)[a, :P],
                                     np.broadcast_to(np.where(pm, ptok[left[q]], 0), (n, P)))
   g0 = list(index2).index(left.index(0))
-  assert int(ro2.lengths[g0 * n]) == N  # prompt 0's response, whole
+  assert int(ro2.lengths_B[g0 * n]) == N  # prompt 0's response, whole
 
 
 def test_carry_over_with_nothing_carried_trains_what_drop_trains(params, prompts):
   """Carry mode with an empty carry trains the same groups as drop mode (only the leftovers
   are kept instead of thrown away)."""
   stop_at = jnp.asarray(STOP_AT)
-  drop = _refill(params, prompts, stop_at)
-  carry = _refill_carry(params, _queue(*prompts, STOP_AT), jnp.int32(0), jax.random.key(3))
-  np.testing.assert_array_equal(carry.prompt_index, drop.prompt_index)
-  np.testing.assert_array_equal(carry.tokens, drop.tokens)
-  assert int(carry.stats["steps"]) == int(drop.stats["steps"])
-  assert int(carry.stats["carried_out"]) == int(drop.stats["started"]) - G
+  drop, drop_info = _refill(params, prompts, stop_at)
+  carry, carry_info = _refill_carry(params, _queue(*prompts, STOP_AT), jnp.int32(0), jax.random.key(3))
+  np.testing.assert_array_equal(carry_info.prompt_index_G, drop_info.prompt_index_G)
+  np.testing.assert_array_equal(carry.tokens_BT, drop.tokens_BT)
+  assert int(carry_info.stats["steps"]) == int(drop_info.stats["steps"])
+  assert int(carry_info.stats["carried_out"]) == int(drop_info.stats["started"]) - G
 
 
 def test_refill_queue_shorter_than_the_groups_is_refused(params, prompts):

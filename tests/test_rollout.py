@@ -51,25 +51,25 @@ def _steps(params, prompts, **kw):
 
 def _full_logits(params, r, cfg=CFG):
   """Teacher-forced logits ``[B, N, V]`` predicting each response slot, from a plain forward."""
-  h, _ = M.forward(params, r.tokens, M.positions_from_mask(r.mask), r.mask, cfg=cfg)
+  h, _ = M.forward(params, r.tokens_BT, M.positions_from_mask(r.mask_BT), r.mask_BT, cfg=cfg)
   return np.asarray(M.lm_logits(params, h, cfg)[:, P - 1:-1], np.float64)
 
 
 def _check_padding(r, eos_ids, pad_id=0):
   """After a stop token, responses hold pad, masks are off and log-probs are 0."""
-  rmask = np.asarray(r.response_mask)
-  resp = np.asarray(r.tokens[:, P:])
-  lengths = np.asarray(r.lengths)
+  rmask = np.asarray(r.response_mask_BN)
+  resp = np.asarray(r.tokens_BT[:, P:])
+  lengths = np.asarray(r.lengths_B)
   np.testing.assert_array_equal(rmask, np.arange(N)[None] < lengths[:, None])
-  np.testing.assert_array_equal(np.asarray(r.mask[:, P:]), rmask)
+  np.testing.assert_array_equal(np.asarray(r.mask_BT[:, P:]), rmask)
   assert np.all(resp[~rmask] == pad_id)
-  assert np.all(np.asarray(r.logprobs)[~rmask] == 0) and np.all(
-      np.asarray(r.sample_logprobs)[~rmask] == 0)
+  assert np.all(np.asarray(r.behaviour_logp_BN)[~rmask] == 0) and np.all(
+      np.asarray(r.sample_logp_BN)[~rmask] == 0)
   for row in range(resp.shape[0]):
     body = resp[row, :lengths[row]]
     stops = np.isin(body, list(eos_ids))
     # Finished rows end with their first stop token; the others never emitted one.
-    assert bool(r.finished[row]) == bool(stops.any())
+    assert bool(r.finished_B[row]) == bool(stops.any())
     if stops.any():
       assert stops[-1] and not stops[:-1].any()
     else:
@@ -79,26 +79,26 @@ def _check_padding(r, eos_ids, pad_id=0):
 def test_cached_greedy_equals_recompute_everything_on_ragged_prompts(params, prompts):
   assert len(set(np.asarray(prompts[1]).sum(1).tolist())) > 1  # prompts really are ragged
   free, steps = _steps(params, prompts, eos_id=-1)
-  assert int(steps) == N and not np.any(free.finished)
+  assert int(steps) == N and not np.any(free.finished_B)
   # An EOS that row 1 emits at response index 4 (or earlier): some rows stop, some do not.
-  eos = int(free.tokens[1, P + 4])
+  eos = int(free.tokens_BT[1, P + 4])
   cached = _run(params, prompts, temperature=0.0, eos_id=eos)
   ref = _run(params, prompts, temperature=0.0, eos_id=eos, fn=R.generate_uncached)
-  assert cached.finished[1] and cached.lengths[1] <= 5
-  np.testing.assert_array_equal(cached.tokens, ref.tokens)
-  np.testing.assert_array_equal(cached.mask, ref.mask)
-  np.testing.assert_array_equal(cached.lengths, ref.lengths)
-  np.testing.assert_array_equal(cached.finished, ref.finished)
-  np.testing.assert_allclose(cached.logprobs, ref.logprobs, atol=1e-5)
+  assert cached.finished_B[1] and cached.lengths_B[1] <= 5
+  np.testing.assert_array_equal(cached.tokens_BT, ref.tokens_BT)
+  np.testing.assert_array_equal(cached.mask_BT, ref.mask_BT)
+  np.testing.assert_array_equal(cached.lengths_B, ref.lengths_B)
+  np.testing.assert_array_equal(cached.finished_B, ref.finished_B)
+  np.testing.assert_allclose(cached.behaviour_logp_BN, ref.behaviour_logp_BN, atol=1e-5)
   _check_padding(cached, {eos})
   # Stopping early changes nothing before the stop.
-  rm = np.asarray(cached.response_mask)
-  np.testing.assert_array_equal(np.asarray(cached.tokens[:, P:])[rm],
-                                np.asarray(free.tokens[:, P:])[rm])
+  rm = np.asarray(cached.response_mask_BN)
+  np.testing.assert_array_equal(np.asarray(cached.tokens_BT[:, P:])[rm],
+                                np.asarray(free.tokens_BT[:, P:])[rm])
   # Early exit: once every row has stopped, the loop ends before max_new_tokens.
-  all_stop = tuple(sorted(set(np.asarray(free.tokens[:, P + 1]).tolist())))
+  all_stop = tuple(sorted(set(np.asarray(free.tokens_BT[:, P + 1]).tolist())))
   stopped, steps = _steps(params, prompts, eos_id=-1, stop_token_ids=all_stop)
-  assert int(steps) == 2 and np.all(stopped.finished) and np.all(stopped.lengths <= 2)
+  assert int(steps) == 2 and np.all(stopped.finished_B) and np.all(stopped.lengths_B <= 2)
 
 
 def test_logprobs_equal_teacher_forced_scoring(params, prompts):
@@ -112,16 +112,16 @@ def test_logprobs_equal_teacher_forced_scoring(params, prompts):
   free = step(jax.random.key(7))
   # Stop tokens that rows 0 and 3 sample at response index 2: the same key reproduces the
   # same draws, so those rows now stop by index 2 while EOS and stop ids both count.
-  eos, stop = int(free.tokens[0, P + 2]), int(free.tokens[3, P + 2])
+  eos, stop = int(free.tokens_BT[0, P + 2]), int(free.tokens_BT[3, P + 2])
   r = step(jax.random.key(7), stop_token_ids=(stop,), eos_id=eos)
-  assert r.finished[0] and r.finished[3] and r.lengths[0] <= 3 and r.lengths[3] <= 3
-  assert not np.all(r.finished)
+  assert r.finished_B[0] and r.finished_B[3] and r.lengths_B[0] <= 3 and r.lengths_B[3] <= 3
+  assert not np.all(r.finished_B)
   _check_padding(r, {eos, stop})
-  want, _ = M.token_logprobs(params, r.tokens, r.mask, cfg=CFG, start=P)
-  rm = np.asarray(r.response_mask)
-  np.testing.assert_allclose(np.asarray(r.logprobs)[rm], np.asarray(want)[rm], atol=2e-5)
+  want, _ = M.token_logprobs(params, r.tokens_BT, r.mask_BT, cfg=CFG, start=P)
+  rm = np.asarray(r.response_mask_BN)
+  np.testing.assert_allclose(np.asarray(r.behaviour_logp_BN)[rm], np.asarray(want)[rm], atol=2e-5)
   # At temperature 1 without filters the sampling distribution is the policy.
-  np.testing.assert_allclose(r.sample_logprobs, r.logprobs, atol=1e-5)
+  np.testing.assert_allclose(r.sample_logp_BN, r.behaviour_logp_BN, atol=1e-5)
 
 
 def test_bf16_sampler_logprobs_are_the_trainer_s_bit_for_bit(params, prompts):
@@ -137,10 +137,10 @@ def test_bf16_sampler_logprobs_are_the_trainer_s_bit_for_bit(params, prompts):
                                        num_samples=2)
     r = jax.jit(fn)(params, *prompts, jax.random.key(3))
     want, _ = jax.jit(functools.partial(M.token_logprobs, cfg=cfg, start=P))(
-        params, r.tokens, r.mask)
-    rm = np.asarray(r.response_mask)
+        params, r.tokens_BT, r.mask_BT)
+    rm = np.asarray(r.response_mask_BN)
     assert rm.sum() == rm.size
-    return np.abs(np.asarray(r.logprobs, np.float64) - np.asarray(want, np.float64))[rm]
+    return np.abs(np.asarray(r.behaviour_logp_BN, np.float64) - np.asarray(want, np.float64))[rm]
 
   assert gaps("float32").max() == 0.0
   assert gaps("compute").mean() > 1e-4
@@ -208,13 +208,13 @@ def test_generate_respects_top_k_and_top_p_at_every_step(params, prompts):
   sorted_p = np.take_along_axis(p, order, -1)
   before = np.take_along_axis(np.cumsum(sorted_p, -1) - sorted_p, rank, -1)
   allowed = (rank < top_k) & (before < top_p + 1e-5)
-  tok = np.asarray(r.tokens[:, P:])
+  tok = np.asarray(r.tokens_BT[:, P:])
   assert np.take_along_axis(allowed, tok[..., None], -1).all()
   assert len(set(tok.ravel().tolist())) > 4  # it did sample, not collapse to greedy
   # sample_logprobs: the log of the renormalised, filtered distribution at the drawn token.
   filt = np.where(allowed, p, 0)
   filt /= filt.sum(-1, keepdims=True)
-  np.testing.assert_allclose(r.sample_logprobs, np.log(np.take_along_axis(filt, tok[..., None],
+  np.testing.assert_allclose(r.sample_logp_BN, np.log(np.take_along_axis(filt, tok[..., None],
                                                                           -1)[..., 0]),
                              atol=1e-4)
 
@@ -222,10 +222,10 @@ def test_generate_respects_top_k_and_top_p_at_every_step(params, prompts):
 def test_temperature_zero_is_greedy_whatever_the_key_and_filters(params, prompts):
   a = _run(params, prompts, key=1, temperature=0.0, top_k=3, top_p=0.5)
   b = _run(params, prompts, key=2, temperature=0.0, top_k=3, top_p=0.5)
-  np.testing.assert_array_equal(a.tokens, b.tokens)
-  np.testing.assert_array_equal(np.asarray(a.tokens[:, P:]),
+  np.testing.assert_array_equal(a.tokens_BT, b.tokens_BT)
+  np.testing.assert_array_equal(np.asarray(a.tokens_BT[:, P:]),
                                 np.argmax(_full_logits(params, a), axis=-1))
-  assert np.all(np.asarray(a.sample_logprobs) == 0)
+  assert np.all(np.asarray(a.sample_logp_BN) == 0)
 
 
 def test_deterministic_given_the_key(params, prompts):
@@ -233,20 +233,20 @@ def test_deterministic_given_the_key(params, prompts):
   b = _run(params, prompts, key=5, temperature=1.0, num_samples=2)
   c = _run(params, prompts, key=6, temperature=1.0, num_samples=2)
   jax.tree.map(np.testing.assert_array_equal, a, b)
-  assert not np.array_equal(a.tokens, c.tokens)
+  assert not np.array_equal(a.tokens_BT, c.tokens_BT)
 
 
 def test_num_samples_share_one_prefill(params, prompts):
   one = _run(params, prompts, temperature=0.0)
   three = _run(params, prompts, temperature=0.0, num_samples=3)
   # Greedy: the three rows of each group are identical and equal the single sample.
-  for field in ("tokens", "mask", "logprobs", "lengths"):
+  for field in ("tokens_BT", "mask_BT", "behaviour_logp_BN", "lengths_B"):
     np.testing.assert_array_equal(getattr(three, field),
                                   np.repeat(getattr(one, field), 3, axis=0))
   # Sampled: prompt-major groups, the samples of a group differ.
   s = _run(params, prompts, key=3, temperature=1.0, num_samples=3)
-  np.testing.assert_array_equal(s.tokens[:, :P], np.repeat(prompts[0], 3, axis=0))
-  groups = np.asarray(s.tokens[:, P:]).reshape(4, 3, N)
+  np.testing.assert_array_equal(s.tokens_BT[:, :P], np.repeat(prompts[0], 3, axis=0))
+  groups = np.asarray(s.tokens_BT[:, P:]).reshape(4, 3, N)
   assert all(len({g.tobytes() for g in grp}) > 1 for grp in groups)
   # The prompt's forward pass runs on B rows, never on B*n: no [B*n, P, D] value exists.
   ro = RolloutConfig(max_new_tokens=N)
@@ -280,10 +280,10 @@ def test_sharded_generation_equals_unsharded(decode):
                                 num_samples=2, kernels=KernelsConfig(decode=decode)).compile()
     got = compiled(sp, *st, jax.random.key(9))
     hlo = compiled.as_text()
-  np.testing.assert_array_equal(got.tokens, ref.tokens)
-  np.testing.assert_array_equal(got.mask, ref.mask)
-  np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5)
-  np.testing.assert_allclose(got.sample_logprobs, ref.sample_logprobs, atol=1e-5)
+  np.testing.assert_array_equal(got.tokens_BT, ref.tokens_BT)
+  np.testing.assert_array_equal(got.mask_BT, ref.mask_BT)
+  np.testing.assert_allclose(got.behaviour_logp_BN, ref.behaviour_logp_BN, atol=1e-5)
+  np.testing.assert_allclose(got.sample_logp_BN, ref.sample_logp_BN, atol=1e-5)
   # The per-device KV cache is [layers, rows/dp, kv_heads/tp, P+N-1, head_dim], or that per
   # layer when the decode loop is unrolled.
   if decode == "scanned":
@@ -299,12 +299,12 @@ def test_padded_vocabulary_ids_are_never_sampled(params, prompts):
   cfg = dataclasses.replace(CFG, unpadded_vocab_size=CFG.vocab_size - 4)
   padded = dict(params, unembed=params["unembed"].at[:, cfg.unpadded_vocab_size:].set(0.0))
   r = _run(padded, prompts, key=4, cfg=cfg, temperature=1.5, num_samples=4)
-  assert np.all(np.asarray(r.tokens[:, P:]) < cfg.unpadded_vocab_size)
+  assert np.all(np.asarray(r.tokens_BT[:, P:]) < cfg.unpadded_vocab_size)
   # The policy's log-probs normalise over the real vocabulary only.
   logits = _full_logits(padded, r, cfg)[..., :cfg.unpadded_vocab_size]
   want = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
-  tok = np.asarray(r.tokens[:, P:])
-  np.testing.assert_allclose(r.logprobs, np.take_along_axis(want, tok[..., None], -1)[..., 0],
+  tok = np.asarray(r.tokens_BT[:, P:])
+  np.testing.assert_allclose(r.behaviour_logp_BN, np.take_along_axis(want, tok[..., None], -1)[..., 0],
                              atol=2e-5)
 
 
@@ -346,12 +346,13 @@ def test_unrolled_decode_is_the_scanned_decode_bit_for_bit(prompts, cfg):
     stop_at = jnp.asarray([3, 5, 2, 4])  # early ends, so that groups are refilled
     refill = R.generate_refill(params, *prompts, jax.random.key(5), stop_at, cfg=cfg,
                                rollout=ro, eos_id=3, num_samples=2, num_groups=2, kernels=kern)
-    outs[decode] = (plain, refill)
+    outs[decode] = (plain, refill[0])
+    stats = refill[1].stats
   for got, want in zip(outs["unrolled"], outs["scanned"]):
-    np.testing.assert_array_equal(got.tokens, want.tokens)
-    np.testing.assert_array_equal(got.logprobs, want.logprobs)
-    np.testing.assert_array_equal(got.sample_logprobs, want.sample_logprobs)
-  assert int(outs["scanned"][1].stats["started"]) > 2  # refill did refill
+    np.testing.assert_array_equal(got.tokens_BT, want.tokens_BT)
+    np.testing.assert_array_equal(got.behaviour_logp_BN, want.behaviour_logp_BN)
+    np.testing.assert_array_equal(got.sample_logp_BN, want.sample_logp_BN)
+  assert int(stats["started"]) > 2  # refill did refill
 
 
 def test_unrolled_decode_holds_a_buffer_per_layer(params, prompts):

@@ -10,7 +10,7 @@ fails (an exception or a timeout: masked and counted), or at a limit (``env.max_
 ``rollout.max_new_tokens`` slots its actions and observations share), where ``env.on_limit``
 decides its return.
 
-The result is a :class:`~jaxrlhf.train.types.Rollout` in the usual ``prompt | response`` layout,
+The result is a :class:`~jaxrlhf.rollout.Rollout` in the usual ``prompt | response`` layout,
 each row's actions and observations packed together from slot ``P``: ``response_mask_BN`` marks
 the policy's tokens only, so observations are outside the loss and the KL, and the behaviour
 log-probs are those the decoder recorded.  The per-turn rewards land on the last token of each

@@ -212,14 +212,14 @@ class GenerationEval:
       out = generate(params, batch["prompt"], batch["prompt_mask"], key, cfg=model_cfg,
                      rollout=rollout, eos_id=eos, pad_id=pad, num_samples=k,
                      kernels=cfg.kernels)
-      resp = out.tokens[:, -rollout.max_new_tokens:]
-      got = {"tokens": resp, "lengths": out.lengths}
+      resp = out.tokens_BT[:, -rollout.max_new_tokens:]
+      got = {"tokens": resp, "lengths": out.lengths_B}
       if rules:
         answer, answer_mask = batch["answer"], batch["answer_mask"]
         if k > 1:
           answer, answer_mask = (jnp.repeat(answer, k, axis=0),
                                  jnp.repeat(answer_mask, k, axis=0))
-        got["score"] = sum(jnp.float32(w) * fn(resp, out.response_mask, answer, answer_mask,
+        got["score"] = sum(jnp.float32(w) * fn(resp, out.response_mask_BN, answer, answer_mask,
                                                eos_id=eos) for fn, w in rules)
       return got
 

@@ -73,12 +73,10 @@ def generate(stage, frozen, batch, c: StepCarry) -> StepCarry:
                          kw)
   if stage.cfg.rollout.refill:
     return _refill(stage, batch, c.replace(state=c.state.replace(rng=rng)),
-                   sample_refill(policy, batch["prompt"], batch["prompt_mask"], k,
-                                 batch.get("stop_at"), num_groups=stage.scfg.batch_size, **kw))
+                   *sample_refill(policy, batch["prompt"], batch["prompt_mask"], k,
+                                  batch.get("stop_at"), num_groups=stage.scfg.batch_size, **kw))
   ro = sample(policy, batch["prompt"], batch["prompt_mask"], k, batch.get("stop_at"), **kw)
-  rollout = Rollout(tokens_BT=ro.tokens, mask_BT=ro.mask, response_mask_BN=ro.response_mask,
-                    behaviour_logp_BN=ro.logprobs, lengths_B=ro.lengths,
-                    finished_B=ro.finished)
+  rollout = ro.replace(sample_logp_BN=None)  # the step trains on the policy's own
   # A prompt bucket's columns (rollout.prompt_buckets), for the work accounting.
   width = ({"rollout/prompt_width": jnp.float32(rollout.prompt_len)}
            if rollout.prompt_len != stage.P else {})
@@ -86,7 +84,7 @@ def generate(stage, frozen, batch, c: StepCarry) -> StepCarry:
                    metrics={**c.metrics, **width})
 
 
-def _refill(stage, batch, c: StepCarry, ro) -> StepCarry:
+def _refill(stage, batch, c: StepCarry, ro: Rollout, refill) -> StepCarry:
   """The refilled rollout (``rollout.refill``): the first ``batch_size`` groups to complete,
   each row with its prompt's index in the step's queue (answers and host examples follow
   it), and the counts: prompts started, groups completed, groups dropped (started but not
@@ -94,18 +92,15 @@ def _refill(stage, batch, c: StepCarry, ro) -> StepCarry:
   carried instead), sampling steps, and the share of the decode passes' row-slots that fed a
   running response's token."""
   rows = stage.scfg.batch_size * stage.n
-  st = {k: v.astype(jnp.float32) for k, v in ro.stats.items()}
+  st = {k: v.astype(jnp.float32) for k, v in refill.stats.items()}
   metrics = {"rollout/started": st["started"], "rollout/completed": st["completed"],
              "rollout/dropped": st["started"] - stage.scfg.batch_size,
              "rollout/queued": jnp.float32(batch["prompt"].shape[0]),
              "rollout/decode_steps": st["steps"],
              "rollout/busy_frac": st["busy"] / (rows * jnp.maximum(st["steps"] - 1, 1))}
-  index_B = jnp.repeat(ro.prompt_index, stage.n)
-  rollout = Rollout(tokens_BT=ro.tokens, mask_BT=ro.mask, response_mask_BN=ro.response_mask,
-                    behaviour_logp_BN=ro.logprobs, lengths_B=ro.lengths,
-                    finished_B=ro.finished, prompt_index_B=index_B,
-                    answer_BR=batch["answer"][index_B],
-                    answer_mask_BR=batch["answer_mask"][index_B])
+  index_B = ro.prompt_index_B
+  rollout = ro.replace(sample_logp_BN=None, answer_BR=batch["answer"][index_B],
+                       answer_mask_BR=batch["answer_mask"][index_B])
   return c.replace(rollout=rollout, metrics={**c.metrics, **metrics})
 
 
@@ -138,12 +133,13 @@ def _refill_carry(stage, batch, c: StepCarry, policy, key, kw) -> StepCarry:
          "stop_at": (batch["stop_at"].astype(jnp.int32) if "stop_at" in batch
                      else jnp.zeros((q_len,), jnp.int32))}
   queue = carry_queue({k: carried[k] for k in CARRIED}, carried["count"], new)
-  ro = sample_refill(policy, queue["prompt"], queue["prompt_mask"], key, queue["stop_at"],
-                     carried["count"], num_groups=stage.scfg.batch_size, **kw)
-  left = carry_take(queue, ro.leftover_index, ro.stats["carried_out"])
-  extras = {**c.state.extras, "carry": {**left, "count": ro.stats["carried_out"]}}
-  c = _refill(stage, queue, c.replace(state=c.state.replace(extras=extras)), ro)
-  st = {k: v.astype(jnp.float32) for k, v in ro.stats.items()}
+  ro, refill = sample_refill(policy, queue["prompt"], queue["prompt_mask"], key,
+                             queue["stop_at"], carried["count"], num_groups=stage.scfg.batch_size,
+                             **kw)
+  left = carry_take(queue, refill.leftover_index_G, refill.stats["carried_out"])
+  extras = {**c.state.extras, "carry": {**left, "count": refill.stats["carried_out"]}}
+  c = _refill(stage, queue, c.replace(state=c.state.replace(extras=extras)), ro, refill)
+  st = {k: v.astype(jnp.float32) for k, v in refill.stats.items()}
   metrics = {"rollout/carried_in": st["carried_in"], "rollout/carried_out": st["carried_out"],
              "rollout/dropped": st["started"] - st["trained"] - st["carried_out"]}
   return c.replace(metrics={**c.metrics, **metrics})

@@ -19,6 +19,8 @@ from typing import Any, Optional
 import flax.struct
 import jax
 
+from jaxrlhf.rollout import Rollout  # noqa: F401 - the one rollout type, defined with generation
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -36,38 +38,6 @@ class TrainState:
   params: dict
   opt_state: dict
   extras: dict
-
-
-@flax.struct.dataclass
-class Rollout:
-  """Generated sequences and the log-probs the update needs, ``B = prompts x samples`` rows."""
-
-  tokens_BT: jax.Array  # int32 prompt then response
-  mask_BT: jax.Array  # bool: real prompt tokens + response tokens up to and incl. the stop
-  response_mask_BN: jax.Array  # bool: generated tokens up to and including EOS / stop
-  behaviour_logp_BN: jax.Array  # f32: log p(token) under the sampling policy (temperature 1)
-  lengths_B: jax.Array  # int32 response lengths (incl. the stop token)
-  finished_B: jax.Array  # bool: ended by EOS / stop (False: ran into max_new_tokens)
-  # Multi-turn episodes (env.name): each turn's environment reward at its action's last token.
-  # The response then holds actions and observations; response_mask_BN marks the actions.
-  turn_rewards_BN: Optional[jax.Array] = None
-  # In-flight refill (rollout.refill): each row's prompt in the step's queue (int32).
-  prompt_index_B: Optional[jax.Array] = None
-  # Refill: each row's answer, from the step's queue (with carry-over the queue is not the
-  # batch: the carried prompts come first) (``R`` answer slots).
-  answer_BR: Optional[jax.Array] = None  # int32
-  answer_mask_BR: Optional[jax.Array] = None  # bool
-  # Filled by the reference phase:
-  ref_logp_BN: Optional[jax.Array] = None  # f32 under the frozen reference
-  # f32 per-token KL(behaviour || reference), 0 where masked; exactly 0 while the policy's
-  # weights are the reference's (phases.reference)
-  kl_BN: Optional[jax.Array] = None
-
-  @property
-  def prompt_len(self) -> int:
-    """The prompt's columns: ``data.max_prompt_len``, or the batch's prompt bucket
-    (``rollout.prompt_buckets``); the response starts there."""
-    return self.tokens_BT.shape[1] - self.response_mask_BN.shape[1]
 
 
 @flax.struct.dataclass
