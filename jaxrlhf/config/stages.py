@@ -152,6 +152,7 @@ class SFTConfig(StageConfig):
 
 @dataclasses.dataclass(frozen=True)
 class RMConfig(StageConfig):
+  # Held-out preference pairs (pair accuracy).
   eval_data: ClassVar[str] = "pairs"
   # rm.optim trains the reward model (its param_dtype decides what optim.precision means).
   optim_role: ClassVar[str] = "reward"
@@ -394,6 +395,7 @@ class GRPOConfig(RLConfig):
 
 @dataclasses.dataclass(frozen=True)
 class DPOConfig(StageConfig):
+  # Held-out preference pairs (pair accuracy).
   eval_data: ClassVar[str] = "pairs"
   # Preference pairs per step (two sequences each).
   batch_size: int = 32
@@ -433,8 +435,9 @@ class DPOConfig(StageConfig):
 
 @dataclasses.dataclass(frozen=True)
 class KTOConfig(StageConfig):
-  eval_data: ClassVar[str] = "pairs"
   """KTO on unpaired examples (data.unpaired_path, or each pair's two sides)."""
+  # Held-out preference pairs (pair accuracy).
+  eval_data: ClassVar[str] = "pairs"
 
   # Examples per step (from pairs: both sides of half as many pairs).
   batch_size: int = 64

@@ -289,20 +289,10 @@ def _sliding(cfg: ModelConfig, li):
 _NO_WINDOW = 2 ** 30
 
 
-def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offset, cache_kv):
-  """One decoder layer.  ``rope_cs``: the ``(cos, sin)`` pair of :func:`rope_tables`, or
-  ``((cos, sin) global, (cos, sin) local)`` with a local rotary base.
-  ``cache_kv`` is None or ``(k_LBKSD, v_LBKSD, layer)``: the *whole* cache and this layer's
-  index; the new keys/values are written into it in place (one slot range of one layer) and it
-  is returned whole.  Or ``(k_BKSD, v_BKSD, layer)``: this layer's own cache (a per-layer
-  :class:`KVCache`), written and returned the same way.  Without a cache, ``cache_kv`` may be
-  ``(None, None, layer)``: the layer index alone, for configs whose layers differ (sliding /
-  full)."""
-  cdt, rdt = _dtype(cfg.compute_dtype), _residual_dtype(cfg)
-  lp = jax.tree.map(lambda p: p.astype(cdt), lp)
-  proj = lambda x, name: _proj(x, lp, name, rdt)
-  off = cfg.norm_offset
-  sliding = _sliding(cfg, None if cache_kv is None else cache_kv[2])
+def _attention_settings(cfg: ModelConfig, sliding, rope_cs, kv_mask):
+  """``(rope_cs, attention keywords, kv_mask)`` of one layer: its rotary tables (local or
+  global base), its score scale, soft-cap and window (``sliding``: a bool, or traced in a
+  scanned stack of mixed layers), and packed rows' segment ids (an integer ``kv_mask``)."""
   if cfg.rope_local_theta:
     global_cs, local_cs = rope_cs
     if isinstance(sliding, bool):
@@ -321,6 +311,24 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
     attn_kw["window"] = jnp.where(sliding, cfg.sliding_window, _NO_WINDOW)
   if jnp.issubdtype(kv_mask.dtype, jnp.integer):  # packed rows: segment ids, 0 for padding
     attn_kw["segment_ids"], kv_mask = kv_mask, kv_mask != 0
+  return rope_cs, attn_kw, kv_mask
+
+
+def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offset, cache_kv):
+  """One decoder layer.  ``rope_cs``: the ``(cos, sin)`` pair of :func:`rope_tables`, or
+  ``((cos, sin) global, (cos, sin) local)`` with a local rotary base.
+  ``cache_kv`` is None or ``(k_LBKSD, v_LBKSD, layer)``: the *whole* cache and this layer's
+  index; the new keys/values are written into it in place (one slot range of one layer) and it
+  is returned whole.  Or ``(k_BKSD, v_BKSD, layer)``: this layer's own cache (a per-layer
+  :class:`KVCache`), written and returned the same way.  Without a cache, ``cache_kv`` may be
+  ``(None, None, layer)``: the layer index alone, for configs whose layers differ (sliding /
+  full)."""
+  cdt, rdt = _dtype(cfg.compute_dtype), _residual_dtype(cfg)
+  lp = jax.tree.map(lambda p: p.astype(cdt), lp)
+  proj = lambda x, name: _proj(x, lp, name, rdt)
+  off = cfg.norm_offset
+  rope_cs, attn_kw, kv_mask = _attention_settings(
+      cfg, _sliding(cfg, None if cache_kv is None else cache_kv[2]), rope_cs, kv_mask)
   x = rms_norm(h_BTD, lp["attn_norm"], cfg.norm_eps, off)
   q = proj(x, "wq")
   k = proj(x, "wk")

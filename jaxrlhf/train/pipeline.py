@@ -184,33 +184,8 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
   ck = ckpt.Checkpointer(ckpt.checkpoint_dir(workdir, name), cfg.checkpoint, to_dict(cfg),
                          frozen=frozen_manifest(stage, workdir, sources))
   with ck:  # closing waits for the checkpoints still being written, whatever happens
-    restoring = policy != "none" and bool(ck.all_steps())
-    state, frozen = stage.init(key, roles)
-    abstract = None
-    if restoring:
-      state = None  # free the fresh state before the restored one arrives
-      abstract = stage.abstract_init()[0]
-    point = ck.resume(abstract, policy, cfg)
-    start, start_eval = 0, {}
-    if point is not None:
-      check_inputs(point.extra, inputs, f"{ck.directory}/{point.step}")
-      state, start = point.state, int(point.extra.get("data_position", point.step))
-      if start > stage.steps:
-        # Training on from here would do nothing and save this state as the stage's result
-        # labelled with fewer steps: refuse, before anything is written.
-        raise ConfigError(
-            f"{name}: the checkpoint to resume, {ck.directory}/{point.step}, is at step "
-            f"{start}, beyond this run's {name}.steps={stage.steps} (e.g. capped by --steps). Rerun "
-            f"without --steps (or with --steps >= {start}) to finish the stage, set "
-            f"--set={name}.steps={start} to end it at that checkpoint, or pass --resume=STEP "
-            f"(steps kept: {', '.join(map(str, ck.all_steps()))}), or --resume=none to train "
-            "every stage again")
-      start_eval = point.extra.get("start_eval", {})
-      print(f"{name}: continuing after step {start} of {stage.steps} "
-            f"(set up and restored in {time.perf_counter() - t0:.1f}s)")
-    elif stage.spec.eval_at_start and stage.eval_every:  # eval_every=0: no evaluation at all
-      start_eval = stage.evaluate(state, frozen)
-      writer.write_samples(name, 0, stage.take_samples())
+    state, frozen, start, start_eval, reached = _starting_point(stage, ck, key, roles, inputs,
+                                                                policy, writer, t0)
 
     def extra_fn(done: int) -> dict:
       # Batches are a pure function of the step, so the data position is the step.
@@ -223,7 +198,6 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
       work = step_work(stage, accelerator, tp=dict(stage.mesh.shape)["tp"],
                        n_devices=stage.mesh.devices.size, n_processes=jax.process_count())
     on_start()  # from here on the stage's folder holds what this config produces
-    reached = point.extra.get("target_reached", "") if point is not None else ""
     if reached:  # the run stopped after the stage had finished early, before its result
       print(f"{name}: {reached} at step {start}; the stage ended there")
       last, end = {}, start
@@ -244,12 +218,7 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
       if final:
         writer.write(name, end, final)
       writer.write_samples(name, end, stage.take_samples())
-  summary = {name: {**final, "time_s": time.perf_counter() - t0, "steps": end,
-                    # only for a stage that ended at its target (stop rule), before its steps
-                    **({"target_reached": stage.stop_rule()} if end < stage.steps else {}),
-                    **({"kl/mean": last["kl/mean"]} if "kl/mean" in last else {})}}
-  if start_eval:
-    summary[f"{name}/start"] = start_eval
+  summary = _summary(stage, final, last, end, start_eval, time.perf_counter() - t0)
   outputs = stage.outputs(state, frozen)
   info = ckpt.save_stage_result(workdir, name, outputs,
                                 {"summary": summary, "steps": end,
@@ -258,6 +227,55 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
     print(f"{name}: {role}'s LoRA adapter (PEFT layout) in {path}; the stage's result holds "
           "the merged weights")
   return StageOutcome(outputs, summary, info["id"])
+
+
+def _starting_point(stage, ck, key, roles, inputs, policy, writer, t0):
+  """``(state, frozen, start step, start evaluation, reached)``: the stage's latest
+  checkpoint (per ``policy``) restored, or a fresh state evaluated before training (when its
+  spec asks); ``reached`` is why a restored stage had already ended early ("" if it had
+  not)."""
+  name, cfg = stage.name, stage.cfg
+  restoring = policy != "none" and bool(ck.all_steps())
+  state, frozen = stage.init(key, roles)
+  abstract = None
+  if restoring:
+    state = None  # free the fresh state before the restored one arrives
+    abstract = stage.abstract_init()[0]
+  point = ck.resume(abstract, policy, cfg)
+  if point is None:
+    start_eval = {}
+    if stage.spec.eval_at_start and stage.eval_every:  # eval_every=0: no evaluation at all
+      start_eval = stage.evaluate(state, frozen)
+      writer.write_samples(name, 0, stage.take_samples())
+    return state, frozen, 0, start_eval, ""
+  check_inputs(point.extra, inputs, f"{ck.directory}/{point.step}")
+  state, start = point.state, int(point.extra.get("data_position", point.step))
+  if start > stage.steps:
+    # Training on from here would do nothing and save this state as the stage's result
+    # labelled with fewer steps: refuse, before anything is written.
+    raise ConfigError(
+        f"{name}: the checkpoint to resume, {ck.directory}/{point.step}, is at step "
+        f"{start}, beyond this run's {name}.steps={stage.steps} (e.g. capped by --steps). Rerun "
+        f"without --steps (or with --steps >= {start}) to finish the stage, set "
+        f"--set={name}.steps={start} to end it at that checkpoint, or pass --resume=STEP "
+        f"(steps kept: {', '.join(map(str, ck.all_steps()))}), or --resume=none to train "
+        "every stage again")
+  print(f"{name}: continuing after step {start} of {stage.steps} "
+        f"(set up and restored in {time.perf_counter() - t0:.1f}s)")
+  return (state, frozen, start, point.extra.get("start_eval", {}),
+          point.extra.get("target_reached", ""))
+
+
+def _summary(stage, final: dict, last: dict, end: int, start_eval: dict, seconds: float):
+  """The stage's lines of the run's summary (and its result's metrics)."""
+  name = stage.name
+  summary = {name: {**final, "time_s": seconds, "steps": end,
+                    # only for a stage that ended at its target (stop rule), before its steps
+                    **({"target_reached": stage.stop_rule()} if end < stage.steps else {}),
+                    **({"kl/mean": last["kl/mean"]} if "kl/mean" in last else {})}}
+  if start_eval:
+    summary[f"{name}/start"] = start_eval
+  return summary
 
 
 def adapter_dir(workdir: str, stage: str) -> str:
