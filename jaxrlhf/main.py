@@ -57,7 +57,8 @@ _COORD = flags.DEFINE_string("coordinator_address", None,
 _NPROC = flags.DEFINE_integer("num_processes", None, "Multi-process: number of processes.")
 _PID = flags.DEFINE_integer("process_id", None, "Multi-process: this process's id.")
 _ROLE = flags.DEFINE_string(
-    "role", None, "Disaggregated PPO (docs/pools.md): actor | critic (one pool, talking to the "
+    "role", None, "Disaggregated RL, the experiment's last stage (PPO, GRPO; docs/pools.md): "
+    "actor | critic (one pool, talking to the "
     "other through Redis) | all (both pools and, if none is configured, a loopback Redis).")
 _REDIS_URL = flags.DEFINE_string(
     "redis_url", "", "Redis for --role: redis://HOST:PORT/DB (default $JAXRLHF_REDIS_URL, else "
