@@ -256,7 +256,9 @@ def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True
                                       timed=cfg.logging.phase_timing, host_fn=stage.host_scores)
     else:
       step_fn = stage.make_step_fn(state, frozen, batch)
-    one_program = hasattr(step_fn, "lower")
+    from jaxrlhf.train import program
+    steps = program.parts(step_fn)
+    one_program = [p.name for p in steps] == ["step"]
     if one_program:
       compiled, secs = compile_program(step_fn, state, frozen, batch)
       step = read("step", compiled, secs, runs=True)
@@ -270,7 +272,7 @@ def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True
   label = lambda p: p.name.split("/")[1]
   for p in programs:
     roofline(p, work.get(label(p)), n, acc, node_bw)
-    if label(p) == "rest":
+    if label(p) == "score_and_update":  # everything after generation
       roofline(p, sum_work(w for k, w in work.items() if k != "generate"), n, acc, node_bw)
   if rl and one_program:
     roofline(programs[0], sum_work(work.values()), n, acc, node_bw)
@@ -317,22 +319,21 @@ def _plan_phases(stage, state, frozen, batch, read, one_program: bool, step_fn):
   import jax.numpy as jnp
   from jaxrlhf.train import program
   from jaxrlhf.train.types import StepCarry
-  phased = step_fn if not one_program else program.PhasedProgram(
-      stage, stage.phases(), state, timed=True)
+  phased = program.parts(step_fn) if not one_program else program.PhasedProgram(
+      stage, stage.phases(), state, timed=True).programs()
   held = tree_bytes(state) + tree_bytes(frozen) + tree_bytes(batch)
   out = []
   carry = StepCarry(state=state)
   batch = {k: v for k, v in batch.items() if k != "host"}
-  for label, fn in phased.programs():
-    if label != phased.parts[0][0] and phased.host_fn is not None and carry.host_score_B is None:
+  for part in phased:
+    if part.host_scores and carry.host_score_B is None:
       rows = carry.rollout.tokens_BT.shape[0]
       carry = carry.replace(host_score_B=jax.ShapeDtypeStruct(
           (rows,), jnp.float32, sharding=carry.rollout.lengths_B.sharding))
     # The rollout so far also stays on the device between programs.
     rollout_bytes = tree_bytes((carry.rollout, carry.scored, carry.shaped))
-    compiled, secs = compile_program(fn, frozen, batch, carry)
-    name = label if phased.timed else phased.LABELS.get(label, label)
-    name = {"score_and_update": "rest"}.get(name, name)
-    out.append(read(name, compiled, secs, runs=not one_program, held=held + rollout_bytes))
-    carry = abstract_outputs(fn, compiled, frozen, batch, carry)
+    compiled, secs = compile_program(part.fn, frozen, batch, carry)
+    out.append(read(part.name, compiled, secs, runs=not one_program,
+                    held=held + rollout_bytes))
+    carry = abstract_outputs(part.fn, compiled, frozen, batch, carry)
   return out

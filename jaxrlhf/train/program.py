@@ -169,6 +169,27 @@ def trim_prompts(batch: dict, widths: Sequence[int]) -> dict:
           "prompt_mask": mask[:, P - width:]}
 
 
+@dataclasses.dataclass(frozen=True)
+class Part:
+  """One device program of a step, in order: ``name`` is what its time is reported as
+  (``time/phase/NAME_s``: ``step`` for the one-program step, a timing group, or ``generate``
+  and ``score_and_update`` around a host split), ``fn`` the jitted program, ``host_scores``
+  whether its carry holds the host reward's scores (it runs after the host split)."""
+
+  name: str
+  fn: Callable
+  host_scores: bool = False
+
+
+def parts(step_fn) -> list[Part]:
+  """The device programs of a step the trainer runs (what ``Stage.make_step_fn`` returns),
+  for the planner to lower on abstract arrays: the one-program step, or a
+  :class:`PhasedProgram`'s programs."""
+  if isinstance(step_fn, PhasedProgram):
+    return step_fn.programs()
+  return [Part("step", step_fn)]
+
+
 class PhasedProgram:
   """The step as several jitted programs: around a host reward, or each timing group timed.
 
@@ -236,9 +257,13 @@ class PhasedProgram:
       self.stage.record_rollout(carry, given)
     return carry.state, {**carry.metrics, **host_metrics, **timer.end_step()}
 
-  def programs(self):
-    """``(label, jitted fn)`` of each device program, in order (for the planner)."""
-    return [(lab, self.jitted[lab]) for lab, _ in self.parts if lab in self.jitted]
+  def programs(self) -> list[Part]:
+    """Each device program, in order (:class:`Part`: for the planner)."""
+    labels = [lab for lab, _ in self.parts]
+    host = HOST in labels and self.host_fn is not None
+    return [Part(lab if self.timed else self.LABELS.get(lab, lab), self.jitted[lab],
+                 host_scores=host and labels.index(lab) > labels.index(HOST))
+            for lab in labels if lab in self.jitted]
 
 
 def host_reward(stage, carry: StepCarry, host, host_fn) -> tuple[StepCarry, dict]:
