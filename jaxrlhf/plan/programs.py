@@ -290,7 +290,22 @@ def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True
     step.t_unoverlapped, step.t_overlapped = unoverlapped, overlapped
     step.t_hidden = _sum_or_none(p.t_hidden for p in phases)
   tokens = work["generate" if rl else "step"].tokens
-  models = []
+  models = _models_in_memory(stage, state)
+  return StagePlan(stage=name, steps=stage.steps, mode=mode, programs=programs,
+                   est_step_seconds=step_seconds, tokens_per_step=tokens,
+                   unoverlapped_step_seconds=unoverlapped,
+                   overlapped_step_seconds=overlapped,
+                   consumers=_consumers(state, frozen, batch),
+                   models_in_memory=models,
+                   may_end_early=stage.stop_rule(),
+                   decode=decode_plan(stage, state, frozen, mesh, acc) if rl else None)
+
+
+def _models_in_memory(stage, state) -> list[str]:
+  """One line per model the stage holds: trained (full, or LoRA adapters on which base) or
+  frozen, with its size."""
+  import jax
+  cfg, models = stage.cfg, []
   for r, h in stage.trainable.items():
     if r in stage.lora:
       n = sum(x.size for x in jax.tree.leaves(state.params[r]))
@@ -300,16 +315,8 @@ def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True
       models.append(f"{r} (LoRA rank {stage.lora[r].rank}: {n / 1e6:.3g}M trained {on})")
     else:
       models.append(f"{r} ({cfg.role_model(r).num_params(h) / 1e9:.3g}B, trained)")
-  models += [f"{r} ({cfg.role_model(r).num_params(h) / 1e9:.3g}B, frozen)"
-             for r, h in stage.frozen().items()]
-  return StagePlan(stage=name, steps=stage.steps, mode=mode, programs=programs,
-                   est_step_seconds=step_seconds, tokens_per_step=tokens,
-                   unoverlapped_step_seconds=unoverlapped,
-                   overlapped_step_seconds=overlapped,
-                   consumers=_consumers(state, frozen, batch),
-                   models_in_memory=models,
-                   may_end_early=stage.stop_rule(),
-                   decode=decode_plan(stage, state, frozen, mesh, acc) if rl else None)
+  return models + [f"{r} ({cfg.role_model(r).num_params(h) / 1e9:.3g}B, frozen)"
+                   for r, h in stage.frozen().items()]
 
 
 def _plan_phases(stage, state, frozen, batch, read, one_program: bool, step_fn):

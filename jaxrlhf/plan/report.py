@@ -100,6 +100,35 @@ def to_json(plan: Plan) -> dict:
   }
 
 
+def _decode_lines(plan: Plan, s) -> list[str]:
+  """A stage plan's lines on its decode layout, and on generation bound by collectives."""
+  acc, lines = plan.accelerator, []
+  if s.decode is not None:
+    d = s.decode
+    if d["layout"] == "tp":
+      lines.append(f"decode layout: tp (rollout.decode_layout): the policy is resharded once per "
+                   f"step, {fmt_bytes(d['reshard_bytes'])} gathered per device over "
+                   f"{d['link']} ({fmt_secs(d['reshard_seconds'])}, inside generate), into a "
+                   f"{fmt_bytes(d['copy_bytes'])} copy per device that lives while it "
+                   f"generates; --set=rollout.decode_layout=train decodes in the training "
+                   f"layout instead (no copy, its fsdp shards gathered for every token)")
+    else:
+      lines.append(f"decode layout: {d['layout']}")
+  gen = next((p for p in s.programs if p.name.endswith("/generate")), None)
+  if gen is not None and gen.bound == "collectives" and (s.decode or {}).get("layout") == "train":
+    # One gather per step instead of one per token: the decode loop's traffic once.
+    steps = max(plan.cfg.rollout.max_new_tokens - 1, 1)
+    once = (gen.comm_intra_bytes / steps / (acc.interconnect_bandwidth / 2)
+            + gen.comm_inter_bytes / steps / node_of(acc.name)[1])
+    without = max(gen.t_compute, gen.t_memory) + once
+    lines.append(f"note: generation is bound by collectives: the rollout all-gathers the "
+                 f"fsdp-sharded policy for every decoded token ({fmt_bytes(gen.comm_inter_bytes)}"
+                 f" across nodes per step); gathered once per step it would take about "
+                 f"{fmt_secs(without)} ({fmt_secs(s.est_step_seconds - gen.est_seconds + without)} "
+                 f"per step)")
+  return lines
+
+
 def format_plan(plan: Plan) -> str:
   acc = plan.accelerator
   mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh.items())
@@ -136,29 +165,7 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"step: {fmt_secs(s.est_step_seconds)} (roofline, a lower bound), "
                  f"{tps:,.0f} tokens/s")
     lines.append(overlap_text(s))
-    if s.decode is not None:
-      d = s.decode
-      if d["layout"] == "tp":
-        lines.append(f"decode layout: tp (rollout.decode_layout): the policy is resharded once per "
-                     f"step, {fmt_bytes(d['reshard_bytes'])} gathered per device over "
-                     f"{d['link']} ({fmt_secs(d['reshard_seconds'])}, inside generate), into a "
-                     f"{fmt_bytes(d['copy_bytes'])} copy per device that lives while it "
-                     f"generates; --set=rollout.decode_layout=train decodes in the training "
-                     f"layout instead (no copy, its fsdp shards gathered for every token)")
-      else:
-        lines.append(f"decode layout: {d['layout']}")
-    gen = next((p for p in s.programs if p.name.endswith("/generate")), None)
-    if gen is not None and gen.bound == "collectives" and (s.decode or {}).get("layout") == "train":
-      # One gather per step instead of one per token: the decode loop's traffic once.
-      steps = max(plan.cfg.rollout.max_new_tokens - 1, 1)
-      once = (gen.comm_intra_bytes / steps / (acc.interconnect_bandwidth / 2)
-              + gen.comm_inter_bytes / steps / node_of(acc.name)[1])
-      without = max(gen.t_compute, gen.t_memory) + once
-      lines.append(f"note: generation is bound by collectives: the rollout all-gathers the "
-                   f"fsdp-sharded policy for every decoded token ({fmt_bytes(gen.comm_inter_bytes)}"
-                   f" across nodes per step); gathered once per step it would take about "
-                   f"{fmt_secs(without)} ({fmt_secs(s.est_step_seconds - gen.est_seconds + without)} "
-                   f"per step)")
+    lines += _decode_lines(plan, s)
   what, size, fix = plan.largest_consumer()
   peak = max(s.peak.peak_bytes_per_device for s in plan.stages)
   if plan.fits:

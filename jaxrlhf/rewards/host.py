@@ -314,8 +314,29 @@ def score_host(reward: HostReward, responses: Sequence[str], examples: Sequence[
       else:
         errors += 1
         failure = failure or f"response {i}: {_describe_exception(reward, v)}"
-  scores = np.full(n, np.nan, np.float32)
+  scores, invalid, unscored, bad = _to_scores(reward, values, raised, on_error)
+  failure = failure or bad
+  # Masked, counted in the metrics, and said once on the console per kind: never silent.
+  if failure:
+    _warn_once(reward, "failed", f"{errors + invalid} of {n} responses could not be scored "
+               f"(first, {failure}); they are masked out of the update and counted in "
+               f"reward/host_errors and reward/host_invalid (set reward.host_errors=raise to "
+               f"stop instead)")
+  if late:
+    _warn_once(reward, "timeout", f"{late}; the call was abandoned (it may still be running), "
+               f"and its {timeouts} responses are masked out of the update and counted in "
+               f"reward/host_timeouts (raise reward.timeout_s if the function is slow, or set "
+               f"reward.host_errors=raise to stop instead; said once)")
+  return HostScores(scores, errors, invalid, unscored, timeouts)
+
+
+def _to_scores(reward: HostReward, values: list, raised, on_error: str):
+  """``(float32 scores, invalid, unscored, first failure)`` of what a host reward returned
+  per response: NaN where it raised or timed out (``raised``), returned None (unscored) or
+  not a number (invalid; ``on_error="raise"`` stops there instead)."""
+  scores = np.full(len(values), np.nan, np.float32)
   invalid = unscored = 0
+  failure = ""
   for i, v in enumerate(values):
     if v is raised:
       continue
@@ -333,18 +354,7 @@ def score_host(reward: HostReward, responses: Sequence[str], examples: Sequence[
       continue
     scores[i] = float(v)
     unscored += int(not math.isfinite(float(v)))
-  # Masked, counted in the metrics, and said once on the console per kind: never silent.
-  if failure:
-    _warn_once(reward, "failed", f"{errors + invalid} of {n} responses could not be scored "
-               f"(first, {failure}); they are masked out of the update and counted in "
-               f"reward/host_errors and reward/host_invalid (set reward.host_errors=raise to "
-               f"stop instead)")
-  if late:
-    _warn_once(reward, "timeout", f"{late}; the call was abandoned (it may still be running), "
-               f"and its {timeouts} responses are masked out of the update and counted in "
-               f"reward/host_timeouts (raise reward.timeout_s if the function is slow, or set "
-               f"reward.host_errors=raise to stop instead; said once)")
-  return HostScores(scores, errors, invalid, unscored, timeouts)
+  return scores, invalid, unscored, failure
 
 
 def _warn_once(reward: HostReward, kind: str, text: str) -> None:
