@@ -127,15 +127,25 @@ class EpisodeRunner:
   # --------------------------------------------------------------------------------- run
   def run(self, policy, examples, key, n: int = 1) -> Episodes:
     """``n`` episodes per example (rows prompt-major), sampled with ``key``."""
-    ecfg, tok = self.ecfg, self.tok
     records = [ex.record() for ex in examples for _ in range(n)]
-    rows = len(records)
     first = self.runner.reset(records)
-    failed = np.array([o is None for o in first], bool)
+    tally = _Tally.start(first, self.S, self.ecfg.observation_role)
+    conv = self._begin(policy, first)
+    live = ~tally.failed
+    for t in range(self.ecfg.max_turns):
+      if not live.any():
+        break
+      conv, live = self._turn(policy, conv, jax.random.fold_in(key, t), t, live, tally)
+    tally.truncated |= live  # still going after the last turn
+    return self._episodes(conv, tally)
+
+  def _begin(self, policy, first) -> turns.Conversation:
+    """The conversation after prefilling each episode's first observation (a failed reset:
+    a masked placeholder row)."""
     prompts = []
-    for r, obs in enumerate(first):
+    for obs in first:
       if obs is None:
-        prompts.append([tok.pad_id])  # a placeholder: the row is masked out
+        prompts.append([self.tok.pad_id])  # a placeholder: the row is masked out
         continue
       ids = self.fmt.prompt_ids(obs)
       if len(ids) > self.P:
@@ -146,92 +156,115 @@ class EpisodeRunner:
     prompt, pmask = self._left(prompts, self.P)
     mesh = self.stage.mesh
     with jax.set_mesh(mesh):
-      conv = self._start(policy, *put_batch(mesh, {"p": prompt, "m": pmask}).values())
-    live = ~failed
-    ended = np.zeros(rows, bool)
-    truncated = np.zeros(rows, bool)
-    n_turns = np.zeros(rows, np.int32)
-    returns = np.zeros(rows, np.float64)
-    turn_rewards = np.zeros((rows, self.S), np.float32)
-    history = [[{"role": self.ecfg.observation_role, "content": o or ""}] for o in first]
-    obs_tokens = 0
-    for t in range(ecfg.max_turns):
-      if not live.any():
-        break
-      with jax.set_mesh(mesh):
-        conv, reason, start_slot = self._act(
-            policy, conv, jax.random.fold_in(key, t),
-            put_batch(mesh, {"l": live})["l"])
-      # Whole buffers to the host and sliced there: a device slice at this turn's slots would
-      # compile one program per distinct (start, end).
-      reason, i0, i1, toks, pol = jax.device_get(
-          (reason, start_slot, conv.cache.index, conv.tokens_RS, conv.policy_RS))
-      i0, i1 = int(i0), int(i1)
-      toks, pol = toks[:, i0:i1], pol[:, i0:i1]
-      acting = np.nonzero(live)[0]
-      actions = [tok.decode(toks[r][pol[r]]) for r in acting]
-      results = self.runner.step([int(r) for r in acting], actions)
-      going, observations = [], {}
-      for r, action, (obs, reward, done, bad) in zip(acting, actions, results):
-        n_turns[r] += 1
-        took = np.nonzero(pol[r])[0]
-        if took.size:
-          turn_rewards[r, i0 + took[-1]] += reward
-        returns[r] += reward
-        history[r].append({"role": "assistant", "content": action})
-        if bad:
-          failed[r] = True
-        elif done:
-          ended[r] = True
-        elif reason[r] == turns.BUFFER_FULL or t + 1 == ecfg.max_turns:
-          truncated[r] = True
-        else:
-          going.append(r)
-          observations[r] = obs
-      live = np.zeros(rows, bool)
-      if not going:
-        continue
-      room = self.S - i1 - 1  # an observation must leave a slot for the next action
-      ids = {}
-      for r in going:
-        got = self.fmt.observation_ids(history[r], observations[r],
-                                       bool(reason[r] == turns.EOS))
-        history[r].append({"role": self.ecfg.observation_role, "content": observations[r]})
-        if len(got) > room:
-          truncated[r] = True  # no room left for this observation and an answer
-        else:
-          ids[r] = got
-      if not ids:
-        continue
-      width = min(_bucket(max(len(v) for v in ids.values())), room)
-      block = [ids.get(r, []) for r in range(rows)]
-      obs, omask = self._left(block, width)
-      obs_tokens += int(omask.sum())
-      with jax.set_mesh(mesh):
-        conv = self._observe(policy, conv, *put_batch(mesh, {"o": obs, "m": omask}).values())
-      for r in ids:
-        live[r] = True
-    truncated |= live  # still going after the last turn
+      return self._start(policy, *put_batch(mesh, {"p": prompt, "m": pmask}).values())
+
+  def _turn(self, policy, conv, key, t: int, live, tally: "_Tally"):
+    """One turn: the live rows act, the environments step, and the rows that go on get their
+    observations; ``(conversation, rows still live)``."""
+    mesh, tok = self.stage.mesh, self.tok
+    with jax.set_mesh(mesh):
+      conv, reason, start_slot = self._act(policy, conv, key, put_batch(mesh, {"l": live})["l"])
+    # Whole buffers to the host and sliced there: a device slice at this turn's slots would
+    # compile one program per distinct (start, end).
+    reason, i0, i1, toks, pol = jax.device_get(
+        (reason, start_slot, conv.cache.index, conv.tokens_RS, conv.policy_RS))
+    i0, i1 = int(i0), int(i1)
+    toks, pol = toks[:, i0:i1], pol[:, i0:i1]
+    acting = np.nonzero(live)[0]
+    actions = [tok.decode(toks[r][pol[r]]) for r in acting]
+    results = self.runner.step([int(r) for r in acting], actions)
+    last = t + 1 == self.ecfg.max_turns
+    going = tally.record(acting, actions, results, pol, i0, reason, last)
+    live = np.zeros(len(live), bool)
+    room = self.S - i1 - 1  # an observation must leave a slot for the next action
+    ids = {}
+    for r, obs in going.items():
+      got = self.fmt.observation_ids(tally.history[r], obs, bool(reason[r] == turns.EOS))
+      tally.history[r].append({"role": self.ecfg.observation_role, "content": obs})
+      if len(got) > room:
+        tally.truncated[r] = True  # no room left for this observation and an answer
+      else:
+        ids[r] = got
+    if not ids:
+      return conv, live
+    width = min(_bucket(max(len(v) for v in ids.values())), room)
+    obs, omask = self._left([ids.get(r, []) for r in range(len(live))], width)
+    tally.obs_tokens += int(omask.sum())
+    with jax.set_mesh(mesh):
+      conv = self._observe(policy, conv, *put_batch(mesh, {"o": obs, "m": omask}).values())
+    live[list(ids)] = True
+    return conv, live
+
+  def _episodes(self, conv, tally: "_Tally") -> Episodes:
+    """The finished conversations, compacted into the ``prompt | response`` layout, with
+    their returns and the episodes' metrics."""
+    ecfg, rows = self.ecfg, len(tally.returns)
+    returns = tally.returns
     if ecfg.on_limit == "penalize":
-      returns[truncated] = ecfg.limit_penalty
-    returns[failed] = np.nan
+      returns[tally.truncated] = ecfg.limit_penalty
+    returns[tally.failed] = np.nan
     (tokens, mask, policy_mask, logp, rew), _ = turns.compact(
-        conv.tokens_RS, conv.mask_RS, conv.policy_RS, conv.logp_RS, turn_rewards,
-        start=self.P, pad_id=tok.pad_id)
+        conv.tokens_RS, conv.mask_RS, conv.policy_RS, conv.logp_RS, tally.turn_rewards,
+        start=self.P, pad_id=self.tok.pad_id)
     policy_mask = policy_mask[:, self.P:]
-    ok = ~failed
+    ok = ~tally.failed
     solved = ok & (returns >= ecfg.success_reward)
-    frac = lambda x: float(np.mean(x)) if rows else 0.0
+    frac = lambda x: float(np.mean(x)) if rows else 0.0  # noqa: E731
     metrics = {"env/return_mean": float(np.mean(np.where(ok, returns, 0.0))),
-               "env/solved": frac(solved), "env/turns_mean": float(np.mean(n_turns)),
-               "env/truncated_frac": frac(truncated), "env/ended_frac": frac(ended),
+               "env/solved": frac(solved), "env/turns_mean": float(np.mean(tally.n_turns)),
+               "env/truncated_frac": frac(tally.truncated), "env/ended_frac": frac(tally.ended),
                "env/policy_tokens": float(policy_mask.sum()),
-               "env/observation_tokens": float(obs_tokens),
+               "env/observation_tokens": float(tally.obs_tokens),
                **self.runner.metrics()}
     return Episodes(tokens=tokens, mask=mask, policy=policy_mask, logp=logp[:, self.P:],
                     turn_rewards=rew[:, self.P:], returns=returns.astype(np.float32),
-                    ended=ended, truncated=truncated, failed=failed, turns=n_turns,
-                    metrics=metrics)
+                    ended=tally.ended, truncated=tally.truncated, failed=tally.failed,
+                    turns=tally.n_turns, metrics=metrics)
+
+
+@dataclasses.dataclass
+class _Tally:
+  """The host's bookkeeping of a batch of episodes, row by row: how each ended, its turns,
+  its return and each turn's reward at its action's last slot, and its chat history."""
+
+  failed: np.ndarray
+  ended: np.ndarray
+  truncated: np.ndarray
+  n_turns: np.ndarray
+  returns: np.ndarray
+  turn_rewards: np.ndarray  # [rows, S] f32
+  history: list
+  obs_tokens: int = 0
+
+  @classmethod
+  def start(cls, first: list, slots: int, observation_role: str) -> "_Tally":
+    rows = len(first)
+    return cls(failed=np.array([o is None for o in first], bool), ended=np.zeros(rows, bool),
+               truncated=np.zeros(rows, bool), n_turns=np.zeros(rows, np.int32),
+               returns=np.zeros(rows, np.float64),
+               turn_rewards=np.zeros((rows, slots), np.float32),
+               history=[[{"role": observation_role, "content": o or ""}] for o in first])
+
+  def record(self, acting, actions, results, pol, i0: int, reason, last: bool) -> dict:
+    """The environments' answers to one turn's actions; returns row -> observation of the
+    rows that go on (the others ended, failed, or ran out of buffer or turns)."""
+    going = {}
+    for r, action, (obs, reward, done, bad) in zip(acting, actions, results):
+      self.n_turns[r] += 1
+      took = np.nonzero(pol[r])[0]
+      if took.size:
+        self.turn_rewards[r, i0 + took[-1]] += reward
+      self.returns[r] += reward
+      self.history[r].append({"role": "assistant", "content": action})
+      if bad:
+        self.failed[r] = True
+      elif done:
+        self.ended[r] = True
+      elif reason[r] == turns.BUFFER_FULL or last:
+        self.truncated[r] = True
+      else:
+        going[r] = obs
+    return going
 
 
 class EnvEval:
