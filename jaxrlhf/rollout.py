@@ -449,54 +449,78 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
   """
   _check(prompt_tokens_QP, prompt_mask_QP, cfg, rollout, eos_id, pad_id, num_samples)
   _check_refill(prompt_tokens_QP, num_groups)
-  q_len, p = prompt_tokens_QP.shape
-  n, n_new, g_n = num_samples, rollout.max_new_tokens, num_groups
-  rows = g_n * n
-  tokens_QP = prompt_tokens_QP.astype(jnp.int32)
-  mask_QP = prompt_mask_QP.astype(bool)
-  plen_Q = jnp.sum(mask_QP, axis=1, dtype=jnp.int32)
-  stop_at_Q = (jnp.zeros((q_len,), jnp.int32) if stop_at_Q is None
-               else stop_at_Q.astype(jnp.int32))
-  stop_ids = _stop_ids(eos_id, rollout)
-  sample_n = jnp.arange(n, dtype=jnp.int32)
-  row_R = jnp.arange(rows, dtype=jnp.int32)
+  loop = _RefillLoop(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q, num_carried,
+                     cfg=cfg, rollout=rollout, eos_id=eos_id, pad_id=pad_id, n=num_samples,
+                     g_n=num_groups, kernels=kernels)
+  steps, _, _, _, _, out, group = jax.lax.while_loop(loop.cond, loop.body, loop.init())
+  return loop.result(steps, out, group)
 
-  prefill = functools.partial(_prefill, params, cfg=cfg, kernels=kernels)
-  carry = num_carried is not None
-  if carry:
-    n_carried = jnp.clip(jnp.asarray(num_carried, jnp.int32), 0, g_n)
 
-  # The first G prompts, prefilled together as generate does, then the slots decoding writes.
-  first_logits, cache = prefill(_rows(tokens_QP[:g_n]), _rows(mask_QP[:g_n]))
-  cache = _grow(cache, n, n_new - 1, per_layer=unrolled_decode(kernels))
-  dparams = decode_params(params, cfg, kernels)
+class _RefillLoop:
+  """The pieces of :func:`_generate_refill`'s decode loop over one trace: the queue, the
+  settings, and the per-row slot, per-group and output state the loop carries."""
 
-  # Per-row slot state (the response running in each row) and per-group state.
-  slots = dict(
-      resp=jnp.full((rows, n_new), pad_id, jnp.int32), rmask=jnp.zeros((rows, n_new), bool),
-      lp=jnp.zeros((rows, n_new), jnp.float32), slp=jnp.zeros((rows, n_new), jnp.float32),
-      done=jnp.zeros((rows,), bool), stopped=jnp.zeros((rows,), bool),
-      j=jnp.zeros((rows,), jnp.int32),  # tokens sampled so far
-      start=jnp.repeat(plen_Q[:g_n], n),  # rotary position of response token 0
-      rid=row_R,  # response id: prompt index x n + sample
-      stop_at=jnp.repeat(stop_at_Q[:g_n], n))
-  out = dict(resp=slots["resp"], rmask=slots["rmask"], lp=slots["lp"], slp=slots["slp"],
-             stopped=slots["stopped"], prompt=jnp.zeros((g_n,), jnp.int32))
-  group = dict(prompt=jnp.arange(g_n, dtype=jnp.int32),  # -1: idle (harvested)
-               next=jnp.int32(g_n), completed=jnp.int32(0), busy=jnp.int32(0))
-  if carry:  # groups harvested: all, and those not carried; which queue prompts trained
-    group.update(kept=jnp.int32(0), others=jnp.int32(0), trained=jnp.zeros((q_len,), bool))
+  def __init__(self, params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q, num_carried, *,
+               cfg, rollout, eos_id, pad_id, n, g_n, kernels):
+    self.cfg, self.rollout, self.kernels, self.key = cfg, rollout, kernels, key
+    self.eos_id, self.pad_id = eos_id, pad_id
+    self.q_len, self.p = prompt_tokens_QP.shape
+    self.n, self.n_new, self.g_n = n, rollout.max_new_tokens, g_n
+    self.rows = g_n * n
+    self.tokens_QP = prompt_tokens_QP.astype(jnp.int32)
+    self.mask_QP = prompt_mask_QP.astype(bool)
+    self.plen_Q = jnp.sum(self.mask_QP, axis=1, dtype=jnp.int32)
+    self.stop_at_Q = (jnp.zeros((self.q_len,), jnp.int32) if stop_at_Q is None
+                      else stop_at_Q.astype(jnp.int32))
+    self.stop_ids = _stop_ids(eos_id, rollout)
+    self.sample_n = jnp.arange(n, dtype=jnp.int32)
+    self.row_R = jnp.arange(self.rows, dtype=jnp.int32)
+    self.prefill = functools.partial(_prefill, params, cfg=cfg, kernels=kernels)
+    self.carry = num_carried is not None
+    if self.carry:
+      self.n_carried = jnp.clip(jnp.asarray(num_carried, jnp.int32), 0, g_n)
+    # The first G prompts, prefilled together as generate does, then the slots decoding writes.
+    self.first_logits, cache = self.prefill(_rows(self.tokens_QP[:g_n]),
+                                            _rows(self.mask_QP[:g_n]))
+    self.cache = _grow(cache, n, self.n_new - 1, per_layer=unrolled_decode(kernels))
+    self.dparams = decode_params(params, cfg, kernels)
 
-  def record(slots, logits_RV, live_R):
+  def init(self):
+    """The loop's first state: token 0 of the first G groups sampled, any of them harvested."""
+    n, g_n, rows, n_new = self.n, self.g_n, self.rows, self.n_new
+    # Per-row slot state (the response running in each row) and per-group state.
+    slots = dict(
+        resp=jnp.full((rows, n_new), self.pad_id, jnp.int32),
+        rmask=jnp.zeros((rows, n_new), bool),
+        lp=jnp.zeros((rows, n_new), jnp.float32), slp=jnp.zeros((rows, n_new), jnp.float32),
+        done=jnp.zeros((rows,), bool), stopped=jnp.zeros((rows,), bool),
+        j=jnp.zeros((rows,), jnp.int32),  # tokens sampled so far
+        start=jnp.repeat(self.plen_Q[:g_n], n),  # rotary position of response token 0
+        rid=self.row_R,  # response id: prompt index x n + sample
+        stop_at=jnp.repeat(self.stop_at_Q[:g_n], n))
+    out = dict(resp=slots["resp"], rmask=slots["rmask"], lp=slots["lp"], slp=slots["slp"],
+               stopped=slots["stopped"], prompt=jnp.zeros((g_n,), jnp.int32))
+    group = dict(prompt=jnp.arange(g_n, dtype=jnp.int32),  # -1: idle (harvested)
+                 next=jnp.int32(g_n), completed=jnp.int32(0), busy=jnp.int32(0))
+    if self.carry:  # groups harvested: all, and those not carried; which queue prompts trained
+      group.update(kept=jnp.int32(0), others=jnp.int32(0),
+                   trained=jnp.zeros((self.q_len,), bool))
+    slots, tok_R, live_R = self.record(slots, _rows(jnp.repeat(self.first_logits, n, axis=0)),
+                                       jnp.ones((rows,), bool))
+    out, group = self.harvest(slots, out, group)
+    return (jnp.ones((), jnp.int32), self.cache, slots, tok_R, live_R, out, group)
+
+  def record(self, slots, logits_RV, live_R):
     """Samples token ``j`` of each live row's response and writes it at column ``j``."""
-    logits_RV = _real_vocab(logits_RV, cfg)
-    tok, logp, slogp = sample_rows(logits_RV, row_keys(key, slots["rid"], slots["j"]),
-                                   rollout, block_v=kernels.logprob_block_v)
-    tok, logp = _force_stop(tok, logp, logits_RV, slots["j"], slots["stop_at"], eos_id)
-    tok = jnp.where(live_R, tok, pad_id)
+    n_new, row_R = self.n_new, self.row_R
+    logits_RV = _real_vocab(logits_RV, self.cfg)
+    tok, logp, slogp = sample_rows(logits_RV, row_keys(self.key, slots["rid"], slots["j"]),
+                                   self.rollout, block_v=self.kernels.logprob_block_v)
+    tok, logp = _force_stop(tok, logp, logits_RV, slots["j"], slots["stop_at"], self.eos_id)
+    tok = jnp.where(live_R, tok, self.pad_id)
     col = jnp.where(live_R, slots["j"], n_new)  # out of bounds: not written
-    put = lambda buf, x: _rows(buf.at[row_R, col].set(x, mode="drop"))
-    stop = live_R & jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+    put = lambda buf, x: _rows(buf.at[row_R, col].set(x, mode="drop"))  # noqa: E731
+    stop = live_R & jnp.any(tok[:, None] == self.stop_ids[None, :], axis=-1)
     j = slots["j"] + live_R
     slots = {**slots, "resp": put(slots["resp"], tok), "rmask": put(slots["rmask"], live_R),
              "lp": put(slots["lp"], logp), "slp": put(slots["slp"], slogp), "j": j,
@@ -504,132 +528,138 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
              "done": slots["done"] | stop | (live_R & (j >= n_new))}
     return slots, tok, live_R
 
-  def harvest(slots, out, group):
+  def _destinations(self, done_G, group):
+    """Where each completed group goes in the batch (>= G: not kept), and with carry-over
+    which are kept and which were carried."""
+    g_n = self.g_n
+    if not self.carry:
+      rank_G = jnp.cumsum(done_G.astype(jnp.int32)) - done_G
+      return jnp.where(done_G, group["completed"] + rank_G, g_n), None, None
+    # Carried groups always; the others (in slot order) up to the G - c places left.
+    prompt_G = group["prompt"]
+    carried_G = (prompt_G >= 0) & (prompt_G < self.n_carried)
+    other_G = done_G & ~carried_G
+    other_rank_G = jnp.cumsum(other_G.astype(jnp.int32)) - other_G
+    keep_G = done_G & (carried_G | (group["others"] + other_rank_G < g_n - self.n_carried))
+    rank_G = jnp.cumsum(keep_G.astype(jnp.int32)) - keep_G
+    return jnp.where(keep_G, group["kept"] + rank_G, g_n), keep_G, carried_G
+
+  def harvest(self, slots, out, group):
     """Copies every group whose rows have all ended into the batch (in completion order, up
     to G of them) and marks its slots idle."""
+    n, g_n = self.n, self.g_n
     done_G = jnp.all(slots["done"].reshape(g_n, n), axis=1) & (group["prompt"] >= 0)
-    if carry:
-      # Carried groups always; the others (in slot order) up to the G - c places left.
-      prompt_G = group["prompt"]
-      carried_G = (prompt_G >= 0) & (prompt_G < n_carried)
-      other_G = done_G & ~carried_G
-      other_rank_G = jnp.cumsum(other_G.astype(jnp.int32)) - other_G
-      keep_G = done_G & (carried_G | (group["others"] + other_rank_G < g_n - n_carried))
-      rank_G = jnp.cumsum(keep_G.astype(jnp.int32)) - keep_G
-      dest_G = jnp.where(keep_G, group["kept"] + rank_G, g_n)
-    else:
-      rank_G = jnp.cumsum(done_G.astype(jnp.int32)) - done_G
-      dest_G = jnp.where(done_G, group["completed"] + rank_G, g_n)  # >= G: not kept
-    dest_R = (dest_G[:, None] * n + sample_n[None, :]).reshape(rows)
-    take = lambda buf, x: buf.at[dest_R].set(x, mode="drop")
+    dest_G, keep_G, carried_G = self._destinations(done_G, group)
+    dest_R = (dest_G[:, None] * n + self.sample_n[None, :]).reshape(self.rows)
+    take = lambda buf, x: buf.at[dest_R].set(x, mode="drop")  # noqa: E731
     out = {"resp": take(out["resp"], slots["resp"]), "rmask": take(out["rmask"], slots["rmask"]),
            "lp": take(out["lp"], slots["lp"]), "slp": take(out["slp"], slots["slp"]),
            "stopped": take(out["stopped"], slots["stopped"]),
            "prompt": out["prompt"].at[dest_G].set(group["prompt"], mode="drop")}
+    prompt_G = group["prompt"]
     group = {**group, "prompt": jnp.where(done_G, -1, group["prompt"]),
              "completed": group["completed"] + jnp.sum(done_G, dtype=jnp.int32)}
-    if carry:
+    if self.carry:
       group = {**group, "kept": group["kept"] + jnp.sum(keep_G, dtype=jnp.int32),
                "others": group["others"] + jnp.sum(keep_G & ~carried_G, dtype=jnp.int32),
-               "trained": group["trained"].at[jnp.where(keep_G, prompt_G, q_len)].set(
+               "trained": group["trained"].at[jnp.where(keep_G, prompt_G, self.q_len)].set(
                    True, mode="drop")}
     return out, group
 
-  def refill(cache, slots, tok_R, live_R, group):
+  def refill(self, cache, slots, tok_R, live_R, group):
     """The next queued prompt into the first idle group's rows, if any and the quota is not
     met: its [1, P] prefill written at slots [index - P, index), its token 0 sampled."""
     idle_G = group["prompt"] < 0
-    if carry:  # no start once the others' places are all taken
-      go = jnp.any(idle_G) & (group["next"] < q_len) & (group["others"] < g_n - n_carried)
+    if self.carry:  # no start once the others' places are all taken
+      go = (jnp.any(idle_G) & (group["next"] < self.q_len)
+            & (group["others"] < self.g_n - self.n_carried))
     else:
-      go = jnp.any(idle_G) & (group["next"] < q_len) & (group["completed"] < g_n)
+      go = jnp.any(idle_G) & (group["next"] < self.q_len) & (group["completed"] < self.g_n)
+    return jax.lax.cond(go, functools.partial(self._fill, idle_G), lambda a: a,
+                        (cache, slots, tok_R, live_R, group))
 
-    def fill(args):
-      cache, slots, tok_R, live_R, group = args
-      g, q = jnp.argmax(idle_G).astype(jnp.int32), group["next"]
-      tok_1P = jax.lax.dynamic_slice_in_dim(tokens_QP, q, 1, axis=0)
-      mask_1P = jax.lax.dynamic_slice_in_dim(mask_QP, q, 1, axis=0)
-      logits_1V, small = prefill(tok_1P, mask_1P)
-      at, r0 = cache.index - p, g * n
-      if cache.per_layer:
-        kv = lambda big, new: tuple(
-            jax.lax.dynamic_update_slice(b, jnp.repeat(new[i], n, axis=0), (r0, 0, at, 0))
-            for i, b in enumerate(big))
-      else:
-        kv = lambda big, new: jax.lax.dynamic_update_slice(big, jnp.repeat(new, n, axis=1),
-                                                           (0, r0, 0, at, 0))
-      rmask_nS = jax.lax.dynamic_update_slice_in_dim(
-          jnp.zeros((n, cache.mask.shape[1]), bool), jnp.repeat(mask_1P, n, axis=0), at, 1)
-      cache = _constrain_cache(KVCache(
-          k=kv(cache.k, small.k), v=kv(cache.v, small.v),
-          mask=jax.lax.dynamic_update_slice_in_dim(cache.mask, rmask_nS, r0, 0),
-          index=cache.index))
-      mine_R = (row_R >= r0) & (row_R < r0 + n)
-      fresh = lambda x, v: jnp.where(mine_R.reshape((rows,) + (1,) * (x.ndim - 1)), v, x)
-      slots = {**slots, "resp": fresh(slots["resp"], pad_id),
-               "rmask": fresh(slots["rmask"], False), "lp": fresh(slots["lp"], 0.0),
-               "slp": fresh(slots["slp"], 0.0), "done": fresh(slots["done"], False),
-               "stopped": fresh(slots["stopped"], False), "j": fresh(slots["j"], 0),
-               "start": fresh(slots["start"], plen_Q[q]),
-               "rid": fresh(slots["rid"], q * n + row_R - r0),
-               "stop_at": fresh(slots["stop_at"], stop_at_Q[q])}
-      # Token 0 of the group's rows (every row samples; only these rows keep theirs).
-      logits_RV = jnp.zeros((rows, logits_1V.shape[-1]), logits_1V.dtype)
-      logits_RV = jnp.where(mine_R[:, None], logits_1V, logits_RV)
-      new, tok0, _ = record(slots, logits_RV, mine_R)
-      slots = {k: jnp.where(mine_R.reshape((rows,) + (1,) * (v.ndim - 1)), new[k], v)
-               for k, v in slots.items()}
-      group = {**group, "prompt": group["prompt"].at[g].set(q), "next": q + 1}
-      return (cache, slots, jnp.where(mine_R, tok0, tok_R), live_R | mine_R, group)
+  def _fill(self, idle_G, args):
+    cache, slots, tok_R, live_R, group = args
+    n, rows, row_R = self.n, self.rows, self.row_R
+    g, q = jnp.argmax(idle_G).astype(jnp.int32), group["next"]
+    tok_1P = jax.lax.dynamic_slice_in_dim(self.tokens_QP, q, 1, axis=0)
+    mask_1P = jax.lax.dynamic_slice_in_dim(self.mask_QP, q, 1, axis=0)
+    logits_1V, small = self.prefill(tok_1P, mask_1P)
+    at, r0 = cache.index - self.p, g * n
+    if cache.per_layer:
+      kv = lambda big, new: tuple(  # noqa: E731
+          jax.lax.dynamic_update_slice(b, jnp.repeat(new[i], n, axis=0), (r0, 0, at, 0))
+          for i, b in enumerate(big))
+    else:
+      kv = lambda big, new: jax.lax.dynamic_update_slice(  # noqa: E731
+          big, jnp.repeat(new, n, axis=1), (0, r0, 0, at, 0))
+    rmask_nS = jax.lax.dynamic_update_slice_in_dim(
+        jnp.zeros((n, cache.mask.shape[1]), bool), jnp.repeat(mask_1P, n, axis=0), at, 1)
+    cache = _constrain_cache(KVCache(
+        k=kv(cache.k, small.k), v=kv(cache.v, small.v),
+        mask=jax.lax.dynamic_update_slice_in_dim(cache.mask, rmask_nS, r0, 0),
+        index=cache.index))
+    mine_R = (row_R >= r0) & (row_R < r0 + n)
+    fresh = lambda x, v: jnp.where(mine_R.reshape((rows,) + (1,) * (x.ndim - 1)), v, x)  # noqa
+    slots = {**slots, "resp": fresh(slots["resp"], self.pad_id),
+             "rmask": fresh(slots["rmask"], False), "lp": fresh(slots["lp"], 0.0),
+             "slp": fresh(slots["slp"], 0.0), "done": fresh(slots["done"], False),
+             "stopped": fresh(slots["stopped"], False), "j": fresh(slots["j"], 0),
+             "start": fresh(slots["start"], self.plen_Q[q]),
+             "rid": fresh(slots["rid"], q * n + row_R - r0),
+             "stop_at": fresh(slots["stop_at"], self.stop_at_Q[q])}
+    # Token 0 of the group's rows (every row samples; only these rows keep theirs).
+    logits_RV = jnp.zeros((rows, logits_1V.shape[-1]), logits_1V.dtype)
+    logits_RV = jnp.where(mine_R[:, None], logits_1V, logits_RV)
+    new, tok0, _ = self.record(slots, logits_RV, mine_R)
+    slots = {k: jnp.where(mine_R.reshape((rows,) + (1,) * (v.ndim - 1)), new[k], v)
+             for k, v in slots.items()}
+    group = {**group, "prompt": group["prompt"].at[g].set(q), "next": q + 1}
+    return (cache, slots, jnp.where(mine_R, tok0, tok_R), live_R | mine_R, group)
 
-    return jax.lax.cond(go, fill, lambda a: a, (cache, slots, tok_R, live_R, group))
-
-  slots, tok_R, live_R = record(slots, _rows(jnp.repeat(first_logits, n, axis=0)),
-                                jnp.ones((rows,), bool))
-  out, group = harvest(slots, out, group)
-
-  def cond(state):
+  def cond(self, state):
     i, _, _, _, _, _, group = state
-    return (i < n_new) & (group["kept" if carry else "completed"] < g_n)
+    return (i < self.n_new) & (group["kept" if self.carry else "completed"] < self.g_n)
 
-  def body(state):
+  def body(self, state):
     i, cache, slots, tok_R, live_R, out, group = state
+    cfg = self.cfg
     pos_R1 = (slots["start"] + slots["j"] - 1)[:, None]
-    h, cache = forward(dparams, tok_R[:, None], pos_R1, live_R[:, None], cfg=cfg,
-                       cache=cache, attn_impl=kernels.attention)
+    h, cache = forward(self.dparams, tok_R[:, None], pos_R1, live_R[:, None], cfg=cfg,
+                       cache=cache, attn_impl=self.kernels.attention)
     cache = _constrain_cache(cache)
     group = {**group, "busy": group["busy"] + jnp.sum(live_R, dtype=jnp.int32)}
-    slots, tok_R, live_R = record(slots, _rows(lm_logits(dparams, h, cfg)[:, 0]),
-                                  ~slots["done"])
-    out, group = harvest(slots, out, group)
-    cache, slots, tok_R, live_R, group = refill(cache, slots, tok_R, live_R, group)
-    out, group = harvest(slots, out, group)
+    slots, tok_R, live_R = self.record(slots, _rows(lm_logits(self.dparams, h, cfg)[:, 0]),
+                                       ~slots["done"])
+    out, group = self.harvest(slots, out, group)
+    cache, slots, tok_R, live_R, group = self.refill(cache, slots, tok_R, live_R, group)
+    out, group = self.harvest(slots, out, group)
     return i + 1, cache, slots, tok_R, live_R, out, group
 
-  init = (jnp.ones((), jnp.int32), cache, slots, tok_R, live_R, out, group)
-  steps, _, _, _, _, out, group = jax.lax.while_loop(cond, body, init)
-
-  prompt_G = out["prompt"]
-  pmask = jnp.repeat(mask_QP[prompt_G], n, axis=0)
-  prompt = jnp.where(pmask, jnp.repeat(tokens_QP[prompt_G], n, axis=0), pad_id)
-  rmask = out["rmask"]
-  stats = {"started": group["next"], "completed": group["completed"], "steps": steps,
-           "busy": group["busy"]}
-  leftover_G = None
-  if carry:
-    # Started, not trained: in queue order into the first places (at most G of them).
-    left_Q = (jnp.arange(q_len) < group["next"]) & ~group["trained"]
-    dest_Q = jnp.where(left_Q, jnp.cumsum(left_Q.astype(jnp.int32)) - left_Q, g_n)
-    leftover_G = jnp.zeros((g_n,), jnp.int32).at[dest_Q].set(
-        jnp.arange(q_len, dtype=jnp.int32), mode="drop")
-    stats.update(carried_in=n_carried, trained=group["kept"],
-                 carried_out=jnp.minimum(jnp.sum(left_Q, dtype=jnp.int32), g_n))
-  rollout = Rollout(tokens_BT=jnp.concatenate([prompt, out["resp"]], axis=1),
-                    mask_BT=jnp.concatenate([pmask, rmask], axis=1), response_mask_BN=rmask,
-                    behaviour_logp_BN=out["lp"], sample_logp_BN=out["slp"],
-                    lengths_B=jnp.sum(rmask, axis=1, dtype=jnp.int32), finished_B=out["stopped"],
-                    prompt_index_B=jnp.repeat(prompt_G, n))
-  return rollout, Refill(prompt_index_G=prompt_G, stats=stats, leftover_index_G=leftover_G)
+  def result(self, steps, out, group) -> tuple[Rollout, "Refill"]:
+    """The harvested groups as the rollout, and the refill's report."""
+    n, g_n, q_len = self.n, self.g_n, self.q_len
+    prompt_G = out["prompt"]
+    pmask = jnp.repeat(self.mask_QP[prompt_G], n, axis=0)
+    prompt = jnp.where(pmask, jnp.repeat(self.tokens_QP[prompt_G], n, axis=0), self.pad_id)
+    rmask = out["rmask"]
+    stats = {"started": group["next"], "completed": group["completed"], "steps": steps,
+             "busy": group["busy"]}
+    leftover_G = None
+    if self.carry:
+      # Started, not trained: in queue order into the first places (at most G of them).
+      left_Q = (jnp.arange(q_len) < group["next"]) & ~group["trained"]
+      dest_Q = jnp.where(left_Q, jnp.cumsum(left_Q.astype(jnp.int32)) - left_Q, g_n)
+      leftover_G = jnp.zeros((g_n,), jnp.int32).at[dest_Q].set(
+          jnp.arange(q_len, dtype=jnp.int32), mode="drop")
+      stats.update(carried_in=self.n_carried, trained=group["kept"],
+                   carried_out=jnp.minimum(jnp.sum(left_Q, dtype=jnp.int32), g_n))
+    rollout = Rollout(tokens_BT=jnp.concatenate([prompt, out["resp"]], axis=1),
+                      mask_BT=jnp.concatenate([pmask, rmask], axis=1), response_mask_BN=rmask,
+                      behaviour_logp_BN=out["lp"], sample_logp_BN=out["slp"],
+                      lengths_B=jnp.sum(rmask, axis=1, dtype=jnp.int32),
+                      finished_B=out["stopped"], prompt_index_B=jnp.repeat(prompt_G, n))
+    return rollout, Refill(prompt_index_G=prompt_G, stats=stats, leftover_index_G=leftover_G)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("num_groups",))
