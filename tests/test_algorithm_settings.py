@@ -162,3 +162,13 @@ def test_dpo_sft_weight_adds_the_chosen_token_nll_and_is_refused_with_orpo():
   cfg = _pref("orpo")
   with pytest.raises(ConfigError, match=r"dpo.sft_weight.*dpo.loss=orpo has its own SFT term"):
     validate(dataclasses.replace(cfg, dpo=dataclasses.replace(cfg.dpo, sft_weight=1.0)))
+
+
+@pytest.mark.parametrize("value", [0.5, 0.9, -0.1, float("nan")])
+def test_dpo_label_smoothing_outside_its_range_is_refused(value):
+  """cDPO's label smoothing is the chance a pair's label is wrong: at 0.5 or more the loss
+  would prefer the rejected side (or ignore every pair); a NaN would poison it."""
+  cfg = _pref("cdpo")
+  with pytest.raises(ConfigError, match=r"dpo.label_smoothing=.*must be in \[0, 0.5\)"):
+    validate(dataclasses.replace(cfg, dpo=dataclasses.replace(cfg.dpo, label_smoothing=value)))
+  validate(dataclasses.replace(cfg, dpo=dataclasses.replace(cfg.dpo, label_smoothing=0.1)))

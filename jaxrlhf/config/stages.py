@@ -423,6 +423,10 @@ class DPOConfig(StageConfig):
   def check(self, name, cfg, c):
     super().check(name, cfg, c)
     c.finite(self, name, "beta", 1e-30, "must be a number > 0 (e.g. 0.1)")
+    ls = self.label_smoothing
+    c.need(math.isfinite(ls) and 0.0 <= ls < 0.5, f"{name}.label_smoothing", ls,
+           "must be in [0, 0.5): the assumed chance that a pair's preference is wrong (0.5 "
+           "would make every pair uninformative; e.g. 0.1)")
     c.need(self.needs_reference or self.reference == "step", f"{name}.reference",
            self.reference, f"{name}.loss={self.loss!r} reads no reference model; leave "
            f"{name}.reference=step")
