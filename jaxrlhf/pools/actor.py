@@ -32,7 +32,7 @@ from jaxrlhf.config import ExperimentConfig
 from jaxrlhf.metrics import MetricsWriter
 from jaxrlhf.pools import common as C
 from jaxrlhf.pools import wire
-from jaxrlhf.pools.store import Inbox, Store
+from jaxrlhf.pools.store import Store
 from jaxrlhf.train import pipeline, program
 from jaxrlhf.train.common import put_batch, shardings_of
 from jaxrlhf.train.types import Shaped, StepCarry
@@ -122,7 +122,8 @@ def _run_actor(cfg, workdir, store, mesh, roles, *, events, log, should_stop, co
       events(event="resumed", done=done, published=published, run=run)
     else:
       run, done, published = uuid.uuid4().hex[:12], 0, 0
-      start_eval = evaluate(state)
+      # As a colocated stage: before training when the spec asks, never with eval_every=0.
+      start_eval = evaluate(state) if stage.spec.eval_at_start and stage.eval_every else {}
       # Saved before anything is published: a restart always finds this run's id.
       ck.save(0, state, {"run": run, "done": 0, "published": 0, "start_eval": start_eval,
                          "inputs": inputs}, force=True)
@@ -143,7 +144,7 @@ def _run_actor(cfg, workdir, store, mesh, roles, *, events, log, should_stop, co
       end = C.driver(stage, ROLE, writer, saves, should_stop, evaluate=evaluate,
                      samples=stage.take_samples).run(loop, state, done)
   state, last, done = end.state, dict(end.last), end.done
-  if done == steps and "eval/accuracy" not in last:
+  if done == steps and stage.eval_every and "eval/accuracy" not in last:
     last.update(evaluate(state))
   if done == steps:
     C.save_result(workdir, ROLE, cfg, {r: stage.merged(state.params, frozen, r) for r in trained},
@@ -166,12 +167,10 @@ class ActorLoop:
     self.consumer, self.events, self.log, self.should_stop = consumer, events, log, should_stop
     self.run, self.published, self.ahead = streams.run, published, C.staleness(cfg)
     self.wait_s, self.max_queue = cfg.pools.peer_wait_s, cfg.pools.max_queue
-    self.ro_stream, self.ro_index = streams.stream("rollouts"), streams.index("rollouts")
-    store.ensure_group(self.ro_stream, C.GROUP["rollouts"])
     self.schema = C.rollout_schema(stage)
-    self.inbox = Inbox(store, streams.stream("scores"), streams.index("scores"),
-                       C.GROUP["scores"], consumer, kind="scores", run=streams.run,
-                       schema=C.scores_schema(stage), log=log, event=events)
+    self.ro_stream, self.ro_index, self.inbox = C.exchange(
+        store, streams, "rollouts", "scores", C.scores_schema(stage), consumer=consumer, log=log,
+        events=events)
     rollout_phases, update_phases = actor_programs(stage)
     self.gen = C.pool_program(stage, rollout_phases, state)
     self.upd = C.pool_program(stage, update_phases, state)

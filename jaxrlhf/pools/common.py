@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxrlhf import checkpoint as ckpt
 from jaxrlhf.config import ConfigError, ExperimentConfig, to_dict
+from jaxrlhf.pools.store import Inbox
 from jaxrlhf.train import phases, program, spec
 from jaxrlhf.train.common import put_batch
 from jaxrlhf.train.driver import Driver, Saves
@@ -85,8 +86,9 @@ def check_config(cfg: ExperimentConfig) -> None:
                       f"separate model for the critic pool; set {knob}=false for "
                       "--role=actor|critic")
   terms = tuple(al.terms)
-  for p in (p for p in phases.rl_phases(terms, terms, scfg) if p.pools_note):
-    raise ConfigError(p.pools_note.format(stage=name) + " for --role=actor|critic")
+  note = next((p.pools_note for p in phases.rl_phases(terms, terms, scfg) if p.pools_note), "")
+  if note:
+    raise ConfigError(note.format(stage=name) + " for --role=actor|critic")
   if cfg.env.name:
     raise ConfigError(f"env.name={cfg.env.name!r}: multi-turn episodes run in the colocated "
                       "step only (the actor pool generates in one program); drop --role, or "
@@ -131,14 +133,12 @@ class PoolSaves(Saves):
 
   def __init__(self, ck: "PoolCheckpointer", extra_of, on_final, must=lambda: False):
     self.ck, self.extra_of, self.on_final, self.must = ck, extra_of, on_final, must
-    self.force = False
 
   def plan(self, done, state, metrics, *, force, reason):
-    self.force = force
     return True  # the checkpointer decides (every_steps), after the step's record
 
-  def save(self, done, state, metrics, *, reason):
-    if self.ck.save(done, state, self.extra_of(done), metrics, force=self.force or self.must()):
+  def save(self, done, state, metrics, *, force, reason):
+    if self.ck.save(done, state, self.extra_of(done), metrics, force=force or self.must()):
       self.on_final(done)
 
   def stop(self, done, state, metrics):
@@ -282,10 +282,23 @@ class PoolLock:
 
 
 GROUP = {"rollouts": "critic", "scores": "actor"}
+KIND = {"rollouts": "rollout", "scores": "scores"}  # the wire kind of each stream's messages
 # Most entries a pool leaves unacknowledged (taken, not yet covered by a checkpoint) before it
 # checkpoints regardless of checkpoint.every_steps: with trimming after each checkpoint, each
 # stream then holds at most MAX_UNACKED + max_queue (+ max_staleness) entries.
 MAX_UNACKED = 32
+
+
+def exchange(store, streams: Streams, out: str, into: str, schema: dict, *, consumer: str, log,
+             events):
+  """One pool's two streams: ``(stream, index)`` of the one it publishes (``out``, its
+  consumer group made), and an :class:`~jaxrlhf.pools.store.Inbox` over the other pool's
+  (``into``), whose messages must match ``schema``."""
+  stream, index = streams.stream(out), streams.index(out)
+  store.ensure_group(stream, GROUP[out])
+  inbox = Inbox(store, streams.stream(into), streams.index(into), GROUP[into], consumer,
+                kind=KIND[into], run=streams.run, schema=schema, log=log, event=events)
+  return stream, index, inbox
 
 
 def rollout_schema(stage) -> dict:

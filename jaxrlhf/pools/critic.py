@@ -26,7 +26,7 @@ from jaxrlhf.config import ExperimentConfig
 from jaxrlhf.metrics import MetricsWriter
 from jaxrlhf.pools import common as C
 from jaxrlhf.pools import wire
-from jaxrlhf.pools.store import Inbox, Store
+from jaxrlhf.pools.store import Store
 from jaxrlhf.train import pipeline, program
 from jaxrlhf.train.common import put_batch
 from jaxrlhf.train.phases import rl_phases
@@ -167,11 +167,9 @@ class CriticLoop:
     self.run, self.run_key, self.consumer = streams.run, run_key, consumer
     self.events, self.log, self.should_stop = events, log, should_stop
     self.wait_s, self.max_queue = stage.cfg.pools.peer_wait_s, stage.cfg.pools.max_queue
-    self.sc_stream, self.sc_index = streams.stream("scores"), streams.index("scores")
-    store.ensure_group(self.sc_stream, C.GROUP["scores"])
-    self.inbox = Inbox(store, streams.stream("rollouts"), streams.index("rollouts"),
-                       C.GROUP["rollouts"], consumer, kind="rollout", run=streams.run,
-                       schema=C.rollout_schema(stage), log=log, event=events)
+    self.sc_stream, self.sc_index, self.inbox = C.exchange(
+        store, streams, "scores", "rollouts", C.rollout_schema(stage), consumer=consumer,
+        log=log, events=events)
     score_phases, update_phases = critic_programs(stage)
     self.score = C.pool_program(stage, score_phases, state)
     self.upd = C.pool_program(stage, update_phases, state)

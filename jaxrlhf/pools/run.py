@@ -178,6 +178,9 @@ def run_all(cfg: ExperimentConfig, workdir: str, argv: list, redis_url: str = ""
   """
   from jaxrlhf.pools import common as C
   from jaxrlhf.pools import store as S
+  # Refused here once, before earlier stages train and Redis and the pools start (each pool
+  # would refuse it again).
+  C.check_config(cfg)
   S.check_url(redis_url or cfg.pools.redis_url or os.environ.get(S.URL_ENV, "") or
               S.DEFAULT_URL)
   os.makedirs(workdir, exist_ok=True)

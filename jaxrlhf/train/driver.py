@@ -38,8 +38,9 @@ class Saves:
     del done, state, metrics, force, reason
     return False
 
-  def save(self, done: int, state, metrics: dict, *, reason: str) -> None:
-    """The save :meth:`plan` decided on, after the step's record is written."""
+  def save(self, done: int, state, metrics: dict, *, force: bool, reason: str) -> None:
+    """The save :meth:`plan` decided on (with the same ``force`` and ``reason``), after the
+    step's record is written."""
 
   def stop(self, done: int, state, metrics: Optional[dict]) -> str:
     """A checkpoint of ``state`` now, complete on return (before the run stops or fails);
@@ -98,15 +99,15 @@ class Driver:
       self._check_skips(done, state)
       evaluated = self._evaluate(done, state, metrics)
       reason = self.target_reached(metrics) if evaluated and done < self.steps else ""
-      save = self.saves.plan(done, state, metrics, force=bool(reason) or done == self.steps,
-                             reason=reason)
+      force = bool(reason) or done == self.steps
+      save = self.saves.plan(done, state, metrics, force=force, reason=reason)
       if evaluated or done % max(self.log_every, 1) == 0 or done == self.steps:
         self.writer.write(self.name, done, metrics)
       if self.samples is not None:
         self.writer.write_samples(self.name, done, self.samples())
       last = metrics
       if save:
-        self.saves.save(done, state, metrics, reason=reason)
+        self.saves.save(done, state, metrics, force=force, reason=reason)
       if reason:
         self.writer.end_stage(self.name)
         self.writer.message(f"{self.name}: {reason} at step {done} of {self.steps}; "

@@ -11,7 +11,7 @@ import jax
 
 from jaxrlhf.perf import compile_ahead, memory_in_use, release_host_memory
 from jaxrlhf.train.common import metrics_to_host, put_batch
-from jaxrlhf.train.driver import Driver, Saves, TrainingError  # noqa: F401 - re-exported
+from jaxrlhf.train.driver import Driver, Saves
 from jaxrlhf.train.work import step_utilisation
 
 
@@ -94,7 +94,7 @@ class StageSaves(Saves):
     self.writer.note(self.name, f"ckpt {done} ({metrics['checkpoint/bytes'] / 2**20:.1f} MiB)")
     return True
 
-  def save(self, done, state, metrics, *, reason):
+  def save(self, done, state, metrics, *, force, reason):
     self.ck.save_now(done, state, self._extra(done, reason), metrics)
 
   def stop(self, done, state, metrics):

@@ -30,7 +30,8 @@ from jaxrlhf.model import hf
 from jaxrlhf.metrics import MetricsWriter, run_files
 from jaxrlhf.preemption import PreemptionHandler
 from jaxrlhf.train import evaluate, spec
-from jaxrlhf.train.loop import TrainingError, run_stage
+from jaxrlhf.train.driver import TrainingError
+from jaxrlhf.train.loop import run_stage
 from jaxrlhf.train.preflight import preflight
 from jaxrlhf.train.work import step_work
 
