@@ -108,6 +108,27 @@ def run_pools(cfg, url, workdir, roles=None):
   return out["actor"], out["critic"], recs, logs
 
 
+TOL = dict(rtol=2e-4, atol=2e-5)
+
+
+def assert_pools_match(recs, reference, actor_keys, critic_keys, loss):
+  """Each step's metrics of both pools equal the colocated step's (``reference``, one dict per
+  step); ``loss(actor, critic)``: the colocated "loss" from the pools' shares."""
+  steps = list(range(1, len(reference) + 1))
+  assert sorted(recs["actor"].by_step) == sorted(recs["critic"].by_step) == steps
+  for step, ref in enumerate(reference, 1):
+    a, c = recs["actor"].by_step[step], recs["critic"].by_step[step]
+    for pool, keys in ((a, actor_keys), (c, critic_keys)):
+      for k in keys:
+        np.testing.assert_allclose(pool[k], ref[k], err_msg=f"step {step} {k}", **TOL)
+    np.testing.assert_allclose(loss(a, c), ref["loss"], err_msg=f"step {step} loss", **TOL)
+
+
+def assert_same_params(got, want):
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **TOL), jax.device_get(got),
+               jax.device_get(want))
+
+
 def test_sync_pools_match_colocated_ppo(redis_url, tmp_path):
   cfg = pools_config(steps=10, mode="sync")
   t0 = time.time()
@@ -116,25 +137,15 @@ def test_sync_pools_match_colocated_ppo(redis_url, tmp_path):
   t0 = time.time()
   actor, critic, recs, _ = run_pools(cfg, redis_url, tmp_path)
   print(f"pools: {time.time() - t0:.1f}s")
-  assert sorted(recs["actor"].by_step) == list(range(1, 11))
-  assert sorted(recs["critic"].by_step) == list(range(1, 11))
-  tol = dict(rtol=2e-4, atol=2e-5)
-  for step, ref in enumerate(reference, 1):
-    a, c = recs["actor"].by_step[step], recs["critic"].by_step[step]
-    for k in ("policy/loss", "policy/clip_frac", "entropy/mean", "kl/mean", "grad_norm",
-              "response_length/mean"):
-      np.testing.assert_allclose(a[k], ref[k], err_msg=f"step {step} {k}", **tol)
-    for k in ("reward/mean", "reward/std", "value/loss", "value/explained_variance"):
-      np.testing.assert_allclose(c[k], ref[k], err_msg=f"step {step} {k}", **tol)
-    # The colocated loss is the sum of the two pools' shares.
-    np.testing.assert_allclose(a["loss/policy"] + c["loss/value"], ref["loss"],
-                               err_msg=f"step {step} loss", **tol)
-  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **tol),
-               jax.device_get(actor["state"].params["policy"]),
-               jax.device_get(state.params["policy"]))
-  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **tol),
-               jax.device_get(critic["state"].params["value"]),
-               jax.device_get(state.params["value"]))
+  assert len(reference) == 10
+  # The colocated loss is the sum of the two pools' shares.
+  assert_pools_match(recs, reference,
+                     ("policy/loss", "policy/clip_frac", "entropy/mean", "kl/mean", "grad_norm",
+                      "response_length/mean"),
+                     ("reward/mean", "reward/std", "value/loss", "value/explained_variance"),
+                     lambda a, c: a["loss/policy"] + c["loss/value"])
+  assert_same_params(actor["state"].params["policy"], state.params["policy"])
+  assert_same_params(critic["state"].params["value"], state.params["value"])
 
 
 def grpo_pools_config(steps=4, **pools):
@@ -156,25 +167,18 @@ def test_sync_grpo_pools_with_lora_and_a_host_reward_match_colocated(redis_url, 
   cfg = grpo_pools_config(steps=steps, mode="sync")
   _, state, _, reference = run_steps(cfg, "grpo", mesh(), steps=steps, key=stage_key(cfg))
   actor, critic, recs, _ = run_pools(cfg, redis_url, tmp_path)
-  assert sorted(recs["actor"].by_step) == sorted(recs["critic"].by_step) == list(
-      range(1, steps + 1))
   assert critic["state"].params == {}  # no value model
   assert "lora" in actor["state"].params["policy"]["layers"]  # adapters, not full weights
   assert os.path.isdir(os.path.join(tmp_path, "grpo.actor"))
-  tol = dict(rtol=2e-4, atol=2e-5)
-  for step, ref in enumerate(reference, 1):
-    a, c = recs["actor"].by_step[step], recs["critic"].by_step[step]
-    for k in ("policy/loss", "entropy/mean", "kl/mean", "kl/loss", "grad_norm",
-              "response_length/mean"):
-      np.testing.assert_allclose(a[k], ref[k], err_msg=f"step {step} {k}", **tol)
-    np.testing.assert_allclose(a["loss/policy"], ref["loss"], err_msg=f"step {step}", **tol)
-    for k in ("reward/mean", "reward/std", "reward/host/exact_match/failed"):
-      if k in ref:
-        np.testing.assert_allclose(c[k], ref[k], err_msg=f"step {step} {k}", **tol)
+  assert len(reference) == steps
+  # The host reward ran in the critic: its counts are the critic's metrics.
+  assert_pools_match(recs, reference,
+                     ("policy/loss", "entropy/mean", "kl/mean", "kl/loss", "grad_norm",
+                      "response_length/mean"),
+                     ("reward/mean", "reward/std", "reward/host_errors", "reward/host_unscored"),
+                     lambda a, c: a["loss/policy"])
   assert any(recs["critic"].by_step[s]["reward/std"] > 0 for s in range(1, steps + 1))
-  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **tol),
-               jax.device_get(actor["state"].params["policy"]),
-               jax.device_get(state.params["policy"]))
+  assert_same_params(actor["state"].params["policy"], state.params["policy"])
 
 
 # ------------------------------------------------------------------ wire, store, security
@@ -318,7 +322,7 @@ def test_async_pools_overlap_generation_with_scoring_and_learn(redis_url, tmp_pa
   cfg = pools_config(steps=steps, mode="async", max_staleness=1)
   cfg = dataclasses.replace(
       cfg, data=dataclasses.replace(cfg.data, eval_size=64),
-      ppo=PPOConfig(steps=steps, batch_size=32, eval_every=0, value_optim=FAST,
+      ppo=PPOConfig(steps=steps, batch_size=32, eval_every=steps, value_optim=FAST,
                     optim=OptimizerConfig(lr=2e-3, warmup_steps=0, schedule="constant"),
                     kl=KLConfig(coef=0.01), reward=RewardConfig(sources=("rule:token_accuracy",))))
   actor, critic, recs, _ = run_pools(cfg, redis_url, tmp_path,

@@ -108,25 +108,30 @@ def lineage(events):
   return out
 
 
-def test_pools_survive_killed_pools_and_a_redis_outage(tmp_path):
+def _faulted_run(tmp_path, faults) -> tuple[str, dict]:
+  """A run of both pools as processes against a persistent redis-server, ``faults(pools,
+  work, server, cache, n)`` killing and restarting them until both finish; ``(workdir, each
+  last pool process's output)``.  On a failure every pool process's log is printed (the
+  killed ones too: the actor's half of a lost batch is in the actor's log)."""
   server = RedisServer(tmp_path, appendonly=True).start()
   cache = str(tmp_path / "jit_cache")
   work = str(tmp_path / "run")
   os.makedirs(work)
-  n = iter(range(100))
   pools = {}
   try:
-    _faults(pools, work, server, cache, n)
-    out = {r: p.output() for r, p in pools.items()}
+    faults(pools, work, server, cache, iter(range(100)))
+    return work, {r: p.output() for r, p in pools.items()}
   except BaseException:
-    # Both pools' side of a failure (the killed processes' too), not only the one that
-    # noticed it: the actor's half of a lost batch is in the actor's log.
     print(all_logs(work))
     raise
   finally:
     for p in pools.values():
       p.stop()
     server.stop()
+
+
+def test_pools_survive_killed_pools_and_a_redis_outage(tmp_path):
+  work, out = _faulted_run(tmp_path, _faults)
   _check_history(work, STEPS)
   # The outage was waited out with a clear message, and the pools said when Redis came back.
   joined = out["actor"] + out["critic"]
@@ -136,39 +141,29 @@ def test_pools_survive_killed_pools_and_a_redis_outage(tmp_path):
 GRPO_STEPS = 6
 
 
+def _grpo_faults(pools, work, server, cache, n):
+  """Async GRPO pools; the critic, then the actor, SIGKILLed between checkpoints and
+  restarted."""
+  args = ("--algo=grpo", "--mode=async")
+  start = lambda role: Pool(role, work, server.url, cache, next(n), steps=GRPO_STEPS,  # noqa
+                            args=args)
+  for role in ("critic", "actor"):
+    pools[role] = start(role)
+  for role, after in (("critic", 2), ("actor", 3)):
+    pools[role].wait_applied(after)
+    pools[role].kill()
+    pools[role] = start(role)
+  for p in pools.values():
+    p.finish()
+
+
 def test_async_grpo_pools_with_lora_and_a_host_reward_survive_killed_pools(tmp_path):
   """GRPO (no value model: the critic scores with a host reward and computes group
   advantages) with LoRA adapters on the policy, async one step off: the critic and then the
   actor are SIGKILLed between checkpoints and restarted; each batch is applied exactly once
   on each side, and the actor's result is the merged policy."""
   from jaxrlhf import checkpoint as ckpt
-  server = RedisServer(tmp_path, appendonly=True).start()
-  cache = str(tmp_path / "jit_cache")
-  work = str(tmp_path / "run")
-  os.makedirs(work)
-  n = iter(range(100))
-  args = ("--algo=grpo", "--mode=async")
-  pools = {}
-  try:
-    for role in ("critic", "actor"):
-      pools[role] = Pool(role, work, server.url, cache, next(n), steps=GRPO_STEPS, args=args)
-    pools["critic"].wait_applied(2)
-    pools["critic"].kill()
-    pools["critic"] = Pool("critic", work, server.url, cache, next(n), steps=GRPO_STEPS,
-                           args=args)
-    pools["actor"].wait_applied(3)
-    pools["actor"].kill()
-    pools["actor"] = Pool("actor", work, server.url, cache, next(n), steps=GRPO_STEPS,
-                          args=args)
-    for p in pools.values():
-      p.finish()
-  except BaseException:
-    print(all_logs(work))
-    raise
-  finally:
-    for p in pools.values():
-      p.stop()
-    server.stop()
+  work, _ = _faulted_run(tmp_path, _grpo_faults)
   _check_history(work, GRPO_STEPS)
   assert ckpt.stage_result_info(work, "grpo.actor")["roles"] == ["policy"]
   assert not ckpt.stage_result_exists(work, "grpo.critic")  # it trains nothing
