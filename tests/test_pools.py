@@ -181,6 +181,76 @@ def test_sync_grpo_pools_with_lora_and_a_host_reward_match_colocated(redis_url, 
   assert_same_params(actor["state"].params["policy"], state.params["policy"])
 
 
+def bucketed_config(algo, steps=3):
+  """``algo`` in sync pools with prompt buckets (16 prompt columns, the prompts fill 5),
+  length buckets and packing; 24 of the 48 tokens stop a response, so responses end at
+  different lengths and the widths vary from step to step.  GRPO also corrects the
+  rollout/trainer mismatch (``off_policy=tis``: a phase of the actor's update)."""
+  cfg = pools_config(steps=steps, mode="sync") if algo == "ppo" else grpo_pools_config(
+      steps=steps, mode="sync")
+  rollout = dataclasses.replace(cfg.rollout, max_new_tokens=8, length_buckets=4,
+                                prompt_buckets=4, pack=True, stop_token_ids=tuple(range(12, 36)))
+  cfg = dataclasses.replace(cfg, rollout=rollout,
+                            data=dataclasses.replace(cfg.data, max_prompt_len=16),
+                            model=dataclasses.replace(cfg.model, max_seq_len=24))
+  if algo == "grpo":
+    cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, off_policy="tis"))
+  return cfg
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_sync_pools_with_buckets_and_packing_match_colocated(algo, redis_url, tmp_path):
+  """The pools run prompt buckets, length buckets and packing as the colocated step does:
+  the actor cuts the rollout to its bucket after generation and packs it (the reference's
+  pass packed), the critic packs it again from the key the actor sent (reward, values and
+  the value update packed alike), and each step equals the colocated one."""
+  cfg = bucketed_config(algo)
+  _, state, _, reference = run_steps(cfg, algo, mesh(), steps=3, key=stage_key(cfg))
+  actor, critic, recs, _ = run_pools(cfg, redis_url, tmp_path)
+  widths = [recs["actor"].by_step[s]["rollout/update_width"] for s in (1, 2, 3)]
+  assert widths == [m["rollout/update_width"] for m in reference]
+  assert min(widths) < 8  # the rollouts were cut
+  for s in (1, 2, 3):
+    a = recs["actor"].by_step[s]
+    assert a["rollout/prompt_width"] == 8.0 and a["pack/rows"] == reference[s - 1]["pack/rows"]
+  actor_keys = ("policy/loss", "entropy/mean", "kl/mean", "grad_norm", "response_length/mean")
+  if algo == "ppo":
+    assert_pools_match(recs, reference, actor_keys, ("reward/mean", "value/loss"),
+                       lambda a, c: a["loss/policy"] + c["loss/value"])
+    assert_same_params(critic["state"].params["value"], state.params["value"])
+  else:
+    assert_pools_match(recs, reference, actor_keys + ("off_policy/is_weight_mean",),
+                       ("reward/mean", "reward/std"), lambda a, c: a["loss/policy"])
+  assert_same_params(actor["state"].params["policy"], state.params["policy"])
+
+
+def test_sync_grpo_pools_with_a_multi_turn_environment_match_colocated(redis_url, tmp_path):
+  """The actor runs the episodes (decode segments between a user's environment's steps) in
+  place of its generation program and sends their returns with the rollout; the critic's
+  reward adds them, as the colocated step does."""
+  from test_episodes import _cfg
+  lengthy = ("class Lengthy:\n"
+             "  stop_strings = (' ',)\n"
+             "  def reset(self, example):\n"
+             "    self.turn = 0\n"
+             "    return example['prompt']\n"
+             "  def step(self, action):  # rewards that differ between rows\n"
+             "    self.turn += 1\n"
+             "    return 'ok ', len(action.strip()) / 4, self.turn == 2\n")
+  cfg = dataclasses.replace(
+      _cfg(tmp_path, lengthy, "Lengthy"), name="pools_env", stages=("grpo",),
+      checkpoint=CheckpointConfig(every_steps=5, keep=2, async_save=False),
+      logging=LoggingConfig(console=False, sinks=("jsonl",)), pools=PoolsConfig(mode="sync"))
+  _, state, _, reference = run_steps(cfg, "grpo", mesh(), steps=2, key=stage_key(cfg))
+  actor, _, recs, _ = run_pools(cfg, redis_url, tmp_path / "run")
+  assert any(m["reward/std"] > 0 for m in reference)  # the returns differ between rows
+  assert_pools_match(recs, reference, ("policy/loss", "kl/mean", "response_length/mean"),
+                     ("reward/mean", "reward/std"), lambda a, c: a["loss/policy"])
+  for s in (1, 2):  # the episodes' own metrics, from the actor
+    assert {k for k in reference[s - 1] if k.startswith("env/")} <= set(recs["actor"].by_step[s])
+  assert_same_params(actor["state"].params["policy"], state.params["policy"])
+
+
 # ------------------------------------------------------------------ wire, store, security
 
 
@@ -216,6 +286,20 @@ def test_wire_round_trip_and_rejections():
   assert "this run uses" in reason(wire.encode(bad))
   with pytest.raises(wire.WireError, match="dtype"):
     wire.encode(_msg(x=np.zeros(2, np.complex64)))
+
+
+def test_wire_schema_of_bucketed_runs_takes_each_bucket_shape_and_nothing_else():
+  """A run with buckets sends several shapes: a message must match one of them exactly."""
+  narrow = {"x": ((2, 2), "float32"), "m": ((2,), "bool")}
+  got = wire.decode(wire.encode(_msg(x=np.zeros((2, 2), np.float32), m=np.ones(2, bool))),
+                    kind="scores", run="r1", schema=[SCHEMA, narrow])
+  assert got.arrays["x"].shape == (2, 2)
+  assert wire.decode(wire.encode(_msg()), kind="scores", run="r1",
+                     schema=[SCHEMA, narrow]).arrays["x"].shape == (2, 3)
+  with pytest.raises(wire.WireError, match=r"float32\[2, 3\] \(nor any of its 1 other bucket"):
+    wire.decode(wire.encode(_msg(x=np.zeros((2, 4), np.float32), m=np.ones(2, bool))),
+                kind="scores", run="r1", schema=[SCHEMA, narrow])
+  assert S.max_entry_bytes([SCHEMA, narrow]) == S.max_entry_bytes(SCHEMA)
 
 
 def test_redis_address_rules(monkeypatch):
@@ -398,7 +482,7 @@ def test_truncated_importance_correction_of_stale_rollouts():
   stage, state, frozen = setup(2.0)
   rollout_phases, update_phases = actor_programs(stage)
   with jax.set_mesh(m):
-    c = jax.jit(compose(stage, rollout_phases))(frozen, put_batch(m, stage.batch(0)),
+    c = jax.jit(compose(stage, rollout_phases[0]))(frozen, put_batch(m, stage.batch(0)),
                                                 StepCarry(state=state))
     state, ro = c.state, c.rollout
     adv = jax.random.normal(jax.random.key(1), ro.behaviour_logp_BN.shape)
@@ -433,7 +517,6 @@ def test_configs_the_pools_cannot_run_are_refused():
       ({"stages": ("grpo",), "grpo": dataclasses.replace(base.grpo, dynamic_sampling=True)},
        r"grpo.dynamic_sampling=true picks the trained groups in the critic.*set "
        r"grpo.dynamic_sampling=false"),
-      ({"env": EnvConfig(name="calculator")}, "colocated step only"),
       ({"pools": PoolsConfig(mode="async", max_staleness=0)}, "max_staleness"),
       ({"pools": PoolsConfig(max_queue=0)}, "max_queue"),
       ({"pools": PoolsConfig(is_correction=0.5)}, r"is_correction=0.5: 0 \(off\) or a cap > 1")]:

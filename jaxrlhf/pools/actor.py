@@ -20,6 +20,7 @@ scores of batches the checkpoint covers are skipped — no batch lost or applied
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -38,6 +39,18 @@ from jaxrlhf.train.common import put_batch, shardings_of
 from jaxrlhf.train.types import Shaped, StepCarry
 
 ROLE = "actor"
+
+
+@dataclasses.dataclass(frozen=True)
+class Generated:
+  """A rollout the actor has published and not yet trained on: on the device, with its packed
+  layouts (``rollout.pack``; else None), the policy version that sampled it and its
+  generation's metrics."""
+
+  rollout: object
+  packing: object
+  version: int
+  metrics: dict
 
 
 def is_correction(stage, frozen, batch, c: StepCarry) -> StepCarry:
@@ -70,18 +83,23 @@ def policy_metrics(stage, frozen, batch, c: StepCarry) -> StepCarry:
 
 
 def actor_programs(stage):
-  """The actor's two programs from the RL phase list (train/program.py): the rollout
-  (generation, reference), and the policy update given the critic's advantages, with this
-  pool's own phases around it."""
-  rollout, update = program.pool_programs(stage.phases(("policy",), ("policy",)), ROLE)
+  """The actor's programs from the RL phase list (train/program.py): the rollout's, in order
+  (generation and the reference: one program, or two with the step cut after generation for
+  length buckets, packing or multi-turn episodes, :func:`jaxrlhf.train.program.cut_rollout`
+  between them; the episodes then replace the first), and
+  the policy update given the critic's advantages (every phase of the actor's after the
+  critic's first, as one program: the actor sends nothing while it runs), with this pool's own
+  phases around it."""
+  phases = stage.phases(("policy",), ("policy",))
+  programs = program.pool_programs(phases, ROLE, cut_at_host=program.cuts_at_host(stage) or (
+      stage.episodes is not None))
+  at = {id(p): i for i, p in enumerate(phases)}
+  first = min(i for i, p in enumerate(phases) if p.pool == "critic" and p.name != program.HOST)
+  rollout = [ps for ps in programs if at[id(ps[0])] < first]
+  update = [p for ps in programs if at[id(ps[0])] > first for p in ps]
   if stage.cfg.pools.is_correction > 0:
     update = [program.Phase("is_correction", is_correction)] + update
   return rollout, update + [program.Phase("policy_metrics", policy_metrics)]
-
-
-def device_batch(batch: dict) -> dict:
-  """A batch without its host side (the examples a host reward reads: the critic's)."""
-  return {k: v for k, v in batch.items() if k != "host"}
 
 
 def run_actor(cfg: ExperimentConfig, workdir: str, store: Store, mesh, roles: dict, *,
@@ -168,15 +186,16 @@ class ActorLoop:
     self.run, self.published, self.ahead = streams.run, published, C.staleness(cfg)
     self.wait_s, self.max_queue = cfg.pools.peer_wait_s, cfg.pools.max_queue
     self.schema = C.rollout_schema(stage)
+    self.widths = program.bucket_widths(stage.N, cfg.rollout.length_buckets)
     self.ro_stream, self.ro_index, self.inbox = C.exchange(
         store, streams, "rollouts", "scores", C.scores_schema(stage), consumer=consumer, log=log,
         events=events)
     rollout_phases, update_phases = actor_programs(stage)
-    self.gen = C.pool_program(stage, rollout_phases, state)
+    self.gen = [C.pool_program(stage, ps, state) for ps in rollout_phases]
     self.upd = C.pool_program(stage, update_phases, state)
     self.skip_gen = jax.jit(lambda s: s.replace(rng=jax.random.split(s.rng)[0]),
                             out_shardings=shardings_of(state), donate_argnums=(0,))
-    self.inflight: dict = {}  # batch id -> (rollout on device, policy version)
+    self.inflight: dict = {}  # batch id -> Generated
     # Rollouts the checkpoint's state had already published: read back, not regenerated.
     for b in range(start, published):
       got = store.get(self.ro_stream, self.ro_index, b)
@@ -184,8 +203,7 @@ class ActorLoop:
         raise RuntimeError(f"actor: rollout {b} was published before the restart but is gone "
                            f"from {self.ro_stream}; the store lost data (Redis without "
                            "persistence?)")
-      msg = wire.decode(got[1], kind="rollout", run=self.run, schema=self.schema)
-      self.inflight[b] = (C.rollout_of(mesh, msg.arrays), msg.policy_version)
+      self.inflight[b] = self._received(got[1])
     self.t_prev = time.perf_counter()
 
   def final(self, done: int) -> None:
@@ -195,24 +213,54 @@ class ActorLoop:
     self.store.trim(self.ro_stream, self.ro_index, C.GROUP["rollouts"],
                     keep_from=self.store.entry_of(self.ro_index, done))
 
+  def _received(self, fields) -> "Generated":
+    """A rollout this run published before a restart, as its generation left it: the packed
+    layouts (``rollout.pack``) planned again from its mask and the key it carries, and the
+    generation's metrics from its header."""
+    msg = wire.decode(fields, kind="rollout", run=self.run, schema=self.schema)
+    ro = C.rollout_of(self.mesh, msg.arrays)
+    packing = C.packing_of(self.stage, ro, msg.arrays["perm_key"])
+    return Generated(ro, packing, msg.policy_version, C.metrics_of_meta(msg.meta))
+
+  def _generate(self, state, b: int):
+    """``(state, carry, metrics)``: batch ``b``'s rollout programs, the host's cut between
+    them (:func:`jaxrlhf.train.program.cut_rollout`); with an environment (``env.name``) the
+    episodes, run on the host, in place of the first (their returns the carry's host
+    scores, for the critic)."""
+    stage = self.stage
+    host_batch = stage.batch(b)
+    host = host_batch.pop("host", None)
+    batch = put_batch(self.mesh, host_batch)
+    c, metrics = StepCarry(state=state), {}
+    for i, fn in enumerate(self.gen):
+      if i:
+        c, got = program.cut_rollout(stage, c, widths=self.widths, pack=stage.cfg.rollout.pack)
+        metrics.update(got)
+      if i == 0 and stage.episodes is not None:
+        c, got = stage.episodes(c.state, self.frozen, batch, c, host)
+        metrics.update(got)
+        continue
+      c = fn(self.frozen, batch, c)
+    return c.state, c, {**{k: float(v) for k, v in jax.device_get(c.metrics).items()},
+                        **metrics}
+
   def _next_rollout(self, state, b: int, done: int):
-    """``(state, (rollout, version))`` of batch ``b``, or ``(state, None)`` when told to stop
-    while the rollouts stream was full (``b`` stays unpublished)."""
+    """``(state, Generated)`` of batch ``b``, or ``(state, None)`` when told to stop while
+    the rollouts stream was full (``b`` stays unpublished)."""
     got = self.store.get(self.ro_stream, self.ro_index, b)
     if got is not None:
       # Published by this run before a restart (after its checkpoint): reuse it, and take
       # the RNG step its generation took so the run goes on as if uninterrupted.
-      msg = wire.decode(got[1], kind="rollout", run=self.run, schema=self.schema)
       self.log(f"actor: rollout {b} was published before the restart; reusing it")
       self.events(event="reused", batch=b)
-      return self.skip_gen(state), (C.rollout_of(self.mesh, msg.arrays), msg.policy_version)
-    c = self.gen(self.frozen, put_batch(self.mesh, device_batch(self.stage.batch(b))),
-                 StepCarry(state=state))
-    state, ro = c.state, c.rollout
-    arrays = {**C.rollout_arrays(ro), "perm_key": jax.device_get(C.keys_of(state))}
+      return self.skip_gen(state), self._received(got[1])
+    state, c, gen_metrics = self._generate(state, b)
+    ro = c.rollout
+    arrays = {**C.rollout_arrays(ro), "perm_key": jax.device_get(C.keys_of(state)),
+              **({} if c.host_score_B is None else C.to_host({"host_score_B": c.host_score_B}))}
+    meta = {"kl_coef": C.scalar(state.extras["kl"].coef), **C.meta_of_metrics(gen_metrics)}
     msg = wire.Message(kind="rollout", run=self.run, batch=b, step=done, policy_version=done,
-                       producer=self.consumer,
-                       meta={"kl_coef": C.scalar(state.extras["kl"].coef)}, arrays=arrays)
+                       producer=self.consumer, meta=meta, arrays=arrays)
     added = self.store.publish(self.ro_stream, self.ro_index, b, wire.encode(msg),
                                group=C.GROUP["rollouts"], max_queue=self.max_queue,
                                should_stop=self.should_stop, wait_s=self.wait_s)
@@ -222,7 +270,7 @@ class ActorLoop:
     # the entry.  It is this rollout (nothing else can have published b: the read-back above
     # found none), so b counts as published.
     self.events(event="published", batch=b, policy_version=done, how=added.value)
-    return state, (ro, done)
+    return state, Generated(ro, c.packing, done, gen_metrics)
 
   def __call__(self, state, done: int):
     if self.should_stop():
@@ -242,18 +290,22 @@ class ActorLoop:
     if scores is None:
       return state, None
     t_wait = time.perf_counter() - t0
-    ro, version = self.inflight.pop(done)
-    lag = done - version
+    gen = self.inflight.pop(done)
+    ro, lag = gen.rollout, done - gen.version
     if lag > self.ahead:  # cannot happen by construction; a guard against a broken restart
       raise RuntimeError(f"actor: rollout {done} is {lag} updates stale (limit {self.ahead})")
+    adv = scores.arrays["adv_BN"]
+    if adv.shape != ro.response_mask_BN.shape:  # another width than its rollout's bucket
+      raise RuntimeError(f"actor: the critic's advantages of batch {done} are {list(adv.shape)}"
+                         f" but its rollout's responses {list(ro.response_mask_BN.shape)}")
     t0 = time.perf_counter()
     valid = jnp.asarray(scores.arrays["valid_B"])
-    shaped = Shaped(adv_BN=jnp.asarray(scores.arrays["adv_BN"]),
-                    update_mask_BN=ro.response_mask_BN & valid[:, None])
-    c = self.upd(self.frozen, {}, StepCarry(state=state, rollout=ro, shaped=shaped))
-    metrics = {k: float(v) for k, v in jax.device_get(c.metrics).items()}
+    shaped = Shaped(adv_BN=jnp.asarray(adv), update_mask_BN=ro.response_mask_BN & valid[:, None])
+    c = self.upd(self.frozen, {}, StepCarry(state=state, rollout=ro, shaped=shaped,
+                                            packing=gen.packing))
+    metrics = {**gen.metrics, **{k: float(v) for k, v in jax.device_get(c.metrics).items()}}
     now = time.perf_counter()
-    self.events(event="applied", batch=done, policy_version=version, scores_batch=scores.batch)
+    self.events(event="applied", batch=done, policy_version=gen.version, scores_batch=scores.batch)
     metrics.update({"time/step_s": now - self.t_prev, "time/actor/generate_s": t_gen,
                     "time/actor/wait_s": t_wait, "time/actor/update_s": now - t0,
                     "pools/staleness": float(lag),

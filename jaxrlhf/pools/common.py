@@ -27,7 +27,7 @@ import numpy as np
 from jaxrlhf import checkpoint as ckpt
 from jaxrlhf.config import ConfigError, ExperimentConfig, to_dict
 from jaxrlhf.pools.store import Inbox
-from jaxrlhf.train import phases, program, spec
+from jaxrlhf.train import packed, phases, program, spec
 from jaxrlhf.train.common import put_batch
 from jaxrlhf.train.driver import Driver, Saves
 from jaxrlhf.train.types import Rollout, StepCarry
@@ -68,7 +68,8 @@ def check_config(cfg: ExperimentConfig) -> None:
   """The experiment can run in two pools, or a ConfigError naming the setting and the fix.
   The algorithm's limits come from its spec and phase list: every loss term must train a
   model of its own (a term sharing another's parameters cannot be split between pools), and
-  no phase may say it cannot cross pools (:attr:`jaxrlhf.train.program.Phase.pools_note`)."""
+  no phase may say it cannot cross pools (:attr:`jaxrlhf.train.program.Phase.pools_note`).
+  Every rollout setting crosses them (environments, buckets, packing: docs/pools.md)."""
   name = stage_name(cfg)
   rl = [n for n in spec.names() if spec.get(n).generates]
   if name not in rl:
@@ -89,22 +90,6 @@ def check_config(cfg: ExperimentConfig) -> None:
   note = next((p.pools_note for p in phases.rl_phases(terms, terms, scfg) if p.pools_note), "")
   if note:
     raise ConfigError(note.format(stage=name) + " for --role=actor|critic")
-  if cfg.env.name:
-    raise ConfigError(f"env.name={cfg.env.name!r}: multi-turn episodes run in the colocated "
-                      "step only (the actor pool generates in one program); drop --role, or "
-                      "set env.name=''")
-  if cfg.rollout.length_buckets:
-    raise ConfigError(f"rollout.length_buckets={cfg.rollout.length_buckets}: the pools "
-                      "exchange full-width rollouts; set rollout.length_buckets=0 for "
-                      "--role=actor|critic, or run the colocated step (no --role)")
-  if cfg.rollout.prompt_buckets:
-    raise ConfigError(f"rollout.prompt_buckets={cfg.rollout.prompt_buckets}: the pools "
-                      "exchange full-width rollouts; set rollout.prompt_buckets=0 for "
-                      "--role=actor|critic, or run the colocated step (no --role)")
-  if cfg.rollout.pack:
-    raise ConfigError("rollout.pack=true: the pools exchange the rollout's own rows, not a "
-                      "packed layout; set rollout.pack=false for --role=actor|critic, or run "
-                      "the colocated step (no --role)")
   p = cfg.pools
   if p.mode == "async" and p.max_staleness < 1:
     raise ConfigError(f"pools.max_staleness={p.max_staleness}: async mode needs >= 1 (the "
@@ -210,13 +195,15 @@ def namespace(cfg: ExperimentConfig, workdir: str) -> str:
 
 
 def settings_of(cfg: ExperimentConfig, stage, inputs: dict) -> dict:
-  """Everything both pools read and must agree on: the message shapes, the stage's settings
-  (reward sources and weights, KL, batch sizes), the data, the seed, the pools' mode, and the
+  """Everything both pools read and must agree on: the message shapes (and their buckets),
+  the stage's and the rollout's settings (reward sources and weights, KL, batch sizes,
+  packing), the data, the seed, the pools' mode, and the
   earlier stages' results they start from.  No addresses or credentials."""
   d = to_dict(cfg)
-  shapes = {k: [list(v[0]), v[1]] for k, v in {**rollout_schema(stage),
-                                                **scores_schema(stage)}.items()}
-  out = {"shapes": shapes, stage.name: d[stage.name], "data": d["data"], "seed": cfg.seed,
+  shapes = {k: [list(v[0]), v[1]] for k, v in {**rollout_schema(stage)[0],
+                                                **scores_schema(stage)[0]}.items()}
+  out = {"shapes": shapes, "buckets": bucket_shapes(stage), "rollout": d["rollout"],
+         stage.name: d[stage.name], "data": d["data"], "seed": cfg.seed,
          "stages": list(cfg.stages),
          "pools": {k: d["pools"][k] for k in ("mode", "max_staleness", "is_correction")},
          "inputs": dict(inputs)}
@@ -301,10 +288,30 @@ def exchange(store, streams: Streams, out: str, into: str, schema: dict, *, cons
   return stream, index, inbox
 
 
-def rollout_schema(stage) -> dict:
-  """name -> (shape, dtype) of a rollout message: the fields of
-  :class:`~jaxrlhf.rollout.Rollout` as generation and the reference phase fill them, and
-  the key of the update's minibatch permutations."""
+def bucket_shapes(stage) -> list[tuple[int, int]]:
+  """The (prompt, response) widths a rollout may have on the wire: the full width first, then
+  every other pair of a prompt bucket (``rollout.prompt_buckets``) and a length bucket
+  (``rollout.length_buckets``, the actor's cut: :func:`jaxrlhf.train.program.cut_rollout`)."""
+  prompts = stage.prompt_widths or (stage.P,)
+  responses = program.bucket_widths(stage.N, stage.cfg.rollout.length_buckets) or (stage.N,)
+  full = (stage.P, stage.N)
+  return [full] + [(p, n) for p in prompts for n in responses if (p, n) != full]
+
+
+def _at_width(shapes: dict, p: int, n: int) -> dict:
+  """A schema (name -> (shape, dtype)) with ``_BT`` arrays ``p + n`` and ``_BN`` arrays ``n``
+  columns wide."""
+  def width(name, shape):
+    if name.endswith("_BT"):
+      return (shape[0], p + n)
+    return (shape[0], n) if name.endswith("_BN") else shape
+  return {k: (width(k, shape), dtype) for k, (shape, dtype) in shapes.items()}
+
+
+def rollout_schema(stage) -> list[dict]:
+  """The shapes a rollout message may take, one map (name -> (shape, dtype)) per
+  :func:`bucket_shapes`: the fields of :class:`~jaxrlhf.rollout.Rollout` as generation and
+  the reference phase fill them, and the key of the update's minibatch permutations."""
   state, frozen = stage.abstract_init()
   c = jax.eval_shape(lambda st, fz, b: phases.generate(stage, fz, b, StepCarry(state=st)),
                      state, frozen, stage.abstract_batch())
@@ -313,12 +320,42 @@ def rollout_schema(stage) -> dict:
             for f in dataclasses.fields(Rollout) if getattr(ro, f.name) is not None}
   schema["ref_logp_BN"] = schema["kl_BN"] = schema["behaviour_logp_BN"]
   schema["perm_key"] = (tuple(jax.random.key_data(jax.random.key(0)).shape), "uint32")
-  return schema
+  if stage.episodes is not None:  # env.name: each turn's reward, and the weighted returns
+    rows = schema["lengths_B"][0]
+    schema["turn_rewards_BN"] = (rows + schema["behaviour_logp_BN"][0][1:], "float32")
+    schema["host_score_B"] = (rows, "float32")
+  return [_at_width(schema, p, n) for p, n in bucket_shapes(stage)]
 
 
-def scores_schema(stage) -> dict:
-  rows, n = stage.scfg.batch_size * stage.n, stage.N
-  return {"adv_BN": ((rows, n), "float32"), "valid_B": ((rows,), "bool")}
+def scores_schema(stage) -> list[dict]:
+  """The shapes a scores message may take (one map per response width)."""
+  rows = stage.scfg.batch_size * stage.n
+  widths = sorted({n for _, n in bucket_shapes(stage)}, key=lambda n: n != stage.N)
+  return [{"adv_BN": ((rows, n), "float32"), "valid_B": ((rows,), "bool")} for n in widths]
+
+
+def packing_of(stage, ro: Rollout, perm_key):
+  """The packed layouts (``rollout.pack``) of a rollout from the other pool, or of one read
+  back: planned, as its generation planned them, from its mask and the key it carries
+  (``perm_key``, raw key data); None without packing."""
+  if not stage.cfg.rollout.pack:
+    return None
+  key = jax.random.wrap_key_data(jnp.asarray(perm_key))
+  return packed.plan(stage, to_host({"m": ro.mask_BT})["m"], key)[0]
+
+
+# A rollout message's header carries its generation's metrics (prompt bucket, refill counts,
+# packing) under this prefix, beside the KL coefficient: a rollout read back after a restart
+# reports them as when it was generated.
+_METRIC = "metric:"
+
+
+def meta_of_metrics(metrics: dict) -> dict:
+  return {_METRIC + k: float(v) for k, v in metrics.items()}
+
+
+def metrics_of_meta(meta: dict) -> dict:
+  return {k[len(_METRIC):]: v for k, v in meta.items() if k.startswith(_METRIC)}
 
 
 def rollout_arrays(ro: Rollout) -> dict:
@@ -327,9 +364,20 @@ def rollout_arrays(ro: Rollout) -> dict:
                   if getattr(ro, f.name) is not None})
 
 
+_ROLLOUT_FIELDS = frozenset(f.name for f in dataclasses.fields(Rollout))
+
+
 def rollout_of(mesh, arrays: dict) -> Rollout:
   """The rollout of a message, on the mesh."""
-  return Rollout(**to_device(mesh, {k: v for k, v in arrays.items() if k != "perm_key"}))
+  return Rollout(**to_device(mesh, {k: v for k, v in arrays.items() if k in _ROLLOUT_FIELDS}))
+
+
+def host_scores_of(mesh, arrays: dict):
+  """The host scores a rollout message carries (an environment's weighted returns), on the
+  mesh, or None."""
+  if "host_score_B" not in arrays:
+    return None
+  return to_device(mesh, {"s": arrays["host_score_B"]})["s"]
 
 
 # A pool's program: its phases jitted like a phased step's (the carry's state donated).

@@ -199,8 +199,12 @@ class CriticLoop:
     # The update's minibatches follow the actor's key: in sync mode the very permutation the
     # colocated step draws.
     perm_key = jax.random.wrap_key_data(jnp.asarray(msg.arrays["perm_key"]))
-    c = StepCarry(state=state.replace(rng=perm_key), rollout=C.rollout_of(self.mesh, msg.arrays),
-                  kl_coef=jnp.float32(msg.meta["kl_coef"]))
+    ro = C.rollout_of(self.mesh, msg.arrays)
+    # rollout.pack: the packed layouts the actor planned for this rollout, planned again.
+    c = StepCarry(state=state.replace(rng=perm_key), rollout=ro,
+                  kl_coef=jnp.float32(msg.meta["kl_coef"]),
+                  packing=C.packing_of(stage, ro, msg.arrays["perm_key"]),
+                  host_score_B=C.host_scores_of(self.mesh, msg.arrays))
     hmetrics = {}
     if stage.host_sources:
       c, hmetrics = program.host_reward(stage, c, host, stage.host_scores)

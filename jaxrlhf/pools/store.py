@@ -393,9 +393,12 @@ class Store:
 MAX_READ_BYTES = 256 << 20
 
 
-def max_entry_bytes(schema: dict) -> int:
-  """The largest stream entry a message of ``schema`` can be: its arrays, their field names,
-  and a header at its size limit."""
+def max_entry_bytes(schema) -> int:
+  """The largest stream entry a message of ``schema`` (one map, or a sequence of them: see
+  :func:`jaxrlhf.pools.wire.decode`) can be: its arrays, their field names, and a header at its
+  size limit."""
+  if not isinstance(schema, dict):
+    return max(max_entry_bytes(s) for s in schema)
   arrays = sum(math.prod(shape) * np.dtype(dtype).itemsize + len(name) + 2
                for name, (shape, dtype) in schema.items())
   return arrays + wire.MAX_HEADER_BYTES + 1
@@ -411,7 +414,7 @@ class Inbox:
   """
 
   def __init__(self, store: Store, stream: str, index: str, group: str, consumer: str, *,
-               kind: str, run: str, schema: dict, log: Callable[[str], None] = print,
+               kind: str, run: str, schema, log: Callable[[str], None] = print,
                event: Callable[..., None] = lambda **e: None,
                read_bytes: int = MAX_READ_BYTES):
     self.store, self.stream, self.index, self.group = store, stream, index, group

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -72,6 +72,20 @@ def encode(msg: Message) -> dict[bytes, bytes]:
   return {b"h": json.dumps(header, allow_nan=True).encode(), **fields}
 
 
+def _mismatch(arrays: dict, schema: Mapping[str, tuple]) -> str:
+  """Why ``arrays`` do not fit ``schema`` (name -> (shape, dtype)), or ""."""
+  missing = sorted(set(schema) - set(arrays))
+  extra = sorted(set(arrays) - set(schema))
+  if missing or extra:
+    return f"arrays missing {missing} / unexpected {extra}"
+  for name, (shape, dtype) in schema.items():
+    x = arrays[name]
+    if tuple(x.shape) != tuple(shape) or x.dtype.name != np.dtype(dtype).name:
+      return (f"array {name!r} is {x.dtype.name}{list(x.shape)}; this run uses "
+              f"{np.dtype(dtype).name}{list(shape)}")
+  return ""
+
+
 def _int(header: dict, key: str) -> int:
   v = header.get(key)
   if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -95,11 +109,13 @@ def entry_bytes(fields: Mapping) -> int:
 
 
 def decode(fields: Optional[Mapping[bytes, bytes]], *, kind: str, run: str,
-           schema: Optional[Mapping[str, tuple]] = None) -> Message:
+           schema: Union[Mapping[str, tuple], Sequence[Mapping[str, tuple]], None] = None
+           ) -> Message:
   """The message in ``fields``, checked; :class:`WireError` names what is wrong.
 
   ``schema``: name -> (shape, dtype name) every message must carry exactly (the consumer's
-  compiled programs take these shapes).
+  compiled programs take these shapes), or a sequence of such maps, one of which it must
+  match (a run with prompt or length buckets: one per bucket; the first is the full width).
 
   Whatever the bytes, the only exception is :class:`WireError`: an entry from the network
   that made the consumer raise anything else would crash it again on every restart (the
@@ -167,14 +183,11 @@ def _decode(fields, *, kind, run, schema) -> Message:
     x = np.frombuffer(data, dtype=DTYPES[dtype]).reshape(shape)
     arrays[name] = x.astype(np.dtype(dtype), copy=False)
   if schema is not None:
-    missing = sorted(set(schema) - set(arrays))
-    extra = sorted(set(arrays) - set(schema))
-    if missing or extra:
-      raise WireError(f"arrays missing {missing} / unexpected {extra}")
-    for name, (shape, dtype) in schema.items():
-      x = arrays[name]
-      if tuple(x.shape) != tuple(shape) or x.dtype.name != np.dtype(dtype).name:
-        raise WireError(f"array {name!r} is {x.dtype.name}{list(x.shape)}; this run uses "
-                        f"{np.dtype(dtype).name}{list(shape)}")
+    schemas = [schema] if isinstance(schema, Mapping) else list(schema)
+    reasons = [_mismatch(arrays, s) for s in schemas]
+    if all(reasons):
+      more = f" (nor any of its {len(schemas) - 1} other bucket shapes)" if len(
+          schemas) > 1 else ""
+      raise WireError(reasons[0] + more)
   return Message(kind=kind, run=run, batch=batch, step=step, policy_version=version,
                  producer=str(header.get("producer", "")), meta=meta, arrays=arrays)

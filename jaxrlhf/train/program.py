@@ -169,6 +169,31 @@ def trim_prompts(batch: dict, widths: Sequence[int]) -> dict:
           "prompt_mask": mask[:, P - width:]}
 
 
+def cut_rollout(stage, carry: StepCarry, *, widths: Sequence[int],
+                pack: bool) -> tuple[StepCarry, dict]:
+  """The host's work where the step is cut after generation: the rollout trimmed to a length
+  bucket (``widths``: :func:`trim_rollout`) and, with ``pack``, the packed layouts of the
+  later model passes planned from its mask and the state's key (:func:`packed.plan`);
+  ``(carry, metrics)``.  The colocated phased step and both pools run it."""
+  metrics = {}
+  if widths:
+    ro, width = trim_rollout(carry.rollout, widths)
+    carry = carry.replace(rollout=ro)
+    metrics["rollout/update_width"] = float(width)
+  if pack:
+    packing, got = packed.plan(stage, to_host(carry.rollout.mask_BT), carry.state.rng)
+    carry = carry.replace(packing=packing)
+    metrics.update(got)
+  return carry, metrics
+
+
+def cuts_at_host(stage) -> bool:
+  """Whether the step is cut after generation for the host's own work (length buckets or
+  packing: :func:`cut_rollout`), host rewards aside."""
+  ro = stage.cfg.rollout
+  return bool(ro.length_buckets or ro.pack)
+
+
 @dataclasses.dataclass(frozen=True)
 class Part:
   """One device program of a step, in order: ``name`` is what its time is reported as
@@ -237,15 +262,8 @@ class PhasedProgram:
         host_metrics.update(got)
         continue
       if label == HOST:
-        if self.widths:
-          ro, width = trim_rollout(carry.rollout, self.widths)
-          carry = carry.replace(rollout=ro)
-          host_metrics["rollout/update_width"] = float(width)
-        if self.pack:
-          packing, got = packed.plan(self.stage, to_host(carry.rollout.mask_BT),
-                                     carry.state.rng)
-          carry = carry.replace(packing=packing)
-          host_metrics.update(got)
+        carry, got = cut_rollout(self.stage, carry, widths=self.widths, pack=self.pack)
+        host_metrics.update(got)
         if self.host_fn is None:
           continue
         with timer.phase(HOST):
@@ -283,16 +301,18 @@ def host_reward(stage, carry: StepCarry, host, host_fn) -> tuple[StepCarry, dict
   return carry.replace(host_score_B=put_global(scores, ro.lengths_B.sharding)), got
 
 
-def pool_programs(phases: Sequence[Phase], pool: str) -> list[list[Phase]]:
+def pool_programs(phases: Sequence[Phase], pool: str, *,
+                  cut_at_host: bool = False) -> list[list[Phase]]:
   """The programs a pool of a disaggregated run compiles: its phases (``both`` phases run in
   each pool), cut wherever it must exchange data with the other pool between them: before a
   phase that follows the other pool's work, and before a phase both pools run (the other pool
-  needs what this one has computed so far)."""
-  phases = [p for p in phases if p.name != HOST]
+  needs what this one has computed so far); with ``cut_at_host``, also at :data:`HOST`
+  (:func:`cut_rollout` runs there)."""
+  phases = [p for p in phases if p.name != HOST or cut_at_host]
   out: list[list[Phase]] = []
   prev = None
   for i, p in enumerate(phases):
-    if p.pool not in (pool, "both"):
+    if p.name == HOST or p.pool not in (pool, "both"):
       continue
     cut = prev is None or prev != i - 1 or (p.pool == "both" and phases[prev].pool != "both")
     if cut:

@@ -172,8 +172,7 @@ class RLStage(Stage):
     """One jitted program, unless phases must be separate (phase timing, a host reward,
     episodes, length buckets or packing)."""
     if not (self.host_sources or self.episodes or self.cfg.logging.phase_timing
-            or self.cfg.rollout.length_buckets or self.cfg.rollout.pack
-            or self.rollout_samples):
+            or program.cuts_at_host(self) or self.rollout_samples):
       return super().make_step_fn(state, frozen, batch)
     return program.PhasedProgram(self, self.phases(), state, timed=self.cfg.logging.phase_timing,
                                  host_fn=self.host_scores if self.host_sources else None,
