@@ -331,3 +331,22 @@ def test_grpo_with_refill_carry_over_resumes_bit_identically(tmp_path, jit_cache
   resumed = _metrics(wd, "grpo", steps)
   assert resumed == {s: unbroken[s] for s in steps}
   assert all(m["rollout/dropped"] == 0 for m in resumed.values())
+
+
+@pytest.mark.parametrize("name", ["sft", "grpo"])
+def test_a_resume_builds_the_frozen_roles_alone(name):
+  """What a restore starts from: every frozen role (a LoRA role's base too: SFT's own
+  ``policy.base``, GRPO's reference) exactly as a fresh start builds it, and no train state
+  (the checkpoint's is restored into the abstract one)."""
+  import dataclasses
+  from jaxrlhf.config import LoraConfig
+  from test_train import config
+  cfg = config()
+  cfg = dataclasses.replace(cfg, **{name: dataclasses.replace(
+      getattr(cfg, name), lora=LoraConfig(rank=4, alpha=8.0))})
+  stage = build_stage(name, cfg, mesh(), DataSource(cfg.data, cfg.seed))
+  _, full = stage.init(jax.random.key(3), {})
+  state, frozen = stage.init(jax.random.key(3), {}, frozen_only=True)
+  assert state is None and sorted(frozen) == sorted(full)
+  assert ("policy.base" if name == "sft" else "reference") in frozen
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(frozen), jax.device_get(full))

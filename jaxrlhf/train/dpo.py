@@ -54,8 +54,8 @@ class DPOStage(Stage):
 
     self._eval = jax.jit(eval_fn)
 
-  def init(self, key, roles):
-    state, frozen = super().init(key, roles)
+  def init(self, key, roles, **kw):
+    state, frozen = super().init(key, roles, **kw)
     self.frozen_ref = frozen.get("reference")  # for dpo.reference=cache
     return state, frozen
 

@@ -237,13 +237,13 @@ def _starting_point(stage, ck, key, roles, inputs, policy, writer, t0):
   not)."""
   name, cfg = stage.name, stage.cfg
   restoring = policy != "none" and bool(ck.all_steps())
-  state, frozen = stage.init(key, roles)
-  abstract = None
-  if restoring:
-    state = None  # free the fresh state before the restored one arrives
-    abstract = stage.abstract_init()[0]
-  point = ck.resume(abstract, policy, cfg)
+  # Restoring: the frozen roles alone, the state restored into its abstract shape (no fresh
+  # state allocated to be thrown away).
+  state, frozen = stage.init(key, roles, frozen_only=restoring)
+  point = ck.resume(stage.abstract_init()[0] if restoring else None, policy, cfg)
   if point is None:
+    if state is None:  # no complete checkpoint after all: a fresh start
+      state, frozen = stage.init(key, roles)
     start_eval = {}
     if stage.spec.eval_at_start and stage.eval_every:  # eval_every=0: no evaluation at all
       start_eval = stage.evaluate(state, frozen)

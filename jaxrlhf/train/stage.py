@@ -119,12 +119,16 @@ class Stage:
 
   # -- shared machinery ---------------------------------------------------------------------
   def init(self, key: jax.Array, roles: dict, *, only: tuple | None = None,
-           extras: dict | None = None) -> tuple[TrainState, dict]:
+           extras: dict | None = None,
+           frozen_only: bool = False) -> tuple[TrainState | None, dict]:
     """Parameters of every role (from earlier stages, a Hugging Face directory, or fresh) on
     the mesh, and the train state around the trainable ones.  ``only=(trained, frozen)``
     builds a subset (one pool of a disaggregated run), each role from the same key as the
     whole stage's, plus the frozen base of each LoRA role it trains; ``extras`` then replaces
-    :meth:`initial_extras` (a pool keeps its own share of the algorithm's state)."""
+    :meth:`initial_extras` (a pool keeps its own share of the algorithm's state).
+    ``frozen_only``: the frozen roles (LoRA bases included) alone, and None for the state: a
+    resume restores the state into :meth:`abstract_init`'s, so none is allocated to be
+    thrown away."""
     keys = dict(zip(("state",) + tuple(self.trainable) + tuple(self.frozen()),
                     jax.random.split(key, 1 + len(self.trainable) + len(self.frozen()))))
     trained, wanted = only or (tuple(self.trainable), tuple(self.frozen()))
@@ -138,7 +142,8 @@ class Stage:
       if r not in trained:
         continue
       if r not in self.lora:
-        params[r] = self.role_params(roles, r, keys[r], head=h)
+        if not frozen_only:
+          params[r] = self.role_params(roles, r, keys[r], head=h)
         continue
       bk = self.base_keys[r]
       if bk in frozen:  # the base is a frozen role already loaded: no second copy
@@ -146,10 +151,13 @@ class Stage:
       else:
         base, head = LORA.split_full(self.role_params(roles, r, keys[r], head=h))
         frozen[bk] = jax.device_put(base, self.base_shardings(r))
-      params[r] = self.lora_params(r, keys[r], head)
+      if not frozen_only:
+        params[r] = self.lora_params(r, keys[r], head)
     for r, bk in self.base_keys.items():
       if r in trained:
         frozen[bk] = LORA.cast_base(frozen[bk], self.lora[r].base_dtype)
+    if frozen_only:
+      return None, frozen
     params = {r: self.precision[r].to_master(p) for r, p in params.items()}
     state = init_state(self.mesh, params, {r: self.opt[r] for r in trained}, keys["state"],
                        self.initial_extras() if extras is None else extras, self.precision)
