@@ -46,8 +46,9 @@ reporting step time, useful (non-pad) tokens per second and the fraction of slot
 real token.
 
 The long-tail workload (``grpo_longtail``, issue 25): GRPO on the same policy, 16 prompts x 4
-samples, up to 128 new tokens, each prompt's response length given by a length oracle read
-from the prompt (:func:`longtail_lengths`: median 16, 1 in 16 at the limit); one process
+samples, up to 128 new tokens, the policy :mod:`benchmarks.lengths`' decoder of the same shape
+and cost, whose every response draws its length from a Pareto tail (:func:`longtail_policy`:
+median 16, 1 in 16 running to the limit; no oracle in the sampler); one process
 alternates steps with ``rollout.refill`` (32 prompts queued for 16 groups) and without, each
 with and without ``rollout.length_buckets=8`` (the phases after generation cut to the batch's
 longest response, in steps of 16 slots) and ``rollout.pack`` (their model passes on packed
@@ -261,18 +262,25 @@ def workload_flops(name: str) -> dict[str, float]:
   return step_flops(_stage(name, workload_config(name)))
 
 
-def longtail_lengths(prompt_BP, limit: int = LONGTAIL_LIMIT):
-  """The long-tail workload's length oracle: each prompt's response length (EOS included),
-  read from its tokens.  A hash of the prompt gives ``u`` uniform in (0, 1]; the length is
-  ``min(limit, ceil(limit / 16 / u))``, a Pareto tail of index 1: median ``limit / 8``, the
-  shortest ``limit / 16``, and 1 prompt in 16 at the limit.  The sampler forces EOS there
-  (``batch["stop_at"]``, :func:`jaxrlhf.rollout.generate`), so a prompt's length is the same
-  in every run and under either decoder."""
-  import zlib
+def longtail_policy(run: dict) -> None:
+  """The long-tail workload's policy and reference: :mod:`benchmarks.lengths`' decoder, of
+  the workload's shape and cost, whose responses to the addition prompts (all ending in
+  ``=``) have a Pareto tail of index 1 (:func:`benchmarks.lengths.pareto_lengths`): the
+  shortest ``limit / 16``, median ``limit / 8``, and 1 in 16 running to the limit.  Each
+  response draws its own length, so a group's samples differ, as a real policy's do."""
+  import jax
   import numpy as np
-  u = np.asarray([(zlib.crc32(np.asarray(row, np.int32).tobytes()) % 65536 + 1) / 65536
-                  for row in np.asarray(prompt_BP)])
-  return np.minimum(limit, np.ceil(limit / 16 / u)).astype(np.int32)
+  from benchmarks.lengths import length_params, pareto_lengths, place
+  stage, state, frozen = run["stage"], run["state"], run["frozen"]
+  cfg, tok = stage.model_cfg("policy"), stage.tok
+  ends = sorted({int(t) for t in np.asarray(stage.batch(0)["prompt"])[:, -1]})
+  params, _ = length_params(
+      cfg, jax.random.key(stage.cfg.seed), eos_id=tok.eos_id, max_len=LONGTAIL_LIMIT,
+      reserved=tuple(range(tok.vocab_size)),
+      start={t: pareto_lengths(LONGTAIL_LIMIT, LONGTAIL_LIMIT // 16) for t in ends})
+  run["state"] = state.replace(params={**state.params,
+                                       "policy": place(params, state.params["policy"])})
+  run["frozen"] = {**frozen, "reference": place(params, frozen["reference"])}
 
 
 # The arms of the long-tail workload: name -> (rollout.refill, rollout.length_buckets,
@@ -512,8 +520,8 @@ def worker_spread(name: str, steps: int) -> dict:
 def worker_longtail(name: str, steps: int) -> dict:
   """GRPO steps of the arms of :data:`LONGTAIL_ARMS` (with and without in-flight refill, with
   and without length buckets for the phases after generation) alternating in one process
-  (the same starting parameters; each arm its own batches, lengths from
-  :func:`longtail_lengths`): median step time, useful (trained response) tokens per second,
+  (the same starting parameters, :func:`longtail_policy`; each arm its own batches and
+  sampled lengths): median step time, useful (trained response) tokens per second,
   and the fraction of the decode loop's row-steps that produced a trained token.  Untimed
   steps first (one, or three for a bucketed arm, whose later programs compile once per
   width); a timed step that still met a new width is left out of its arm's median."""
@@ -525,13 +533,12 @@ def worker_longtail(name: str, steps: int) -> dict:
   for arm, (refill, buckets, leftover, pack) in LONGTAIL_ARMS.items():
     runs[arm] = _workload_run("grpo", longtail_config(refill, buckets=buckets,
                                                       leftover=leftover, pack=pack))
+    longtail_policy(runs[arm])
     runs[arm]["widths"] = set()
 
   def step(r, s):
     stage = r["stage"]
-    batch = stage.batch(s)
-    batch["stop_at"] = longtail_lengths(batch["prompt"])
-    batch = put_batch(stage.mesh, batch)
+    batch = put_batch(stage.mesh, stage.batch(s))
     with jax.set_mesh(stage.mesh):
       if r["fn"] is None:
         r["fn"], _ = prepare_step(stage, r["state"], r["frozen"], batch)
@@ -543,16 +550,14 @@ def worker_longtail(name: str, steps: int) -> dict:
                                            "pack/update_rows"))
     new = any(w is not None for w in width) and width not in r["widths"]
     r["widths"].add(width)
-    return time.perf_counter() - t0, metrics, np.asarray(jax.device_get(batch["stop_at"])), new
+    return time.perf_counter() - t0, metrics, new
 
   def generate(r, s):
     """The generate phase alone, its own program: seconds."""
     from jaxrlhf.train import phases
     from jaxrlhf.train.types import StepCarry
     stage = r["stage"]
-    batch = stage.batch(s)
-    batch["stop_at"] = longtail_lengths(batch["prompt"])
-    batch = put_batch(stage.mesh, {k: v for k, v in batch.items() if k != "host"})
+    batch = put_batch(stage.mesh, {k: v for k, v in stage.batch(s).items() if k != "host"})
     with jax.set_mesh(stage.mesh):
       if "gen" not in r:
         r["gen"] = jax.jit(lambda st, fr, b: phases.generate(stage, fr, b,
@@ -577,14 +582,10 @@ def worker_longtail(name: str, steps: int) -> dict:
   out = {"workload": name, "params": PARAM_COUNT, "steps": steps, "limit": LONGTAIL_LIMIT,
          "rows": rows}
   for arm, (refill, buckets, leftover, pack) in LONGTAIL_ARMS.items():
-    clean = [x for x in rec[arm] if not x[3]] or rec[arm]
-    times = [t for t, _, _, _ in clean]
-    tokens = [m["rollout/tokens"] for _, m, _, _ in clean]
-    if refill:
-      loop = [m["rollout/decode_steps"] for _, m, _, _ in clean]
-    else:  # the loop runs to the longest row: the longest forced length, an upper bound
-      loop = [float(lens.max()) for _, _, lens, _ in clean]
-    queued = [lens for _, _, lens, _ in clean]
+    clean = [x for x in rec[arm] if not x[2]] or rec[arm]
+    times = [t for t, _, _ in clean]
+    tokens = [m["rollout/tokens"] for _, m, _ in clean]
+    loop = [m["rollout/decode_steps"] for _, m, _ in clean]
     x = {"step_s": _median_min_max(times), "median_step_s": statistics.median(times),
          "generate_s": statistics.median(gen[arm]) if gen[arm] else None,
          "useful_tokens_per_s": sum(tokens) / sum(times),
@@ -592,25 +593,24 @@ def worker_longtail(name: str, steps: int) -> dict:
          "decode_steps": statistics.median(loop),
          "useful_slot_fraction": sum(tokens) / (rows * sum(loop)),
          "update_slot_fraction": sum(tokens) / (rows * LONGTAIL_LIMIT * len(clean)),
-         "queued_median_length": float(np.median(np.concatenate(queued))),
          "response_length_mean": statistics.mean(m["response_length/mean"]
-                                                 for _, m, _, _ in clean),
+                                                 for _, m, _ in clean),
          "timed_steps": len(clean)}
     if buckets:
-      widths = [m["rollout/update_width"] for _, m, _, _ in clean]
+      widths = [m["rollout/update_width"] for _, m, _ in clean]
       x["update_width_mean"] = statistics.mean(widths)
       x["update_slot_fraction"] = sum(tokens) / (rows * sum(widths))
     if pack:
       # Real (prompt and response) tokens over the packed rows' slots, and the rows.
       x["pack_useful_fraction"] = statistics.mean(m["pack/useful_fraction"]
-                                                  for _, m, _, _ in clean)
-      x["pack_rows_mean"] = statistics.mean(m["pack/rows"] for _, m, _, _ in clean)
+                                                  for _, m, _ in clean)
+      x["pack_rows_mean"] = statistics.mean(m["pack/rows"] for _, m, _ in clean)
       x["update_slot_fraction"] = None  # the rows are packed: see pack_useful_fraction
     if refill:
       for k in ("started", "completed", "dropped", "carried_in", "carried_out"):
         if f"rollout/{k}" in clean[0][1]:
-          x[k] = statistics.mean(m[f"rollout/{k}"] for _, m, _, _ in clean)
-      x["busy_frac"] = statistics.mean(m["rollout/busy_frac"] for _, m, _, _ in clean)
+          x[k] = statistics.mean(m[f"rollout/{k}"] for _, m, _ in clean)
+      x["busy_frac"] = statistics.mean(m["rollout/busy_frac"] for _, m, _ in clean)
     out[arm] = x
   base = out["no_refill"]
   out["speedup"] = base["median_step_s"] / out["refill"]["median_step_s"]

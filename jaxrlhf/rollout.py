@@ -179,15 +179,6 @@ def _stop_ids(eos_id: int, rollout: RolloutConfig):
   return jnp.asarray(sorted({eos_id, *rollout.stop_token_ids} - {-1}) or [-1], jnp.int32)
 
 
-def _force_stop(tok_B, logp_B, logits_BV, j_B, stop_at_B, eos_id: int):
-  """The benchmark's length oracle: token ``stop_at - 1`` of a response is EOS (``stop_at``
-  per row, 0: no forced stop), its log-prob the policy's for EOS."""
-  forced_B = (stop_at_B > 0) & (j_B + 1 >= stop_at_B)
-  lse_B = jax.nn.logsumexp(logits_BV.astype(jnp.float32), axis=-1)
-  eos_logp_B = logits_BV[:, eos_id].astype(jnp.float32) - lse_B
-  return jnp.where(forced_B, eos_id, tok_B), jnp.where(forced_B, eos_logp_B, logp_B)
-
-
 # ---------------------------------------------------------------------------- validation
 
 
@@ -264,14 +255,13 @@ Advance = Callable[[object, jax.Array, jax.Array, jax.Array], tuple[jax.Array, o
 
 
 def _decode(first_logits_BV, advance: Advance, model_state, key, *, cfg: ModelConfig,
-            rollout: RolloutConfig, eos_id: int, pad_id: int, stop_at_B=None,
+            rollout: RolloutConfig, eos_id: int, pad_id: int,
             block_v: int = KernelsConfig.logprob_block_v):
   """Samples response token 0 from ``first_logits_BV``, then tokens 1.. with ``advance``,
   until ``max_new_tokens`` or every row has emitted a stop token.  Ids of a padded vocabulary
   (``>= cfg.unpadded_vocab_size``) get probability 0, in the log-probs as in the draws.
   ``rollout.row_keys``: row ``r`` is response ``r`` (prompt-major) for :func:`row_keys`.
-  ``stop_at_B``: the length oracle (:func:`_force_stop`), None for none.  ``block_v``: the
-  trainer's vocabulary tile (``kernels.logprob_block_v``, :func:`sample_logits`).
+  ``block_v``: the trainer's vocabulary tile (``kernels.logprob_block_v``, :func:`sample_logits`).
 
   Returns (response_BN, response_mask_BN, logprobs_BN, sample_logprobs_BN, finished_B, steps).
   """
@@ -289,9 +279,6 @@ def _decode(first_logits_BV, advance: Advance, model_state, key, *, cfg: ModelCo
     else:
       tok, logp, slogp = sample_logits(logits_BV, jax.random.fold_in(key, i), rollout,
                                        block_v=block_v)
-    if stop_at_B is not None:
-      tok, logp = _force_stop(tok, logp, logits_BV, jnp.full((rows,), i, jnp.int32),
-                              stop_at_B, eos_id)
     live = ~done
     tok = jnp.where(live, tok, pad_id)
     put = lambda buf, col: jax.lax.dynamic_update_slice_in_dim(buf, col[:, None], i, axis=1)
@@ -362,7 +349,7 @@ def _grow(cache: KVCache, n: int, extra: int, per_layer: bool = False) -> KVCach
       index=cache.index))
 
 
-def _generate(params, prompt_tokens_BP, prompt_mask_BP, key, stop_at_B=None, *,
+def _generate(params, prompt_tokens_BP, prompt_mask_BP, key, *,
               cfg: ModelConfig, rollout: RolloutConfig, eos_id: int, pad_id: int,
               num_samples: int, kernels: KernelsConfig):
   """:func:`generate`, also returning the number of sampling steps taken (for tests)."""
@@ -385,15 +372,13 @@ def _generate(params, prompt_tokens_BP, prompt_mask_BP, key, stop_at_B=None, *,
                        attn_impl=kernels.attention)
     return _rows(lm_logits(dparams, h, cfg)[:, 0]), _constrain_cache(cache)
 
-  stop_at = None if stop_at_B is None else jnp.repeat(stop_at_B.astype(jnp.int32), n)
   decoded = _decode(_rows(first_logits), advance, cache, key, cfg=cfg, rollout=rollout,
-                    eos_id=eos_id, pad_id=pad_id, stop_at_B=stop_at,
-                    block_v=kernels.logprob_block_v)
+                    eos_id=eos_id, pad_id=pad_id, block_v=kernels.logprob_block_v)
   return _assemble(tokens_BP, mask_BP, decoded, n, pad_id), decoded[-1]
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def generate(params, prompt_tokens_BP, prompt_mask_BP, key, stop_at_B=None, *,
+def generate(params, prompt_tokens_BP, prompt_mask_BP, key, *,
              cfg: ModelConfig, rollout: RolloutConfig, eos_id: int, pad_id: int = 0,
              num_samples: int = 1, kernels: KernelsConfig = KernelsConfig()) -> Rollout:
   """Samples ``num_samples`` responses per prompt with a KV cache.
@@ -406,10 +391,9 @@ def generate(params, prompt_tokens_BP, prompt_mask_BP, key, stop_at_B=None, *,
 
   Jitted with the configs static; calling it inside another ``jax.jit`` inlines it.  Under a
   mesh (``jax.set_mesh``), rows are sharded over the data axes and the KV cache over ``tp``
-  by kv head, following :meth:`KVCache.axes`.  ``stop_at_B`` (``[B]`` int, benchmarks only):
-  a length oracle, EOS forced at each prompt's given length (0: none).
+  by kv head, following :meth:`KVCache.axes`.
   """
-  return _generate(params, prompt_tokens_BP, prompt_mask_BP, key, stop_at_B, cfg=cfg,
+  return _generate(params, prompt_tokens_BP, prompt_mask_BP, key, cfg=cfg,
                    rollout=rollout, eos_id=eos_id, pad_id=pad_id, num_samples=num_samples,
                    kernels=kernels)[0]
 
@@ -424,8 +408,7 @@ def _check_refill(prompt_tokens_QP, num_groups: int):
                       f"queue's prompts); queue at least as many prompts as groups train")
 
 
-def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=None,
-                     num_carried=None, *, cfg: ModelConfig, rollout: RolloutConfig, eos_id: int,
+def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, num_carried=None, *, cfg: ModelConfig, rollout: RolloutConfig, eos_id: int,
                      pad_id: int, num_samples: int, num_groups: int,
                      kernels: KernelsConfig) -> tuple[Rollout, Refill]:
   """:func:`generate_refill` (docs/rollout.md, "In-flight refill").
@@ -449,7 +432,7 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=No
   """
   _check(prompt_tokens_QP, prompt_mask_QP, cfg, rollout, eos_id, pad_id, num_samples)
   _check_refill(prompt_tokens_QP, num_groups)
-  loop = _RefillLoop(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q, num_carried,
+  loop = _RefillLoop(params, prompt_tokens_QP, prompt_mask_QP, key, num_carried,
                      cfg=cfg, rollout=rollout, eos_id=eos_id, pad_id=pad_id, n=num_samples,
                      g_n=num_groups, kernels=kernels)
   steps, _, _, _, _, out, group = jax.lax.while_loop(loop.cond, loop.body, loop.init())
@@ -460,7 +443,7 @@ class _RefillLoop:
   """The pieces of :func:`_generate_refill`'s decode loop over one trace: the queue, the
   settings, and the per-row slot, per-group and output state the loop carries."""
 
-  def __init__(self, params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q, num_carried, *,
+  def __init__(self, params, prompt_tokens_QP, prompt_mask_QP, key, num_carried, *,
                cfg, rollout, eos_id, pad_id, n, g_n, kernels):
     self.cfg, self.rollout, self.kernels, self.key = cfg, rollout, kernels, key
     self.eos_id, self.pad_id = eos_id, pad_id
@@ -470,8 +453,6 @@ class _RefillLoop:
     self.tokens_QP = prompt_tokens_QP.astype(jnp.int32)
     self.mask_QP = prompt_mask_QP.astype(bool)
     self.plen_Q = jnp.sum(self.mask_QP, axis=1, dtype=jnp.int32)
-    self.stop_at_Q = (jnp.zeros((self.q_len,), jnp.int32) if stop_at_Q is None
-                      else stop_at_Q.astype(jnp.int32))
     self.stop_ids = _stop_ids(eos_id, rollout)
     self.sample_n = jnp.arange(n, dtype=jnp.int32)
     self.row_R = jnp.arange(self.rows, dtype=jnp.int32)
@@ -496,8 +477,7 @@ class _RefillLoop:
         done=jnp.zeros((rows,), bool), stopped=jnp.zeros((rows,), bool),
         j=jnp.zeros((rows,), jnp.int32),  # tokens sampled so far
         start=jnp.repeat(self.plen_Q[:g_n], n),  # rotary position of response token 0
-        rid=self.row_R,  # response id: prompt index x n + sample
-        stop_at=jnp.repeat(self.stop_at_Q[:g_n], n))
+        rid=self.row_R)  # response id: prompt index x n + sample
     out = dict(resp=slots["resp"], rmask=slots["rmask"], lp=slots["lp"], slp=slots["slp"],
                stopped=slots["stopped"], prompt=jnp.zeros((g_n,), jnp.int32))
     group = dict(prompt=jnp.arange(g_n, dtype=jnp.int32),  # -1: idle (harvested)
@@ -516,7 +496,6 @@ class _RefillLoop:
     logits_RV = _real_vocab(logits_RV, self.cfg)
     tok, logp, slogp = sample_rows(logits_RV, row_keys(self.key, slots["rid"], slots["j"]),
                                    self.rollout, block_v=self.kernels.logprob_block_v)
-    tok, logp = _force_stop(tok, logp, logits_RV, slots["j"], slots["stop_at"], self.eos_id)
     tok = jnp.where(live_R, tok, self.pad_id)
     col = jnp.where(live_R, slots["j"], n_new)  # out of bounds: not written
     put = lambda buf, x: _rows(buf.at[row_R, col].set(x, mode="drop"))  # noqa: E731
@@ -606,8 +585,7 @@ class _RefillLoop:
              "slp": fresh(slots["slp"], 0.0), "done": fresh(slots["done"], False),
              "stopped": fresh(slots["stopped"], False), "j": fresh(slots["j"], 0),
              "start": fresh(slots["start"], self.plen_Q[q]),
-             "rid": fresh(slots["rid"], q * n + row_R - r0),
-             "stop_at": fresh(slots["stop_at"], self.stop_at_Q[q])}
+             "rid": fresh(slots["rid"], q * n + row_R - r0)}
     # Token 0 of the group's rows (every row samples; only these rows keep theirs).
     logits_RV = jnp.zeros((rows, logits_1V.shape[-1]), logits_1V.dtype)
     logits_RV = jnp.where(mine_R[:, None], logits_1V, logits_RV)
@@ -663,8 +641,7 @@ class _RefillLoop:
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("num_groups",))
-def generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=None,
-                    num_carried=None, *, cfg: ModelConfig, rollout: RolloutConfig, eos_id: int,
+def generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, num_carried=None, *, cfg: ModelConfig, rollout: RolloutConfig, eos_id: int,
                     pad_id: int = 0, num_samples: int = 1, num_groups: int = 1,
                     kernels: KernelsConfig = KernelsConfig()) -> tuple[Rollout, Refill]:
   """Continuous batching on fixed shapes: ``num_groups`` groups of ``num_samples`` rows
@@ -684,8 +661,7 @@ def generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q=Non
   ``num_groups - num_carried`` others to complete.  ``refill.leftover_index_G`` and
   ``stats["carried_out"]`` then name the groups started but not trained, for
   :func:`carry_take`; ``stats`` also holds ``carried_in`` and ``trained``."""
-  return _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, stop_at_Q,
-                          num_carried, cfg=cfg, rollout=rollout, eos_id=eos_id, pad_id=pad_id,
+  return _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, num_carried, cfg=cfg, rollout=rollout, eos_id=eos_id, pad_id=pad_id,
                           num_samples=num_samples, num_groups=num_groups, kernels=kernels)
 
 

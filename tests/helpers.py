@@ -6,6 +6,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrlhf.config import MeshConfig, ModelConfig
 from jaxrlhf.mesh import make_mesh
@@ -67,3 +68,26 @@ def real_model(name: str = "smollm2-135m-instruct"):
       _REAL[name] = (None, f"{name} could not be prepared here ({type(e).__name__}: "
                            f"{str(e)[:200]}); python -m jaxrlhf.model.hf.prepare {name}")
   return _REAL[name]
+
+
+def with_length_model(stage, state, frozen, max_len, reserved=tuple(range(20)), key=7):
+  """``(state, frozen, levels)``: the stage's policy (and reference) replaced by
+  :mod:`benchmarks.lengths`' decoder, whose response to a prompt is as long as the prompt's
+  last token says (:func:`set_lengths`).  ``reserved``: ids kept out of the levels (the
+  tokenizer's specials, digits and operators)."""
+  from benchmarks.lengths import length_params, place
+  params, levels = length_params(stage.model_cfg("policy"), jax.random.key(key),
+                                 eos_id=stage.tok.eos_id, max_len=max_len, reserved=reserved)
+  state = state.replace(params={**state.params,
+                                "policy": place(params, state.params["policy"])})
+  if "reference" in frozen:
+    frozen = {**frozen, "reference": place(params, frozen["reference"])}
+  return state, frozen, levels
+
+
+def set_lengths(batch, levels, lengths):
+  """``batch`` with each prompt's last token the one whose response is ``lengths[i]`` tokens
+  long, EOS included (0: no EOS, to the limit)."""
+  prompt = np.array(batch["prompt"])
+  prompt[:, -1] = [levels.token(int(n), i) for i, n in enumerate(lengths)]
+  return {**batch, "prompt": prompt}

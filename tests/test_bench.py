@@ -279,3 +279,13 @@ def test_turns_workload_reports_turns_and_useful_tokens():
   assert r["useful_tokens_per_s"] >= r["policy_tokens_per_s"] > 0
   assert 0 < r["useful_fraction"] <= 1 and 0 < r["episodes_share"] < 1
   assert "turns/s" in suite.report_turns(r)
+
+
+def test_the_long_tail_is_the_documented_pareto_tail():
+  """benchmarks.lengths.pareto_lengths: P(L) = s/(L-1) - s/L, median 2s, and s/(limit-1) of
+  the responses running to the limit (the long-tail workload's policy)."""
+  from benchmarks.lengths import pareto_lengths
+  p = pareto_lengths(128, 8)
+  assert len(p) == 129 and abs(sum(p) - 1) < 1e-12 and p[1:9] == [0.0] * 8
+  assert abs(sum(p[1:17]) - 0.5) < 1e-12  # median 16
+  assert abs(p[0] - 8 / 127) < 1e-12 and abs(p[20] - (8 / 19 - 8 / 20)) < 1e-12

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import mesh
+from helpers import mesh, set_lengths, with_length_model
 from jaxrlhf.config import (ConfigError, DataConfig, ExperimentConfig, GRPOConfig,
                             ModelConfig, OptimizerConfig, PPOConfig, RewardConfig,
                             RolloutConfig, validate)
@@ -23,8 +23,9 @@ MODEL = ModelConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads
 DATA = DataConfig(task="addition", digits=1, max_prompt_len=5, max_response_len=3, eval_size=8)
 OPT = OptimizerConfig(lr=1e-3, warmup_steps=0, schedule="constant", eps=1e-3)
 N = 16
-# The length oracle, one length per prompt: step 0's responses end within 5 of the 16 slots
-# (the width-8 bucket), step 1's within 9 (width 12), step 2's back in width 8.
+# One response length per prompt (the policy is benchmarks/lengths.py's decoder: a prompt's
+# last token sets it): step 0's responses end within 5 of the 16 slots (the width-8 bucket),
+# step 1's within 9 (width 12), step 2's back in width 8.
 STOP_AT = [np.asarray([1, 5, 2, 3], np.int32), np.asarray([9, 2, 4, 1], np.int32),
            np.asarray([2, 2, 6, 1], np.int32)]
 
@@ -46,12 +47,12 @@ def config(algo="grpo", buckets=0, refill=False, leftover="drop", **kw):
 def run_steps(cfg, m, algo="grpo", steps=3):
   stage = build_stage(algo, cfg, m, DataSource(cfg.data, cfg.seed))
   state, frozen = stage.init(jax.random.key(0), {})
+  state, frozen, levels = with_length_model(stage, state, frozen, N)
   out, fn = [], None
   for step in range(steps):
     batch = stage.batch(step)
-    batch["stop_at"] = STOP_AT[step][:batch["prompt"].shape[0]] if not cfg.rollout.refill \
-        else np.concatenate([STOP_AT[step], STOP_AT[step]])
-    batch = put_batch(m, batch)
+    lengths = np.resize(STOP_AT[step], batch["prompt"].shape[0])
+    batch = put_batch(m, set_lengths(batch, levels, lengths))
     with jax.set_mesh(m):
       fn = fn or stage.make_step_fn(state, frozen, batch)
       state, metrics = fn(state, frozen, batch)

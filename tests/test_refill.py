@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import TINY, mesh, ragged_batch
+from benchmarks.lengths import length_params
+from helpers import TINY, mesh, ragged_batch, set_lengths, with_length_model
 from jaxrlhf import model as M
 from jaxrlhf import results
 from jaxrlhf import rewards as RW
@@ -33,44 +34,59 @@ from jaxrlhf.train.types import StepCarry
 CFG = dataclasses.replace(TINY, init_std=0.3)
 P, N, n, G, Q = 8, 12, 2, 3, 8
 EOS = 5
-# A length per prompt (the length oracle, 0: none): short and long mixed, so groups finish at
-# different loop steps and the queue's later prompts start in refilled slots.
+# A length per prompt (0: none, to the limit): short and long mixed, so groups finish at
+# different loop steps and the queue's later prompts start in refilled slots.  The policy is
+# benchmarks/lengths.py's decoder: a prompt's last token sets its responses' length.
 STOP_AT = (3, 12, 1, 5, 0, 7, 2, 4)
+PARAMS, LEVELS = length_params(CFG, jax.random.key(0), eos_id=EOS, max_len=N, reserved=(0, 7))
 
 
 @pytest.fixture(scope="module")
 def params():
-  return M.init_params(CFG, jax.random.key(0))
+  return PARAMS
+
+
+def _prompts(key, lengths):
+  """Ragged prompts whose responses are ``lengths`` long."""
+  tokens, mask = ragged_batch(key, Q, P, CFG.vocab_size)
+  return jnp.asarray(set_lengths({"prompt": tokens}, LEVELS, lengths)["prompt"]), mask
 
 
 @pytest.fixture(scope="module")
 def prompts():
-  return ragged_batch(jax.random.key(1), Q, P, CFG.vocab_size)
+  return _prompts(jax.random.key(1), STOP_AT)
 
 
 def _ro(**kw):
   return RolloutConfig(max_new_tokens=N, row_keys=True, stop_token_ids=(7,), **kw)
 
 
-def _plain(params, prompts, stop_at, **kw):
+def _plain(params, prompts, key=3, **kw):
   """No refill, per-response keys: (rollout, loop steps)."""
-  fn = jax.jit(lambda p, t, m, k, s: R._generate(
-      p, t, m, k, s, cfg=CFG, rollout=_ro(**kw), eos_id=EOS, pad_id=0, num_samples=n,
+  fn = jax.jit(lambda p, t, m, k: R._generate(
+      p, t, m, k, cfg=CFG, rollout=_ro(**kw), eos_id=EOS, pad_id=0, num_samples=n,
       kernels=KernelsConfig()))
-  return fn(params, *prompts, jax.random.key(3), stop_at)
+  return fn(params, *prompts, jax.random.key(key))
 
 
-def _refill(params, prompts, stop_at, groups=G, **kw):
-  return R.generate_refill(params, *prompts, jax.random.key(3), stop_at, cfg=CFG,
+def _refill(params, prompts, groups=G, **kw):
+  return R.generate_refill(params, *prompts, jax.random.key(3), cfg=CFG,
                            rollout=_ro(**kw), eos_id=EOS, num_samples=n, num_groups=groups)
+
+
+def test_the_policy_s_lengths_are_the_prompts(params, prompts):
+  """The length model answers each prompt with exactly its length (0: to the limit)."""
+  ro, _ = _plain(params, prompts, top_k=8, top_p=0.9)
+  want = np.repeat([x or N for x in STOP_AT], n)
+  np.testing.assert_array_equal(ro.lengths_B, want)
+  np.testing.assert_array_equal(ro.finished_B, np.repeat([x > 0 for x in STOP_AT], n))
 
 
 @pytest.mark.parametrize("sampling", [{}, {"top_k": 8, "top_p": 0.9}])
 def test_each_refilled_response_equals_its_prompt_decoded_without_refill(params, prompts,
                                                                          sampling):
-  stop_at = jnp.asarray(STOP_AT)
-  ref, _ = _plain(params, prompts, stop_at, **sampling)
-  got, info = _refill(params, prompts, stop_at, **sampling)
+  ref, _ = _plain(params, prompts, **sampling)
+  got, info = _refill(params, prompts, **sampling)
   index = np.asarray(info.prompt_index_G)
   assert len(set(index)) == G and index.max() >= G, index  # at least one refilled group
   for g, q in enumerate(index):
@@ -90,17 +106,16 @@ def test_each_refilled_response_equals_its_prompt_decoded_without_refill(params,
 
 def test_row_keys_make_a_response_independent_of_its_batch(params, prompts):
   """Per-response keys: prompt q's responses are the same decoded alone or in the batch."""
-  stop_at = jnp.asarray(STOP_AT)
-  ref, _ = _plain(params, prompts, stop_at)
+  ref, _ = _plain(params, prompts)
   q = 5
-  one, _ = jax.jit(lambda p, t, m, k, s: R._generate(
-      p, t, m, k, s, cfg=CFG, rollout=_ro(), eos_id=EOS, pad_id=0, num_samples=n,
+  one, _ = jax.jit(lambda p, t, m, k: R._generate(
+      p, t, m, k, cfg=CFG, rollout=_ro(), eos_id=EOS, pad_id=0, num_samples=n,
       kernels=KernelsConfig()))(params, prompts[0][q:q + 1], prompts[1][q:q + 1],
-                                jax.random.key(3), stop_at[q:q + 1])
+                                jax.random.key(3))
   # Response ids count from the batch's first prompt: alone, prompt q is response 0..n-1, so
   # compare against a batch whose prompt 0 is q.
   perm = jnp.asarray([q] + [i for i in range(Q) if i != q])
-  moved, _ = _plain(params, (prompts[0][perm], prompts[1][perm]), stop_at[perm])
+  moved, _ = _plain(params, (prompts[0][perm], prompts[1][perm]))
   np.testing.assert_array_equal(one.tokens_BT, moved.tokens_BT[:n])
   assert not np.array_equal(np.asarray(ref.tokens_BT[:n]), np.asarray(moved.tokens_BT[:n]))
 
@@ -108,9 +123,9 @@ def test_row_keys_make_a_response_independent_of_its_batch(params, prompts):
 def test_the_quota_stops_the_loop_before_the_slowest_row(params, prompts):
   """One prompt runs to the limit, the rest stop early: without refill the loop runs N steps;
   with refill it stops once G groups are complete."""
-  stop_at = jnp.asarray((N, 2, 3, 2, 1, 3, 2, 2))
-  _, plain_steps = _plain(params, prompts, stop_at)
-  got, info = _refill(params, prompts, stop_at)
+  prompts = _prompts(jax.random.key(1), (N, 2, 3, 2, 1, 3, 2, 2))
+  _, plain_steps = _plain(params, prompts)
+  got, info = _refill(params, prompts)
   st = {k: int(v) for k, v in info.stats.items()}
   assert int(plain_steps) == N
   assert st["steps"] < N // 2, st
@@ -120,8 +135,7 @@ def test_the_quota_stops_the_loop_before_the_slowest_row(params, prompts):
 
 
 def test_groups_stay_together_in_completion_order(params, prompts):
-  stop_at = jnp.asarray(STOP_AT)
-  got, info = _refill(params, prompts, stop_at)
+  got, info = _refill(params, prompts)
   tokens, mask = np.asarray(got.tokens_BT), np.asarray(got.mask_BT)
   ptok, pmask = np.asarray(prompts[0]), np.asarray(prompts[1])
   for g, q in enumerate(np.asarray(info.prompt_index_G)):
@@ -140,20 +154,21 @@ LONG_TAIL = (N, 2, 3, 2, 1, 3, 2, 2)  # prompt 0 runs to the limit: unfinished a
 
 
 def _refill_carry(params, queue, count, key):
-  return R.generate_refill(params, queue["prompt"], queue["prompt_mask"], key, queue["stop_at"],
-                           count, cfg=CFG, rollout=_ro(), eos_id=EOS, num_samples=n,
-                           num_groups=G)
+  return R.generate_refill(params, queue["prompt"], queue["prompt_mask"], key, count, cfg=CFG,
+                           rollout=_ro(), eos_id=EOS, num_samples=n, num_groups=G)
 
 
-def _queue(tokens, mask, stop_at):
-  return {"prompt": tokens, "prompt_mask": mask, "stop_at": jnp.asarray(stop_at, jnp.int32)}
+def _queue(key, lengths):
+  tokens, mask = _prompts(key, lengths)
+  return {"prompt": tokens, "prompt_mask": mask}
 
 
 def test_carry_over_restarts_unfinished_groups_first_in_the_next_queue(params, prompts):
   """Step 1 stops at the quota with prompt 0 unfinished; its prompt (and every other started,
   untrained one) leads step 2's queue, is trained in step 2, and each of its responses equals
   a plain decode of step 2's queue under step 2's key: restarted, on-policy."""
-  q1 = _queue(*prompts, LONG_TAIL)
+  q1 = _queue(jax.random.key(1), LONG_TAIL)
+  prompts = (q1["prompt"], q1["prompt_mask"])
   ro1, info1 = _refill_carry(params, q1, jnp.int32(0), jax.random.key(3))
   st1 = {k: int(v) for k, v in info1.stats.items()}
   assert st1["carried_in"] == 0 and st1["trained"] == G
@@ -167,7 +182,7 @@ def test_carry_over_restarts_unfinished_groups_first_in_the_next_queue(params, p
   # Step 2: the carried prompts first, then a new batch with short responses.
   count = info1.stats["carried_out"]
   carried = R.carry_take(q1, info1.leftover_index_G, count)
-  new = _queue(*ragged_batch(jax.random.key(7), Q, P, CFG.vocab_size), (2, 1, 3, 2, 1, 2, 1, 3))
+  new = _queue(jax.random.key(7), (2, 1, 3, 2, 1, 2, 1, 3))
   q2 = R.carry_queue(carried, count, new)
   c = len(left)
   for k in q2:
@@ -179,10 +194,7 @@ def test_carry_over_restarts_unfinished_groups_first_in_the_next_queue(params, p
   assert st2["carried_in"] == c and set(range(c)) <= set(index2.tolist())
   assert st2["steps"] == N  # the loop waits for the carried long group
   assert st2["started"] == st2["trained"] + st2["carried_out"]
-  ref, _ = jax.jit(lambda p, t, m, k, s: R._generate(
-      p, t, m, k, s, cfg=CFG, rollout=_ro(), eos_id=EOS, pad_id=0, num_samples=n,
-      kernels=KernelsConfig()))(params, q2["prompt"], q2["prompt_mask"], jax.random.key(4),
-                                q2["stop_at"])
+  ref, _ = _plain(params, (q2["prompt"], q2["prompt_mask"]), key=4)
   ptok = np.asarray(prompts[0])
   for g, q in enumerate(index2):
     a, b = slice(g * n, (g + 1) * n), slice(q * n, (q + 1) * n)
@@ -201,9 +213,9 @@ def test_carry_over_restarts_unfinished_groups_first_in_the_next_queue(params, p
 def test_carry_over_with_nothing_carried_trains_what_drop_trains(params, prompts):
   """Carry mode with an empty carry trains the same groups as drop mode (only the leftovers
   are kept instead of thrown away)."""
-  stop_at = jnp.asarray(STOP_AT)
-  drop, drop_info = _refill(params, prompts, stop_at)
-  carry, carry_info = _refill_carry(params, _queue(*prompts, STOP_AT), jnp.int32(0), jax.random.key(3))
+  drop, drop_info = _refill(params, prompts)
+  carry, carry_info = _refill_carry(params, {"prompt": prompts[0], "prompt_mask": prompts[1]},
+                                    jnp.int32(0), jax.random.key(3))
   np.testing.assert_array_equal(carry_info.prompt_index_G, drop_info.prompt_index_G)
   np.testing.assert_array_equal(carry.tokens_BT, drop.tokens_BT)
   assert int(carry_info.stats["steps"]) == int(drop_info.stats["steps"])
@@ -212,7 +224,7 @@ def test_carry_over_with_nothing_carried_trains_what_drop_trains(params, prompts
 
 def test_refill_queue_shorter_than_the_groups_is_refused(params, prompts):
   with pytest.raises(ConfigError, match="num_groups"):
-    _refill(params, (prompts[0][:2], prompts[1][:2]), jnp.asarray(STOP_AT[:2]), groups=3)
+    _refill(params, (prompts[0][:2], prompts[1][:2]), groups=3)
 
 
 # ------------------------------------------------------------------------- the trainer
@@ -232,18 +244,28 @@ def config(sources=("rule:exact_match",), leftover="drop", **grpo):
                       reward=RewardConfig(sources=sources), **grpo))
 
 
-def _batch(stage, m, step):
-  batch = stage.batch(step)
-  batch["stop_at"] = TRAIN_STOP_AT  # the length oracle: groups end at different steps
-  return put_batch(m, batch)
+def _setup(cfg, m):
+  """The stage, its state and frozen roles, the policy (and reference) the length model."""
+  stage = build_stage("grpo", cfg, m, DataSource(cfg.data, cfg.seed))
+  state, frozen = stage.init(jax.random.key(0), {})
+  state, frozen, levels = with_length_model(stage, state, frozen, cfg.rollout.max_new_tokens)
+  return stage, state, frozen, levels
+
+
+def _host_batch(stage, levels, step):
+  """Step ``step``'s batch, its prompts ending so that groups end at different steps."""
+  return set_lengths(stage.batch(step), levels, TRAIN_STOP_AT)
+
+
+def _batch(stage, levels, m, step):
+  return put_batch(m, _host_batch(stage, levels, step))
 
 
 def run_steps(cfg, m, steps=1):
-  stage = build_stage("grpo", cfg, m, DataSource(cfg.data, cfg.seed))
-  state, frozen = stage.init(jax.random.key(0), {})
+  stage, state, frozen, levels = _setup(cfg, m)
   out, fn = [], None
   for step in range(steps):
-    batch = _batch(stage, m, step)
+    batch = _batch(stage, levels, m, step)
     with jax.set_mesh(m):
       fn = fn or stage.make_step_fn(state, frozen, batch)
       state, metrics = fn(state, frozen, batch)
@@ -276,10 +298,9 @@ def test_answers_and_host_examples_follow_their_groups(tmp_path, monkeypatch):
                       lambda r, rm, a, am, *, eos_id: a[:, 0].astype(jnp.float32))
   cfg = config(sources=("rule:answer_token",))
   m = mesh()
-  stage = build_stage("grpo", cfg, m, DataSource(cfg.data, cfg.seed))
-  state, frozen = stage.init(jax.random.key(0), {})
-  host_batch = stage.batch(0)
-  batch = _batch(stage, m, 0)
+  stage, state, frozen, levels = _setup(cfg, m)
+  host_batch = _host_batch(stage, levels, 0)
+  batch = _batch(stage, levels, m, 0)
   c = jax.jit(lambda st, fr, b: phases.reward(stage, fr, b, phases.generate(
       stage, fr, b, StepCarry(state=st))))(state, frozen, batch)
   index = np.asarray(c.rollout.prompt_index_B)
@@ -323,22 +344,20 @@ def test_carried_prompts_bring_their_answers(monkeypatch):
                       lambda r, rm, a, am, *, eos_id: a[:, 0].astype(jnp.float32))
   cfg = config(sources=("rule:answer_token",), leftover="carry")
   m = mesh()
-  stage = build_stage("grpo", cfg, m, DataSource(cfg.data, cfg.seed))
-  state, frozen = stage.init(jax.random.key(0), {})
+  stage, state, frozen, levels = _setup(cfg, m)
   gen = jax.jit(lambda st, fr, b: phases.reward(stage, fr, b, phases.generate(
       stage, fr, b, StepCarry(state=st))))
-  c1 = gen(state, frozen, _batch(stage, m, 0))
+  c1 = gen(state, frozen, _batch(stage, levels, m, 0))
   carry = jax.device_get(c1.state.extras["carry"])
   count = int(carry["count"])
   assert count == c1.metrics["rollout/carried_out"] > 0
-  host0, host1 = stage.batch(0), stage.batch(1)
+  host0, host1 = _host_batch(stage, levels, 0), _host_batch(stage, levels, 1)
   index1 = set(np.asarray(c1.rollout.prompt_index_B).tolist())
   left = [q for q in range(int(c1.metrics["rollout/started"])) if q not in index1]
   np.testing.assert_array_equal(carry["answer"][:count], host0["answer"][left])
   np.testing.assert_array_equal(carry["prompt"][:count], host0["prompt"][left])
-  np.testing.assert_array_equal(carry["stop_at"][:count], TRAIN_STOP_AT[left])
 
-  c2 = gen(c1.state, frozen, _batch(stage, m, 1))
+  c2 = gen(c1.state, frozen, _batch(stage, levels, m, 1))
   queue = {k: np.concatenate([carry[k][:count], host1[k][:8 - count]])
            for k in ("prompt", "prompt_mask", "answer")}
   index2 = np.asarray(c2.rollout.prompt_index_B)

@@ -337,14 +337,15 @@ def test_unrolled_decode_is_the_scanned_decode_bit_for_bit(prompts, cfg):
   # XLA may skip the scanned loop's per-token rounding of the weights to bfloat16, which the
   # unrolled loop does once, as written: benchmarks/NOTES.md, change 14.)
   params = M.init_params(cfg, jax.random.key(0))
-  ro = RolloutConfig(max_new_tokens=N, temperature=1.0, top_k=20)
+  # A third of the ids stop a response: early ends, so that groups are refilled.
+  ro = RolloutConfig(max_new_tokens=N, temperature=1.0, top_k=20,
+                     stop_token_ids=tuple(range(8, 8 + cfg.vocab_size // 3)))
   outs = {}
   for decode in ("scanned", "unrolled"):
     kern = KernelsConfig(decode=decode)
     plain = R.generate(params, *prompts, jax.random.key(5), cfg=cfg, rollout=ro, eos_id=3,
                        num_samples=2, kernels=kern)
-    stop_at = jnp.asarray([3, 5, 2, 4])  # early ends, so that groups are refilled
-    refill = R.generate_refill(params, *prompts, jax.random.key(5), stop_at, cfg=cfg,
+    refill = R.generate_refill(params, *prompts, jax.random.key(5), cfg=cfg,
                                rollout=ro, eos_id=3, num_samples=2, num_groups=2, kernels=kern)
     outs[decode] = (plain, refill[0])
     stats = refill[1].stats

@@ -66,22 +66,22 @@ def generate(stage, frozen, batch, c: StepCarry) -> StepCarry:
     policy = jax.lax.with_sharding_constraint(policy, stage.decode_shardings)
   kw = dict(cfg=stage.model_cfg("policy"), rollout=stage.cfg.rollout, eos_id=tok.eos_id,
             pad_id=tok.pad_id, num_samples=stage.n, kernels=stage.cfg.kernels)
-  # "stop_at": a benchmark's length oracle (benchmarks/suite.py, grpo_longtail); absent
-  # from the trainer's batches.
   if stage.cfg.rollout.refill and stage.cfg.rollout.refill_leftover == "carry":
     return _refill_carry(stage, batch, c.replace(state=c.state.replace(rng=rng)), policy, k,
                          kw)
   if stage.cfg.rollout.refill:
     return _refill(stage, batch, c.replace(state=c.state.replace(rng=rng)),
                    *sample_refill(policy, batch["prompt"], batch["prompt_mask"], k,
-                                  batch.get("stop_at"), num_groups=stage.scfg.batch_size, **kw))
-  ro = sample(policy, batch["prompt"], batch["prompt_mask"], k, batch.get("stop_at"), **kw)
+                                  num_groups=stage.scfg.batch_size, **kw))
+  ro = sample(policy, batch["prompt"], batch["prompt_mask"], k, **kw)
   rollout = ro.replace(sample_logp_BN=None)  # the step trains on the policy's own
-  # A prompt bucket's columns (rollout.prompt_buckets), for the work accounting.
-  width = ({"rollout/prompt_width": jnp.float32(rollout.prompt_len)}
-           if rollout.prompt_len != stage.P else {})
+  # The loop's sampling steps: it runs until its longest response ends (refill reports its
+  # own); a prompt bucket's columns (rollout.prompt_buckets), for the work accounting.
+  metrics = {"rollout/decode_steps": jnp.max(rollout.lengths_B).astype(jnp.float32)}
+  if rollout.prompt_len != stage.P:
+    metrics["rollout/prompt_width"] = jnp.float32(rollout.prompt_len)
   return c.replace(state=c.state.replace(rng=rng), rollout=rollout,
-                   metrics={**c.metrics, **width})
+                   metrics={**c.metrics, **metrics})
 
 
 def _refill(stage, batch, c: StepCarry, ro: Rollout, refill) -> StepCarry:
@@ -104,9 +104,8 @@ def _refill(stage, batch, c: StepCarry, ro: Rollout, refill) -> StepCarry:
   return c.replace(rollout=rollout, metrics={**c.metrics, **metrics})
 
 
-# What a carried prompt brings to the next step's queue (``stop_at``: 0 where the batch has no
-# length oracle, which is no forced stop).
-CARRIED = ("prompt", "prompt_mask", "answer", "answer_mask", "stop_at")
+# What a carried prompt brings to the next step's queue.
+CARRIED = ("prompt", "prompt_mask", "answer", "answer_mask")
 
 
 def initial_carry(batch_size: int, prompt_len: int, answer_len: int) -> dict:
@@ -115,8 +114,7 @@ def initial_carry(batch_size: int, prompt_len: int, answer_len: int) -> dict:
   return {"prompt": jnp.zeros((b, prompt_len), jnp.int32),
           "prompt_mask": jnp.zeros((b, prompt_len), bool),
           "answer": jnp.zeros((b, answer_len), jnp.int32),
-          "answer_mask": jnp.zeros((b, answer_len), bool),
-          "stop_at": jnp.zeros((b,), jnp.int32), "count": jnp.zeros((), jnp.int32)}
+          "answer_mask": jnp.zeros((b, answer_len), bool), "count": jnp.zeros((), jnp.int32)}
 
 
 def _refill_carry(stage, batch, c: StepCarry, policy, key, kw) -> StepCarry:
@@ -125,17 +123,13 @@ def _refill_carry(stage, batch, c: StepCarry, policy, key, kw) -> StepCarry:
   ``state.extras["carry"]`` for the next step.  :func:`_refill` takes each row's answer from
   the queue."""
   carried = c.state.extras["carry"]
-  q_len = batch["prompt"].shape[0]
   new = {"prompt": batch["prompt"].astype(jnp.int32),
          "prompt_mask": batch["prompt_mask"].astype(bool),
          "answer": batch["answer"].astype(jnp.int32),
-         "answer_mask": batch["answer_mask"].astype(bool),
-         "stop_at": (batch["stop_at"].astype(jnp.int32) if "stop_at" in batch
-                     else jnp.zeros((q_len,), jnp.int32))}
+         "answer_mask": batch["answer_mask"].astype(bool)}
   queue = carry_queue({k: carried[k] for k in CARRIED}, carried["count"], new)
   ro, refill = sample_refill(policy, queue["prompt"], queue["prompt_mask"], key,
-                             queue["stop_at"], carried["count"], num_groups=stage.scfg.batch_size,
-                             **kw)
+                             carried["count"], num_groups=stage.scfg.batch_size, **kw)
   left = carry_take(queue, refill.leftover_index_G, refill.stats["carried_out"])
   extras = {**c.state.extras, "carry": {**left, "count": refill.stats["carried_out"]}}
   c = _refill(stage, queue, c.replace(state=c.state.replace(extras=extras)), ro, refill)
