@@ -475,7 +475,7 @@ def test_truncated_importance_correction_of_stale_rollouts():
   def setup(cap):
     cfg = pools_config(steps=2, mode="async", is_correction=cap)
     stage = PPOStage(cfg, m, DataSource(cfg.data, cfg.seed))
-    extras = {k: v for k, v in stage.initial_extras().items() if k != "reward_stats"}
+    extras = stage.initial_extras().replace(reward_stats=None)
     state, frozen = init_roles(stage, stage_key(cfg), {}, ["policy"], ["reference"], extras)
     return stage, state, frozen
 

@@ -354,7 +354,8 @@ def test_repeated_non_finite_updates_stop_a_pool_after_a_checkpoint():
   counts = iter([0, 2, 3])
 
   def program(state, step):
-    return types.SimpleNamespace(extras={"skips/consecutive": jnp.int32(next(counts))}), {
+    skips = types.SimpleNamespace(consecutive=jnp.int32(next(counts)))
+    return types.SimpleNamespace(extras=types.SimpleNamespace(skips=skips)), {
         "loss": float("nan")}
 
   writer = Records()

@@ -334,7 +334,7 @@ def test_grpo_steps_with_carry_over_count_every_started_group():
     assert m["rollout/carried_out"] <= 4 and m["rollout/completed"] >= 4
     if k:
       assert m["rollout/carried_in"] == ms[k - 1]["rollout/carried_out"], k
-  assert int(state.extras["carry"]["count"]) == ms[-1]["rollout/carried_out"]
+  assert int(state.extras.carry.count) == ms[-1]["rollout/carried_out"]
 
 
 def test_carried_prompts_bring_their_answers(monkeypatch):
@@ -348,17 +348,17 @@ def test_carried_prompts_bring_their_answers(monkeypatch):
   gen = jax.jit(lambda st, fr, b: phases.reward(stage, fr, b, phases.generate(
       stage, fr, b, StepCarry(state=st))))
   c1 = gen(state, frozen, _batch(stage, levels, m, 0))
-  carry = jax.device_get(c1.state.extras["carry"])
-  count = int(carry["count"])
+  carry = jax.device_get(c1.state.extras.carry)
+  count = int(carry.count)
   assert count == c1.metrics["rollout/carried_out"] > 0
   host0, host1 = _host_batch(stage, levels, 0), _host_batch(stage, levels, 1)
   index1 = set(np.asarray(c1.rollout.prompt_index_B).tolist())
   left = [q for q in range(int(c1.metrics["rollout/started"])) if q not in index1]
-  np.testing.assert_array_equal(carry["answer"][:count], host0["answer"][left])
-  np.testing.assert_array_equal(carry["prompt"][:count], host0["prompt"][left])
+  np.testing.assert_array_equal(carry.answer[:count], host0["answer"][left])
+  np.testing.assert_array_equal(carry.prompt[:count], host0["prompt"][left])
 
   c2 = gen(c1.state, frozen, _batch(stage, levels, m, 1))
-  queue = {k: np.concatenate([carry[k][:count], host1[k][:8 - count]])
+  queue = {k: np.concatenate([getattr(carry, k)[:count], host1[k][:8 - count]])
            for k in ("prompt", "prompt_mask", "answer")}
   index2 = np.asarray(c2.rollout.prompt_index_B)
   assert set(range(count)) <= set(index2.tolist())  # every carried group trained

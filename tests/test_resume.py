@@ -162,7 +162,7 @@ def test_ppo_killed_after_checkpoint_resumes_bit_identically(tmp_path, jit_cache
   want, _ = _state(ppo_straight, cfg, "ppo", 8)
   _assert_same_state(got, want)
   assert extra["data_position"] == 8 and extra["stage"] == "ppo"
-  assert any("'value'" in k for k in got) and any("'kl'" in k for k in got)
+  assert any("'value'" in k for k in got) and any(".extras.kl." in k for k in got)
   steps = range(5, 9)
   resumed, straight = _metrics(wd, "ppo", steps), _metrics(ppo_straight, "ppo", steps)
   assert sorted(resumed) == list(steps) and resumed == straight
@@ -245,7 +245,7 @@ def test_nonfinite_stop_checkpoints_the_last_good_state(tmp_path, jit_cache):
     if ".params" in k or ".opt_state" in k:
       assert np.all(np.isfinite(last[k])), k
       assert np.array_equal(last[k], good[k]), k
-  assert int(last[".extras['skips/total']"]) == 2
+  assert int(last[".extras.skips.total"]) == 2
 
 
 # tp=2, not the workers' dp=2: the frozen base is sharded over the data axes (as fsdp), and
@@ -320,9 +320,9 @@ def test_grpo_with_refill_carry_over_resumes_bit_identically(tmp_path, jit_cache
   run trains them in step 5 and ends bit for bit where an uninterrupted one does."""
   straight_dir, wd, cfg, got = _killed_and_resumed_grpo(tmp_path, jit_cache, CARRY_SETS)
   at_kill, _ = _state(wd, cfg, "grpo", 4)
-  count = int(at_kill[".extras['carry']['count']"])
+  count = int(at_kill[".extras.carry.count"])
   assert count > 0  # the checkpoint really carries prompts over
-  assert np.any(at_kill[".extras['carry']['prompt_mask']"][:count])
+  assert np.any(at_kill[".extras.carry.prompt_mask"][:count])
   steps = range(4, 9)
   unbroken = _metrics(straight_dir, "grpo", steps)
   assert unbroken[4]["rollout/carried_out"] == count

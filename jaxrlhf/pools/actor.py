@@ -123,9 +123,9 @@ def _run_actor(cfg, workdir, store, mesh, roles, *, events, log, should_stop, co
   events = events or C.EventLog(None)
   stage = C.build_stage(cfg, mesh)
   trained, frozen_roles = C.pool_roles(stage, ROLE)
+  # The critic owns the reward statistics.
   state, frozen = C.init_roles(stage, C.stage_key(cfg), roles, trained, frozen_roles,
-                               {k: v for k, v in stage.initial_extras().items()
-                                if k != "reward_stats"})
+                               stage.initial_extras().replace(reward_stats=None))
   name, steps = C.pool_name(cfg, ROLE), stage.steps
   writer = writer or MetricsWriter(C.pool_dir(workdir, ROLE, cfg), cfg.logging, {name: steps})
   evaluate = lambda s: stage.evaluate(s, frozen)  # noqa: E731
@@ -258,7 +258,7 @@ class ActorLoop:
     ro = c.rollout
     arrays = {**C.rollout_arrays(ro), "perm_key": jax.device_get(C.keys_of(state)),
               **({} if c.host_score_B is None else C.to_host({"host_score_B": c.host_score_B}))}
-    meta = {"kl_coef": C.scalar(state.extras["kl"].coef), **C.meta_of_metrics(gen_metrics)}
+    meta = {"kl_coef": C.scalar(state.extras.kl.coef), **C.meta_of_metrics(gen_metrics)}
     msg = wire.Message(kind="rollout", run=self.run, batch=b, step=done, policy_version=done,
                        producer=self.consumer, meta=meta, arrays=arrays)
     added = self.store.publish(self.ro_stream, self.ro_index, b, wire.encode(msg),

@@ -154,7 +154,7 @@ def stage_key(cfg: ExperimentConfig) -> jax.Array:
   return jax.random.fold_in(jax.random.key(cfg.seed), list(cfg.stages).index(stage_name(cfg)))
 
 
-def init_roles(stage, key: jax.Array, roles: dict, trainable, frozen, extras: dict):
+def init_roles(stage, key: jax.Array, roles: dict, trainable, frozen, extras):
   """:meth:`Stage.init` of one pool's roles (and the frozen base of a LoRA role it trains):
   the same key per role as the full stage, so each pool's parameters equal the colocated
   run's."""

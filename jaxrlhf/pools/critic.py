@@ -45,7 +45,7 @@ def critic_metrics(stage, frozen, batch, c: StepCarry) -> StepCarry:
   metrics = {k: v for k, v in m.items() if k.startswith(tuple(f"{r}/" for r in trained))}
   if trained:
     metrics.update({f"loss/{trained[0]}": m["loss"], f"{trained[0]}/grad_norm": m["grad_norm"]})
-  metrics["skips/total"] = state.extras["skips/total"]
+  metrics["skips/total"] = state.extras.skips.total
   return c.replace(state=state, metrics=metrics)
 
 
@@ -106,7 +106,7 @@ def _run_critic(cfg, workdir, store, mesh, roles, *, events, log, should_stop, c
     # As the colocated stage warns (RLStage.init): scores from random weights are noise.
     log(f"warning: {name} uses a reward model but no earlier stage trained one; it "
         "starts from random weights (add an 'rm' stage or set reward_model.hf_path)")
-  extras = {k: v for k, v in stage.initial_extras().items() if k != "kl"}
+  extras = stage.initial_extras().replace(kl=None)  # the actor's controller owns it
   state, frozen = C.init_roles(stage, C.stage_key(cfg), roles, trained, frozen_roles, extras)
   fresh = state
   writer = writer or MetricsWriter(C.pool_dir(workdir, ROLE, cfg), cfg.logging, {name: steps})

@@ -17,7 +17,7 @@ from jaxrlhf.mesh import batch_sharding
 from jaxrlhf.model import cast_floating
 from jaxrlhf.train.precision import Precision
 # TrainState lives with the other typed pytrees; importing it from here still works.
-from jaxrlhf.train.types import HostInputs, TrainState  # noqa: F401
+from jaxrlhf.train.types import Extras, HostInputs, Skips, TrainState  # noqa: F401
 
 
 # ------------------------------------------------------------------------------ optimizer
@@ -146,7 +146,7 @@ def update_role(state: "TrainState", role: str, loss_fn, batch: dict, n_micro: i
   extras = count_skip(state.extras, finite)
   state = state.replace(step=state.step + 1, params={**state.params, role: params},
                         opt_state={**state.opt_state, role: opt_state}, extras=extras)
-  return state, {"loss": loss, "grad_norm": gnorm, **aux, "skips/total": extras["skips/total"]}
+  return state, {"loss": loss, "grad_norm": gnorm, **aux, "skips/total": extras.skips.total}
 
 
 def rounding_key(rng: jax.Array, step: jax.Array, index=0) -> jax.Array:
@@ -165,15 +165,11 @@ def minibatch_perms(key, rows: int, num_minibatches: int, epochs: int):
                     for e in range(epochs)])
 
 
-def count_skip(extras: dict, finite: jax.Array) -> dict:
+def count_skip(extras: Extras, finite: jax.Array) -> Extras:
   """Updates the consecutive / total skipped-step counters in ``extras``."""
-  consecutive = jnp.where(finite, 0, extras["skips/consecutive"] + 1)
-  return {**extras, "skips/consecutive": consecutive,
-          "skips/total": extras["skips/total"] + (~finite).astype(jnp.int32)}
-
-
-def skip_counters() -> dict:
-  return {"skips/consecutive": jnp.zeros((), jnp.int32), "skips/total": jnp.zeros((), jnp.int32)}
+  s = extras.skips
+  return extras.replace(skips=Skips(consecutive=jnp.where(finite, 0, s.consecutive + 1),
+                                    total=s.total + (~finite).astype(jnp.int32)))
 
 
 # -------------------------------------------------------------------------------- placing

@@ -121,7 +121,7 @@ class Driver:
   def _check_skips(self, done: int, state) -> None:
     if not self.max_skips:
       return
-    consecutive = int(jax.device_get(state.extras["skips/consecutive"]))
+    consecutive = int(jax.device_get(state.extras.skips.consecutive))
     if consecutive < self.max_skips:
       return
     # A skipped step leaves params and optimizer states untouched (common.apply_update), so

@@ -29,7 +29,7 @@ from jaxrlhf.train import packed as PK
 from jaxrlhf.train.common import (accumulate_grads, apply_update, count_skip, minibatch_perms,
                                   rounding_key)
 from jaxrlhf.train.program import HOST, Phase
-from jaxrlhf.train.types import Rollout, Scored, Shaped, StepCarry, UpdateBatch
+from jaxrlhf.train.types import Carried, Rollout, Scored, Shaped, StepCarry, UpdateBatch
 
 
 def kl_of(kl: KLConfig, logp_BN, ref_logp_BN):
@@ -43,7 +43,7 @@ def kl_coef_of(carry: StepCarry):
   the controller's (kept in the state)."""
   if carry.kl_coef is not None:
     return carry.kl_coef
-  return carry.state.extras["kl"].coef
+  return carry.state.extras.kl.coef
 
 
 # ------------------------------------------------------------------------------ phases
@@ -104,34 +104,30 @@ def _refill(stage, batch, c: StepCarry, ro: Rollout, refill) -> StepCarry:
   return c.replace(rollout=rollout, metrics={**c.metrics, **metrics})
 
 
-# What a carried prompt brings to the next step's queue.
-CARRIED = ("prompt", "prompt_mask", "answer", "answer_mask")
-
-
-def initial_carry(batch_size: int, prompt_len: int, answer_len: int) -> dict:
-  """The empty carry-over buffers kept in ``state.extras["carry"]`` (and so checkpointed)."""
+def initial_carry(batch_size: int, prompt_len: int, answer_len: int) -> Carried:
+  """The empty carry-over buffers kept in ``state.extras.carry`` (and so checkpointed)."""
   b = batch_size
-  return {"prompt": jnp.zeros((b, prompt_len), jnp.int32),
-          "prompt_mask": jnp.zeros((b, prompt_len), bool),
-          "answer": jnp.zeros((b, answer_len), jnp.int32),
-          "answer_mask": jnp.zeros((b, answer_len), bool), "count": jnp.zeros((), jnp.int32)}
+  return Carried(prompt=jnp.zeros((b, prompt_len), jnp.int32),
+                 prompt_mask=jnp.zeros((b, prompt_len), bool),
+                 answer=jnp.zeros((b, answer_len), jnp.int32),
+                 answer_mask=jnp.zeros((b, answer_len), bool), count=jnp.zeros((), jnp.int32))
 
 
 def _refill_carry(stage, batch, c: StepCarry, policy, key, kw) -> StepCarry:
   """Refill with carry-over (``rollout.refill_leftover=carry``): the queue is last step's
   carried prompts, then this batch's; the groups started but not trained go into
-  ``state.extras["carry"]`` for the next step.  :func:`_refill` takes each row's answer from
+  ``state.extras.carry`` for the next step.  :func:`_refill` takes each row's answer from
   the queue."""
-  carried = c.state.extras["carry"]
+  carried = c.state.extras.carry
   new = {"prompt": batch["prompt"].astype(jnp.int32),
          "prompt_mask": batch["prompt_mask"].astype(bool),
          "answer": batch["answer"].astype(jnp.int32),
          "answer_mask": batch["answer_mask"].astype(bool)}
-  queue = carry_queue({k: carried[k] for k in CARRIED}, carried["count"], new)
+  queue = carry_queue(carried.queue(), carried.count, new)
   ro, refill = sample_refill(policy, queue["prompt"], queue["prompt_mask"], key,
-                             carried["count"], num_groups=stage.scfg.batch_size, **kw)
+                             carried.count, num_groups=stage.scfg.batch_size, **kw)
   left = carry_take(queue, refill.leftover_index_G, refill.stats["carried_out"])
-  extras = {**c.state.extras, "carry": {**left, "count": refill.stats["carried_out"]}}
+  extras = c.state.extras.replace(carry=Carried(**left, count=refill.stats["carried_out"]))
   c = _refill(stage, queue, c.replace(state=c.state.replace(extras=extras)), ro, refill)
   st = {k: v.astype(jnp.float32) for k, v in refill.stats.items()}
   metrics = {"rollout/carried_in": st["carried_in"], "rollout/carried_out": st["carried_out"],
@@ -223,7 +219,7 @@ def shape(stage, frozen, batch, c: StepCarry) -> StepCarry:
   raw = sc.score_B
   valid = sc.keep_B & jnp.isfinite(raw)
   score, stats, norm_metrics = RW.normalize_rewards(
-      raw, valid, mode=scfg.reward.normalize, stats=c.state.extras["reward_stats"],
+      raw, valid, mode=scfg.reward.normalize, stats=c.state.extras.reward_stats,
       clip=scfg.reward.clip)
   kl_tok = ro.kl_BN
   update_mask = resp_mask & valid[:, None]
@@ -235,7 +231,7 @@ def shape(stage, frozen, batch, c: StepCarry) -> StepCarry:
              "reward/std": jnp.std(jnp.where(finite, raw, 0.0)),
              "reward/min": jnp.min(jnp.where(finite, raw, jnp.inf)),
              "reward/max": jnp.max(jnp.where(finite, raw, -jnp.inf))}
-  state = c.state.replace(extras={**c.state.extras, "reward_stats": stats})
+  state = c.state.replace(extras=c.state.extras.replace(reward_stats=stats))
   shaped = Shaped(adv_BN=adv, update_mask_BN=update_mask, returns_BN=returns)
   return c.replace(state=state, shaped=shaped, metrics={**c.metrics, **metrics})
 
@@ -268,10 +264,10 @@ def finish(stage, frozen, batch, c: StepCarry) -> StepCarry:
   kl_coef = kl_coef_of(c)
   kl_tok = ro.kl_BN
   seq_kl = jnp.sum(kl_tok, axis=-1)
-  new_kl = update_kl_controller(state.extras["kl"], jnp.mean(seq_kl), kl_tok.shape[0],
+  new_kl = update_kl_controller(state.extras.kl, jnp.mean(seq_kl), kl_tok.shape[0],
                                 target=scfg.kl.target, horizon=scfg.kl.horizon,
                                 adaptive=scfg.kl.adaptive)
-  state = state.replace(step=state.step + 1, extras={**state.extras, "kl": new_kl})
+  state = state.replace(step=state.step + 1, extras=state.extras.replace(kl=new_kl))
   lengths = ro.lengths_B.astype(jnp.float32)
   # kl/mean per response token; kl/seq_sum per sequence (what the controller reads).
   metrics = {"kl/mean": masked_token_mean(kl_tok, ro.response_mask_BN),
@@ -279,7 +275,7 @@ def finish(stage, frozen, batch, c: StepCarry) -> StepCarry:
              "response_length/mean": jnp.mean(lengths),
              "rollout/tokens": jnp.sum(lengths),
              "rollout/finished_frac": jnp.mean(ro.finished_B.astype(jnp.float32)),
-             "skips/total": state.extras["skips/total"]}
+             "skips/total": state.extras.skips.total}
   return c.replace(state=state, metrics={**c.metrics, **metrics})
 
 

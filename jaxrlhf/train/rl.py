@@ -14,7 +14,7 @@ from jaxrlhf import rewards as RW
 from jaxrlhf.algorithms import init_kl_controller
 from jaxrlhf.config import ConfigError
 from jaxrlhf.train import program
-from jaxrlhf.train.common import skip_counters
+from jaxrlhf.train.types import Extras, Skips
 from jaxrlhf.envs import resolve_env
 from jaxrlhf.train.episodes import EpisodeRunner, episode_rollout
 from jaxrlhf.distributed import to_host
@@ -105,12 +105,12 @@ class RLStage(Stage):
 
   # ----------------------------------------------------------------------------- set-up
   def initial_extras(self):
-    extras = {**skip_counters(), "kl": init_kl_controller(self.scfg.kl.coef),
-              "reward_stats": RW.init_running_stats()}
+    carry = None
     if self.cfg.rollout.refill and self.cfg.rollout.refill_leftover == "carry":
       # The prompts started but not trained, for the next step's queue (docs/rollout.md).
-      extras["carry"] = initial_carry(self.scfg.batch_size, self.P, self.R)
-    return extras
+      carry = initial_carry(self.scfg.batch_size, self.P, self.R)
+    return Extras(skips=Skips.zeros(), kl=init_kl_controller(self.scfg.kl.coef),
+                  reward_stats=RW.init_running_stats(), carry=carry)
 
   def init(self, key, roles, **kw):
     # (A pool, ``only=...``, warns in its own log: jaxrlhf.pools.critic.)

@@ -22,8 +22,8 @@ from jaxrlhf.mesh import (DECODE_PARAM_RULES, FROZEN_PARAM_RULES, PARAM_RULES, b
 from jaxrlhf.train import precision as PREC, spec
 from jaxrlhf.train.sequences import pair_rows
 from jaxrlhf.train.common import (TrainState, init_state, jit_step, make_optimizer,
-                                  make_state_fn, shardings_of, skip_counters, state_shardings,
-                                  update_role)
+                                  make_state_fn, shardings_of, state_shardings, update_role)
+from jaxrlhf.train.types import Extras, Skips
 
 
 class Stage:
@@ -88,8 +88,8 @@ class Stage:
     """Frozen roles -> head (the spec's roles that this stage does not train)."""
     return {r: x.head for r, x in self.roles.items() if not x.trains}
 
-  def initial_extras(self) -> dict:
-    return skip_counters()
+  def initial_extras(self) -> Extras:
+    return Extras(skips=Skips.zeros())
 
   def batch(self, step: int) -> dict:
     raise NotImplementedError
@@ -119,7 +119,7 @@ class Stage:
 
   # -- shared machinery ---------------------------------------------------------------------
   def init(self, key: jax.Array, roles: dict, *, only: tuple | None = None,
-           extras: dict | None = None,
+           extras: Extras | None = None,
            frozen_only: bool = False) -> tuple[TrainState | None, dict]:
     """Parameters of every role (from earlier stages, a Hugging Face directory, or fresh) on
     the mesh, and the train state around the trainable ones.  ``only=(trained, frozen)``

@@ -18,8 +18,53 @@ from typing import Any, Optional
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 
 from jaxrlhf.rollout import Rollout  # noqa: F401 - the one rollout type, defined with generation
+
+
+@flax.struct.dataclass
+class Skips:
+  """Updates skipped for a non-finite loss or gradient: in a row (the training loop stops a
+  stage after ``optim.max_consecutive_skips``) and in all (int32 scalars)."""
+
+  consecutive: jax.Array
+  total: jax.Array
+
+  @classmethod
+  def zeros(cls) -> "Skips":
+    return cls(consecutive=jnp.zeros((), jnp.int32), total=jnp.zeros((), jnp.int32))
+
+
+@flax.struct.dataclass
+class Carried:
+  """Refill carry-over (``rollout.refill_leftover=carry``): the prompts started but not
+  trained last step, for this step's queue, in fixed ``[batch_size, ...]`` buffers (the first
+  ``count`` valid)."""
+
+  prompt: jax.Array  # int32 [G, P]
+  prompt_mask: jax.Array  # bool [G, P]
+  answer: jax.Array  # int32 [G, R]
+  answer_mask: jax.Array  # bool [G, R]
+  count: jax.Array  # int32 scalar
+
+  def queue(self) -> dict:
+    """The buffers as a queue's fields (:func:`jaxrlhf.rollout.carry_queue`)."""
+    return {"prompt": self.prompt, "prompt_mask": self.prompt_mask, "answer": self.answer,
+            "answer_mask": self.answer_mask}
+
+
+@flax.struct.dataclass
+class Extras:
+  """The algorithm's state beside the parameters (checkpointed with them): the skip counters
+  (every stage), and for RL the KL controller (``algorithms.kl.KLControllerState``), the
+  running reward statistics (``rewards.RunningStats``) and the carried prompts; a field a
+  stage (or a pool) does not keep is None."""
+
+  skips: Skips
+  kl: Optional[Any] = None
+  reward_stats: Optional[Any] = None
+  carry: Optional[Carried] = None
 
 
 @flax.struct.dataclass
@@ -28,16 +73,14 @@ class TrainState:
 
   ``params``/``opt_state`` map each *trainable* role to its parameters / optax state; frozen
   roles (reference, reward model during RL) live outside the state and are never donated.
-  ``extras`` holds algorithm state: KL controller, running reward statistics, skip counters,
-  and with refill carry-over the carried prompts (``"carry"``: fixed ``[batch_size, ...]``
-  buffers and a count).
+  ``extras`` holds the algorithm's state (:class:`Extras`).
   """
 
   step: jax.Array
   rng: jax.Array
   params: dict
   opt_state: dict
-  extras: dict
+  extras: Extras
 
 
 @flax.struct.dataclass
