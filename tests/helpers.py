@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 import time
 
 import jax
@@ -10,6 +11,12 @@ import numpy as np
 
 from jaxrlhf.config import MeshConfig, ModelConfig
 from jaxrlhf.mesh import make_mesh
+
+# The repository's root, for benchmarks/ (lengths.py: the policy whose weights set its
+# response lengths): `pytest` puts tests/ on the path, not the root.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.append(_ROOT)
 
 TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                    mlp_dim=64, max_seq_len=32)

@@ -284,6 +284,7 @@ def test_turns_workload_reports_turns_and_useful_tokens():
 def test_the_long_tail_is_the_documented_pareto_tail():
   """benchmarks.lengths.pareto_lengths: P(L) = s/(L-1) - s/L, median 2s, and s/(limit-1) of
   the responses running to the limit (the long-tail workload's policy)."""
+  sys.path.insert(0, ROOT)
   from benchmarks.lengths import pareto_lengths
   p = pareto_lengths(128, 8)
   assert len(p) == 129 and abs(sum(p) - 1) < 1e-12 and p[1:9] == [0.0] * 8

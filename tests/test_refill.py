@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.lengths import length_params
 from helpers import TINY, mesh, ragged_batch, set_lengths, with_length_model
+from benchmarks.lengths import length_params  # (helpers puts the repository root on the path)
 from jaxrlhf import model as M
 from jaxrlhf import results
 from jaxrlhf import rewards as RW
