@@ -526,7 +526,6 @@ def worker_longtail(name: str, steps: int) -> dict:
   steps first (one, or three for a bucketed arm, whose later programs compile once per
   width); a timed step that still met a new width is left out of its arm's median."""
   import jax
-  import numpy as np
   from jaxrlhf.train.common import metrics_to_host, put_batch
   from jaxrlhf.train.loop import prepare_step
   runs = {}

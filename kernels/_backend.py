@@ -27,12 +27,21 @@ def target_platform() -> str:
   in context (``jax.set_mesh``, as every step, evaluation and plan is traced), so a program
   compiled for other devices than the host's (the planner's, compile-only GPU or TPU
   devices) makes that platform's choices, not the host's.  With no mesh set (a bare call in a
-  test or benchmark) a jit compiles for the default backend's device, so that is the target
-  there; every step, evaluation and plan of the trainer is traced under its mesh."""
+  test or benchmark) a jit compiles for the device it places its arguments on, which is the
+  target there: ``jax_default_device`` when set (``jax.default_device(...)``), else the first
+  device; every step, evaluation and plan of the trainer is traced under its mesh."""
   mesh = jax.sharding.get_abstract_mesh()
   device = None if mesh.empty else getattr(mesh, "abstract_device", None)
-  platform = device.platform if device is not None else jax.default_backend()
+  platform = device.platform if device is not None else _unmeshed_platform()
   return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def _unmeshed_platform() -> str:
+  """The platform a jit outside any mesh compiles for: its default device's."""
+  default = jax.config.jax_default_device
+  if isinstance(default, str):  # a platform name
+    return default
+  return (default or jax.devices()[0]).platform
 
 
 def resolve_impl(op: str, impl: str, valid: tuple[str, ...], auto: dict[str, str],

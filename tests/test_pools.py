@@ -247,7 +247,9 @@ def test_sync_grpo_pools_with_a_multi_turn_environment_match_colocated(redis_url
   assert_pools_match(recs, reference, ("policy/loss", "kl/mean", "response_length/mean"),
                      ("reward/mean", "reward/std"), lambda a, c: a["loss/policy"])
   for s in (1, 2):  # the episodes' own metrics, from the actor
-    assert {k for k in reference[s - 1] if k.startswith("env/")} <= set(recs["actor"].by_step[s])
+    env = {k for k in reference[s - 1] if k.startswith("env/")}
+    assert env and env <= set(recs["actor"].by_step[s])
+    assert all(recs["actor"].by_step[s][k] == reference[s - 1][k] for k in env)
   assert_same_params(actor["state"].params["policy"], state.params["policy"])
 
 

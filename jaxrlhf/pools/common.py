@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf import checkpoint as ckpt
+from jaxrlhf import distributed
 from jaxrlhf.config import ConfigError, ExperimentConfig, to_dict
 from jaxrlhf.pools.store import Inbox
 from jaxrlhf.train import packed, phases, program, spec
@@ -341,7 +342,7 @@ def packing_of(stage, ro: Rollout, perm_key):
   if not stage.cfg.rollout.pack:
     return None
   key = jax.random.wrap_key_data(jnp.asarray(perm_key))
-  return packed.plan(stage, to_host({"m": ro.mask_BT})["m"], key)[0]
+  return packed.plan(stage, distributed.to_host(ro.mask_BT), key)[0]
 
 
 # A rollout message's header carries its generation's metrics (prompt bucket, refill counts,

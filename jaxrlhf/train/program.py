@@ -240,7 +240,7 @@ class PhasedProgram:
     self.widths = bucket_widths(rcfg.max_new_tokens, rcfg.length_buckets)
     self.pack = rcfg.pack
     self.parts = split(phases, at_host=host_fn is not None or rollout_fn is not None
-                       or bool(self.widths) or self.pack, timed=timed)
+                       or cuts_at_host(stage), timed=timed)
     self.on_host = {label for label, ps in self.parts
                     if rollout_fn is not None and [p.name for p in ps] == ["generate"]}
     self.jitted = {label: jit_phases(stage, ps, state)
