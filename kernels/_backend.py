@@ -37,11 +37,12 @@ def target_platform() -> str:
 
 
 def _unmeshed_platform() -> str:
-  """The platform a jit outside any mesh compiles for: its default device's."""
+  """The platform a jit outside any mesh compiles for: ``jax_default_device``'s when set, else
+  the default backend's (whose first device a bare jit places on)."""
   default = jax.config.jax_default_device
-  if isinstance(default, str):  # a platform name
-    return default
-  return (default or jax.devices()[0]).platform
+  if default is None:
+    return jax.default_backend()
+  return default if isinstance(default, str) else default.platform
 
 
 def resolve_impl(op: str, impl: str, valid: tuple[str, ...], auto: dict[str, str],
