@@ -57,7 +57,7 @@ class Records:
     self.by_step.setdefault(step, {}).update(metrics)
 
   def write_samples(self, stage, step, rows):
-    self.samples = getattr(self, "samples", []) + list(rows)
+    self.samples = getattr(self, "samples", []) + [{**r, "step": step} for r in rows]
 
   def message(self, text):
     pass
@@ -165,7 +165,11 @@ def test_sync_grpo_pools_with_lora_and_a_host_reward_match_colocated(redis_url, 
   LoRA adapters over the reference; in sync mode the two equal the colocated GRPO step."""
   steps = 4
   cfg = grpo_pools_config(steps=steps, mode="sync")
-  _, state, _, reference = run_steps(cfg, "grpo", mesh(), steps=steps, key=stage_key(cfg))
+  cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, samples=3,
+                                                             samples_every=2))
+  samples = []
+  _, state, _, reference = run_steps(cfg, "grpo", mesh(), steps=steps, key=stage_key(cfg),
+                                     samples=samples)
   actor, critic, recs, _ = run_pools(cfg, redis_url, tmp_path)
   assert critic["state"].params == {}  # no value model
   assert "lora" in actor["state"].params["policy"]["layers"]  # adapters, not full weights
@@ -179,6 +183,14 @@ def test_sync_grpo_pools_with_lora_and_a_host_reward_match_colocated(redis_url, 
                      lambda a, c: a["loss/policy"])
   assert any(recs["critic"].by_step[s]["reward/std"] > 0 for s in range(1, steps + 1))
   assert_same_params(actor["state"].params["policy"], state.params["policy"])
+  # logging.samples_every: the critic, which holds the rollout and its scores, records the
+  # rollout's sample rows, the colocated step's: decoded text, host-reward scores.
+  rollout = [r for r in recs["critic"].samples if r["kind"] == "rollout"]
+  assert [r["step"] for r in rollout] == [2, 2, 2, 4, 4, 4]
+  strip = lambda rows: [{k: v for k, v in r.items() if k != "reward"} for r in rows]  # noqa: E731
+  assert strip(rollout) == strip(samples)
+  np.testing.assert_allclose([r["reward"] for r in rollout], [r["reward"] for r in samples],
+                             **TOL)
 
 
 def bucketed_config(algo, steps=3):

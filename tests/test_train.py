@@ -13,6 +13,7 @@ from jaxrlhf.config import (DataConfig, DPOConfig, ExperimentConfig, GRPOConfig,
                             SFTConfig)
 from jaxrlhf.data import DataSource
 from jaxrlhf.train.common import put_batch
+from jaxrlhf.train.program import samples_due
 from jaxrlhf.train.spec import build_stage
 
 MODEL = ModelConfig(vocab_size=48, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
@@ -36,17 +37,25 @@ def config(**changes) -> ExperimentConfig:
   return dataclasses.replace(base, **changes)
 
 
-def run_steps(cfg, name, m, steps=1, roles=None, key=None):
+def run_steps(cfg, name, m, steps=1, roles=None, key=None, samples=None):
+  """``steps`` steps of stage ``name``; ``samples``: a list that gets the rollout sample rows
+  (``logging.samples_every``), each with its ``step``."""
   stage = build_stage(name, cfg, m, DataSource(cfg.data, cfg.seed))
   state, frozen = stage.init(jax.random.key(0) if key is None else key, roles or {})
   out = []
   fn = None
   for step in range(steps):
-    batch = put_batch(m, stage.batch(step))
+    host_batch = stage.batch(step)
+    rows = []
+    if samples is not None and samples_due(cfg.logging, step + 1):
+      host_batch["host"] = dataclasses.replace(host_batch["host"], samples=rows)
+    batch = put_batch(m, host_batch)
     with jax.set_mesh(m):
       fn = fn or stage.make_step_fn(state, frozen, batch)
       state, metrics = fn(state, frozen, batch)
     out.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+    if samples is not None:
+      samples += [{**r, "step": step + 1} for r in rows]
   return stage, state, frozen, out
 
 

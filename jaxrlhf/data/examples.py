@@ -113,3 +113,11 @@ class AdditionTask:
         cand = self._write(value) if 0 <= value < 10 ** width else s
       if cand != s:
         return cand
+
+
+def as_text(value) -> str:
+  """A prompt or response as text for a sample row: the string, or a chat's last message."""
+  if isinstance(value, str):
+    return value
+  messages = value.messages
+  return str(messages[-1].get("content", "")) if messages else ""

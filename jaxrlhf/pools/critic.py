@@ -144,7 +144,8 @@ def _run_critic(cfg, workdir, store, mesh, roles, *, events, log, should_stop, c
                                           "inputs": inputs}, loop.final,
                         must=lambda: len(loop.inbox.unacked) >= C.MAX_UNACKED)
     with jax.set_mesh(mesh):
-      end = C.driver(stage, ROLE, writer, saves, should_stop).run(loop, state, done)
+      end = C.driver(stage, ROLE, writer, saves, should_stop,
+                     samples=loop.take_samples).run(loop, state, done)
   state, done = end.state, end.done
   if done == steps:
     if trained:  # GRPO's critic trains nothing: it has no result to hand on
@@ -175,6 +176,11 @@ class CriticLoop:
     self.upd = C.pool_program(stage, update_phases, state)
     self.last_check = time.monotonic()
     self.t_prev = time.perf_counter()
+    self.rows: list = []  # rollout sample rows (logging.samples_every): tokens and scores meet here
+
+  def take_samples(self) -> list[dict]:
+    rows, self.rows = self.rows, []
+    return rows
 
   def final(self, done: int) -> None:
     """Everything through batch ``done`` is checkpointed: acknowledge its rollouts, and trim
@@ -191,7 +197,8 @@ class CriticLoop:
         raise RunChanged(f"the actor moved from run {self.run} to {now}")
 
   def _scored(self, state, msg):
-    """``(carry after the score program, device batch, its metrics)`` of a rollout message."""
+    """``(carry after the score program, device batch, its metrics, host inputs)`` of a
+    rollout message."""
     stage = self.stage
     host_batch = stage.batch(msg.batch)
     host = host_batch.pop("host", None)  # the examples behind the prompts (host rewards)
@@ -209,7 +216,8 @@ class CriticLoop:
     if stage.host_sources:
       c, hmetrics = program.host_reward(stage, c, host, stage.host_scores)
     c = self.score(self.frozen, batch, c)
-    return c, batch, {**{k: float(v) for k, v in jax.device_get(c.metrics).items()}, **hmetrics}
+    return c, batch, {**{k: float(v) for k, v in jax.device_get(c.metrics).items()},
+                      **hmetrics}, host
 
   def __call__(self, state, done: int):
     t0 = time.perf_counter()
@@ -219,7 +227,7 @@ class CriticLoop:
       return state, None
     t_wait = time.perf_counter() - t0
     t0 = time.perf_counter()
-    c, batch, smetrics = self._scored(state, msg)
+    c, batch, smetrics, host = self._scored(state, msg)
     adv, valid, bad = finite_scores(c.shaped.adv_BN, c.scored.keep_B, c.scored.score_B)
     if bad:
       self.log(f"critic: batch {msg.batch}: {bad} rows with non-finite advantages sent as "
@@ -238,6 +246,8 @@ class CriticLoop:
       # unacked (the stop checkpoint acks through done - 1), so a restart reads it again.
       return state, None
     self.events(event="scored", batch=msg.batch, published=added.value)
+    if host is not None and program.samples_due(self.stage.cfg.logging, done + 1):
+      self.rows = program.rollout_samples(self.stage, c, host)
     t_score = time.perf_counter() - t0
     t0 = time.perf_counter()
     c = self.upd(self.frozen, batch, c.replace(metrics={}))

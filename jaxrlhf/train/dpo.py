@@ -17,7 +17,8 @@ from jaxrlhf.config import DPOConfig
 from jaxrlhf.perf import decoder_flops
 from jaxrlhf.train import spec
 from jaxrlhf.train.common import put_batch
-from jaxrlhf.train.evaluate import GenerationEval, as_text, pair_batches
+from jaxrlhf.data.examples import as_text
+from jaxrlhf.train.evaluate import GenerationEval, pair_batches
 from jaxrlhf.train.sequences import (packing_metrics, pair_logp_sums, pair_response_lengths,
                                      pair_rows)
 from jaxrlhf.train.stage import Stage

@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxrlhf import rewards as RW
 from jaxrlhf.config import ConfigError, RewardConfig
+from jaxrlhf.data.examples import as_text
 from jaxrlhf.rollout import generate
 from jaxrlhf.train.common import put_batch
 from jaxrlhf.train.episodes import EnvEval
@@ -156,14 +157,6 @@ def pass_maj_at_k(responses: Sequence[Sequence[str]], scores) -> tuple[float, fl
     winner = next(a for a in answers if counts[a] == top)  # first given among the ties
     maj += int(ok[i][answers.index(winner)])
   return passed, maj / n
-
-
-def as_text(value) -> str:
-  """A prompt or response as text for a sample row: the string, or a chat's last message."""
-  if isinstance(value, str):
-    return value
-  messages = value.messages
-  return str(messages[-1].get("content", "")) if messages else ""
 
 
 def mean32(x) -> float:

@@ -5,6 +5,7 @@ throughput, memory, MFU), and the stage's asynchronous checkpointer."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import jax
@@ -12,6 +13,7 @@ import jax
 from jaxrlhf.perf import compile_ahead, memory_in_use, release_host_memory
 from jaxrlhf.train.common import metrics_to_host, put_batch
 from jaxrlhf.train.driver import Driver, Saves
+from jaxrlhf.train.program import samples_due
 from jaxrlhf.train.work import step_utilisation
 
 
@@ -35,19 +37,16 @@ class StageProgram:
     self.stage, self.frozen, self.start = stage, frozen, start
     self.profiler, self.work = profiler, work
     self.step_fn = None
-    logging = stage.cfg.logging
-    self.n_samples = logging.samples
-    self.samples_every = logging.samples_every if logging.samples else 0
+    self.rows: list = []  # the rollout sample rows of the last step (logging.samples_every)
 
   def __call__(self, state, step: int):
     stage, profiler, done = self.stage, self.profiler, step + 1
     if profiler is not None:
       profiler.before_step(stage.name, done)
-    # Rows of this step's rollout to record as samples (an RL stage keeps them; others
-    # have no rollout and ignore it).
-    every = self.samples_every
-    stage.samples_wanted = self.n_samples if every and done % every == 0 else 0
-    batch = put_batch(stage.mesh, stage.batch(step))
+    host_batch = stage.batch(step)
+    if "host" in host_batch and samples_due(stage.cfg.logging, done):  # an RL step's rollout
+      host_batch["host"] = dataclasses.replace(host_batch["host"], samples=self.rows)
+    batch = put_batch(stage.mesh, host_batch)
     with jax.set_mesh(stage.mesh):
       compile_s = None
       if self.step_fn is None:
@@ -70,6 +69,11 @@ class StageProgram:
     if self.work is not None:
       metrics.update(step_utilisation(self.work, metrics))
     return state, metrics
+
+  def take_samples(self) -> list[dict]:
+    """The sample rows since the last call: the step's rollout's, then its evaluation's."""
+    rows, self.rows = self.rows, []
+    return rows + self.stage.take_samples()
 
 
 class StageSaves(Saves):
@@ -114,13 +118,13 @@ def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer
   extra = extra_fn or (lambda done: {})
   saves = StageSaves(checkpointer, extra, writer, stage.name) if checkpointer is not None else (
       Saves())
+  program = StageProgram(stage, frozen, start=start_step, profiler=profiler, work=work)
   driver = Driver(name=stage.name, steps=stage.steps, writer=writer, should_stop=should_stop,
                   saves=saves, max_skips=getattr(stage.scfg.optim, "max_consecutive_skips", 0),
                   skips_setting=f"{stage.name}.optim.max_consecutive_skips",
                   evaluate=lambda s: stage.evaluate(s, frozen),
                   eval_every=lambda: stage.eval_every,
                   target_reached=stage.target_reached,
-                  log_every=stage.cfg.logging.every_steps, samples=stage.take_samples)
-  program = StageProgram(stage, frozen, start=start_step, profiler=profiler, work=work)
+                  log_every=stage.cfg.logging.every_steps, samples=program.take_samples)
   end = driver.run(program, state, start_step)
   return end.state, end.last, end.stopped, end.done

@@ -31,11 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf.data.examples import as_text
 from jaxrlhf.distributed import to_host
 from jaxrlhf.perf import PhaseTimer
 from jaxrlhf.train import packed
 from jaxrlhf.train.common import put_global, shardings_of
-from jaxrlhf.train.types import Rollout, StepCarry
+from jaxrlhf.train.types import HostInputs, Rollout, StepCarry
 
 # The split point of a step with host rewards: the phases before it form one program, the
 # decoded rollout is scored in Python, the phases after it form the second program.
@@ -271,8 +272,8 @@ class PhasedProgram:
         host_metrics.update(got)
         continue
       carry = timer.run(name, self.jitted[label], frozen, batch, carry)
-    if getattr(self.stage, "samples_wanted", 0):  # logging.samples_every: this step's rows
-      self.stage.record_rollout(carry, given)
+    if given is not None and given.samples is not None:  # logging.samples_every
+      given.samples.extend(rollout_samples(self.stage, carry, given))
     return carry.state, {**carry.metrics, **host_metrics, **timer.end_step()}
 
   def programs(self) -> list[Part]:
@@ -320,3 +321,33 @@ def pool_programs(phases: Sequence[Phase], pool: str, *,
     out[-1].append(p)
     prev = i
   return out
+
+
+def samples_due(logging, done: int) -> bool:
+  """Whether step ``done`` (1-based) records rollout samples (``logging.samples_every``)."""
+  every = logging.samples_every if logging.samples else 0
+  return bool(every) and done % every == 0
+
+
+def rollout_samples(stage, carry, host: HostInputs) -> list[dict]:
+  """The first ``logging.samples`` rows of a step's rollout as sample rows (kind "rollout"):
+  the first response of each prompt first, then the others; the reward is the row's raw
+  sequence score (weighted sources, missing-EOS handling, guard), NaN before scoring.  The
+  colocated step and the critic pool (which holds the rollout and its scores) both call it."""
+  ro, want, n = carry.rollout, stage.cfg.logging.samples, stage.n
+  if ro is None or not want:
+    return []
+  if ro.prompt_index_B is not None:  # refill: the trained groups' prompts, in their order
+    host = host.take(to_host(ro.prompt_index_B)[::n])
+  tokens = np.asarray(to_host(ro.tokens_BT))
+  scores = (np.asarray(to_host(carry.scored.score_B), np.float32)
+            if carry.scored is not None else np.full(len(tokens), np.nan, np.float32))
+  P = ro.prompt_len
+  order = sorted(range(len(tokens)), key=lambda i: (i % n, i))[:want]
+  rows = []
+  for i in order:
+    ex = host.examples[i // n]
+    rows.append({"kind": "rollout", "prompt": as_text(ex.prompt),
+                 "response": stage.tok.decode(tokens[i, P:]), "reward": float(scores[i]),
+                 **({"answer": ex.answer} if ex.answer else {})})
+  return rows

@@ -17,8 +17,7 @@ from jaxrlhf.train import program
 from jaxrlhf.train.types import Extras, Skips
 from jaxrlhf.envs import resolve_env
 from jaxrlhf.train.episodes import EpisodeRunner, episode_rollout
-from jaxrlhf.distributed import to_host
-from jaxrlhf.train.evaluate import as_text, make_evaluator
+from jaxrlhf.train.evaluate import make_evaluator
 from jaxrlhf.train.phases import initial_carry, rl_phases
 from jaxrlhf.train.spec import Role
 from jaxrlhf.train.types import HostInputs
@@ -177,29 +176,6 @@ class RLStage(Stage):
     return program.PhasedProgram(self, self.phases(), state, timed=self.cfg.logging.phase_timing,
                                  host_fn=self.host_scores if self.host_sources else None,
                                  rollout_fn=self.episodes)
-
-  def record_rollout(self, carry, host: HostInputs) -> None:
-    """Keeps ``samples_wanted`` rows of the step's rollout as samples (kind "rollout"): the
-    first response of each prompt first, then the others; the reward is the row's raw
-    sequence score (weighted sources, missing-EOS handling, guard)."""
-    want, self.samples_wanted = self.samples_wanted, 0
-    ro = carry.rollout
-    if not want or ro is None or host is None:
-      return
-    if ro.prompt_index_B is not None:  # refill: the trained groups' prompts, in their order
-      host = host.take(to_host(ro.prompt_index_B)[::self.n])
-    tokens = np.asarray(to_host(ro.tokens_BT))
-    scores = (np.asarray(to_host(carry.scored.score_B), np.float32)
-              if carry.scored is not None else np.full(len(tokens), np.nan, np.float32))
-    P = ro.prompt_len
-    order = sorted(range(len(tokens)), key=lambda i: (i % self.n, i))[:want]
-    rows = []
-    for i in order:
-      ex = host.examples[i // self.n]
-      rows.append({"kind": "rollout", "prompt": as_text(ex.prompt),
-                   "response": self.tok.decode(tokens[i, P:]), "reward": float(scores[i]),
-                   **({"answer": ex.answer} if ex.answer else {})})
-    self._samples += rows
 
   def host_scores(self, responses_BN, host: HostInputs) -> tuple[np.ndarray, dict]:
     """The host reward functions on the decoded responses (the split point of the step;

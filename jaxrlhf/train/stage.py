@@ -104,12 +104,10 @@ class Stage:
   def evaluate(self, state: TrainState, frozen: dict) -> dict:
     return {}
 
-  # Rows of the next step's rollout to keep as samples (set by the loop; RL stages read it).
-  samples_wanted: int = 0
-
   def take_samples(self) -> list[dict]:
-    """The sample rows gathered since the last call (``prompt``, ``response``, ``reward``,
-    ``answer``, ``kind``...): the rollout's, then the latest evaluation's; empty when none."""
+    """The sample rows of the latest evaluation (``prompt``, ``response``, ``reward``,
+    ``answer``, ``kind``...), once; empty when none.  A rollout's rows go to the step's
+    ``HostInputs.samples`` (:func:`jaxrlhf.train.program.rollout_samples`)."""
     rows, self._samples = self._samples, []
     evaluator = getattr(self, "evaluator", None)
     if evaluator is not None and getattr(evaluator, "samples", None):

@@ -149,7 +149,10 @@ class HostInputs:
   the programs never see it."""
 
   examples: tuple
+  # logging.samples_every: the list this step's rollout sample rows go to (None: this step
+  # records none).  The program that ran the step appends; the training loop writes them.
+  samples: Optional[list] = None
 
   def take(self, index) -> "HostInputs":
     """The examples at ``index`` (refill: each trained group's prompt in the queue)."""
-    return HostInputs(tuple(self.examples[int(i)] for i in index))
+    return dataclasses.replace(self, examples=tuple(self.examples[int(i)] for i in index))
