@@ -416,7 +416,10 @@ class Checkpointer:
     """
     step = self._pick(step)
     self._say_conversions(step, abstract_state)
-    args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state),
+    legacy = self._legacy_extras(step, abstract_state)
+    target = abstract_state.replace(extras=abstract_state.extras.legacy_layout()) if (
+        legacy) else abstract_state
+    args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target),
                                  EXTRA: ocp.args.JsonRestore()})
     try:
       out = self._manager.restore(step, args=args)
@@ -426,19 +429,41 @@ class Checkpointer:
           f"checkpoint {self.directory}/{step} does not fit the training state built from the "
           f"current config: {str(e).strip()[:2000]}\nUse a new --workdir for this config, or "
           "--resume=none to start over") from e
-    return _checked(out[STATE], abstract_state, f"{self.directory}/{step}"), dict(out[EXTRA] or {})
+    state = out[STATE]
+    if legacy:
+      state = state.replace(extras=type(abstract_state.extras).from_legacy(state.extras))
+    return _checked(state, abstract_state, f"{self.directory}/{step}"), dict(out[EXTRA] or {})
+
+  def _legacy_extras(self, step: int, abstract_state) -> bool:
+    """Whether checkpoint ``step`` keeps the train state's extras in the dict layout of
+    jaxrlhf before the typed extras (``Extras.legacy_layout``): read, then typed."""
+    legacy = getattr(getattr(abstract_state, "extras", None), "LEGACY_SKIPS", None)
+    if legacy is None:
+      return False
+    saved = (self._saved_tree(step) or {}).get("extras")
+    return isinstance(saved, dict) and legacy[0] in saved
+
+  def _saved_tree(self, step: int) -> Optional[dict]:
+    """The metadata tree (shapes, dtypes) of checkpoint ``step``'s train state, read from its
+    files (the manager knows the item's handler only after a save or restore in this
+    process), or None when there is none to read: restore then reports what it finds."""
+    try:
+      meta = ocp.StandardCheckpointer().metadata(os.path.join(self.directory, str(step), STATE))
+    except Exception:  # noqa: BLE001
+      return None
+    tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
+    return tree if isinstance(tree, dict) else None
 
   def _say_conversions(self, step: int, abstract_state) -> None:
     """One line when arrays are restored in another dtype than they were saved in: a
     checkpoint of bfloat16 weights and moments (``optim.precision=pure_bf16``, or any run
     before mixed precision existed) resumed with float32 masters, or the other way round."""
-    try:
-      meta = self._manager.item_metadata(step)[STATE]
-      saved = Counter(str(x.dtype) for x in jax.tree.leaves(getattr(meta, "tree", meta))
-                      if hasattr(x, "dtype"))
-    except Exception:  # noqa: BLE001 - no metadata to read: restore reports what it finds
+    tree = self._saved_tree(step)
+    if tree is None:
       return
-    wanted = Counter(str(a.dtype) for a in jax.tree.leaves(abstract_state))
+    saved = Counter(str(x.dtype) for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+    wanted = Counter("uint32" if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)  # as saved
+                     else str(a.dtype) for a in jax.tree.leaves(abstract_state))
     gone, new = saved - wanted, wanted - saved
     if gone:
       _say(f"checkpoint {self.directory}/{step}: {sum(gone.values())} arrays saved in "

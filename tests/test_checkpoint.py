@@ -211,6 +211,34 @@ def test_restore_into_a_different_mesh_gives_same_values_and_logits(tmp_path):
                                atol=1e-4)
 
 
+def test_a_checkpoint_with_the_old_dict_extras_restores_into_typed_extras(tmp_path, capsys):
+  """Checkpoints written before the typed extras kept them as a dict with "skips/consecutive"
+  and "skips/total" keys: such a checkpoint resumes, every value as saved, and no false note
+  about converted dtypes (the typed key is saved as uint32)."""
+  from jaxrlhf.algorithms import init_kl_controller
+  from jaxrlhf.train.types import Carried, Extras, Skips, TrainState
+  carry = Carried(prompt=jnp.arange(6, dtype=jnp.int32).reshape(2, 3),
+                  prompt_mask=jnp.ones((2, 3), bool), answer=jnp.full((2, 2), 7, jnp.int32),
+                  answer_mask=jnp.zeros((2, 2), bool), count=jnp.int32(1))
+  extras = Extras(skips=Skips(consecutive=jnp.int32(2), total=jnp.int32(5)),
+                  kl=init_kl_controller(0.05), carry=carry)
+  state = TrainState(step=jnp.int32(3), rng=jax.random.key(4), params={"policy": _params()},
+                     opt_state={}, extras=extras)
+  old = state.replace(extras={"kl": extras.kl, "carry": carry,
+                              "skips/consecutive": extras.skips.consecutive,
+                              "skips/total": extras.skips.total})
+  state = jax.device_put(state, replicated(mesh()))
+  with C.Checkpointer(str(tmp_path / "ck"), CheckpointConfig(async_save=False),
+                      to_dict(CFG)) as ck:
+    ck.maybe_save(3, jax.device_put(old, replicated(mesh())), extra={}, force=True)
+  with C.Checkpointer(str(tmp_path / "ck"), CheckpointConfig(async_save=False),
+                      to_dict(CFG)) as ck:  # a new process's view: nothing saved through it
+    restored, _ = ck.restore(_abstract(state))
+  assert isinstance(restored.extras, Extras) and isinstance(restored.extras.carry, Carried)
+  _assert_bit_identical(_host(restored), _host(state))
+  assert "restored in" not in capsys.readouterr().out
+
+
 def test_restore_into_a_different_model_is_a_clear_error(tmp_path):
   ckpt = C.Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig(async_save=False), to_dict(CFG))
   ckpt.maybe_save(3, {"params": _params()}, extra={}, force=True)

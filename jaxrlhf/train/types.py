@@ -66,6 +66,23 @@ class Extras:
   reward_stats: Optional[Any] = None
   carry: Optional[Carried] = None
 
+  # Checkpoints written before the typed extras (jaxrlhf before a83d04b, 2026-12-03) kept
+  # them as a dict: the same fields, the skip counters as "skips/consecutive" and
+  # "skips/total".  The two functions below read such a checkpoint (jaxrlhf.checkpoint).
+  LEGACY_SKIPS = ("skips/consecutive", "skips/total")
+
+  def legacy_layout(self) -> dict:
+    """This (abstract) extras in the dict layout of those checkpoints."""
+    out = {k: getattr(self, k) for k in ("kl", "reward_stats", "carry")
+           if getattr(self, k) is not None}
+    return {**out, "skips/consecutive": self.skips.consecutive, "skips/total": self.skips.total}
+
+  @classmethod
+  def from_legacy(cls, d: dict) -> "Extras":
+    """The extras restored in :meth:`legacy_layout`, typed."""
+    return cls(skips=Skips(consecutive=d["skips/consecutive"], total=d["skips/total"]),
+               kl=d.get("kl"), reward_stats=d.get("reward_stats"), carry=d.get("carry"))
+
 
 @flax.struct.dataclass
 class TrainState:
