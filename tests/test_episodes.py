@@ -280,6 +280,27 @@ SEVENS = textwrap.dedent('''
     ''')
 
 
+def test_the_environment_evaluation_records_its_episodes_as_samples(tmp_path):
+  """With env.name the evaluation is greedy episodes; its sample rows are the first
+  logging.samples episodes: the conversation after the prompt, the return as the reward."""
+  cfg = _cfg(tmp_path, ECHO, "Echo")
+  m = mesh()
+  stage, state, frozen = _stage(cfg, m)
+  ev = stage.evaluation(frozen)
+  out = ev(state)
+  rows = ev.take_samples()
+  assert len(rows) == min(cfg.logging.samples, cfg.data.eval_size) and not ev.take_samples()
+  examples = stage.data.eval_examples("prompts")
+  ep = ev.generation.runner.run(ev.generation.runner.decode_layout(
+      stage.view(state.params, frozen, "policy", decode=True)), examples, jax.random.key(0))
+  for i, r in enumerate(rows):
+    assert r["kind"] == "eval" and r["prompt"] == examples[i].prompt
+    assert r["reward"] == float(ep.returns[i])
+    # Each observation the environment gave ("ok " / "no ") is in the recorded conversation.
+    assert r["response"].count("ok ") + r["response"].count("no ") >= ep.turns[i] - 1
+  assert out["eval/return"] == pytest.approx(float(np.mean(ep.returns)))
+
+
 def test_grpo_against_an_environment_raises_its_return(tmp_path):
   """A fast learning check (the built-in environments' runs are the README's claims, checked by
   tests/test_learning.py's slow test): from a

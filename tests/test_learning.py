@@ -43,7 +43,7 @@ def test_dpo_raises_preference_margin_and_accuracy():
   first = np.mean([m["reward_margin"] for m in metrics[:3]])
   last = np.mean([m["reward_margin"] for m in metrics[-5:]])
   assert last > first + 0.1, (first, last)
-  ev = stage.evaluate(state, frozen)  # held-out pairs: the implicit reward prefers the right sum
+  ev = stage.evaluation(frozen)(state)  # held-out pairs: the implicit reward prefers the right sum
   assert ev["eval/pair_accuracy"] > 0.7 and ev["eval/reward_margin"] > 0.1, ev
 
 
@@ -136,10 +136,10 @@ def test_new_preference_losses_raise_pair_accuracy_over_their_sft_start(loss, be
     name, cfg = "dpo", _cfg(dpo=DPOConfig(steps=25, batch_size=16, beta=beta, loss=loss,
                                           simpo_gamma=0.5, optim=FAST, eval_every=0))
   stage0, state0, frozen0, _ = run_steps(cfg, name, mesh(), steps=0, roles=sft_policy)
-  start = stage0.evaluate(state0, frozen0)["eval/pair_accuracy"]
+  start = stage0.evaluation(frozen0)(state0)["eval/pair_accuracy"]
   stage, state, frozen, metrics = run_steps(cfg, name, mesh(), steps=25, roles=sft_policy)
   assert ("reference" in frozen) == (loss == "kto")  # SimPO and ORPO: one model in memory
-  end = stage.evaluate(state, frozen)["eval/pair_accuracy"]
+  end = stage.evaluation(frozen)(state)["eval/pair_accuracy"]
   # Measured: SimPO 0.625 -> 0.719, ORPO 0.625 -> 0.734, KTO 0.0 (policy = reference: ties
   # count as wrong) -> 0.609.
   assert end > max(start + 0.05, 0.55), (loss, start, end)

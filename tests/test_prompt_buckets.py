@@ -90,8 +90,9 @@ def test_bucketed_evaluation_equals_full_width():
     cfg = config(buckets=buckets)
     stage = build_stage("grpo", cfg, mesh(), DataSource(cfg.data, cfg.seed))
     state, frozen = stage.init(jax.random.key(0), {})
-    outs.append((stage.evaluate(state, frozen), stage.evaluator.samples))
-    assert stage.evaluator.widths == ((4, 8, 12, 16) if buckets else ())
+    ev = stage.evaluation(frozen)
+    outs.append((ev(state), ev.generation.samples))
+    assert ev.generation.widths == ((4, 8, 12, 16) if buckets else ())
   (m0, s0), (m1, s1) = outs
   assert len(s0) == 8
   assert m0.keys() == m1.keys()

@@ -135,14 +135,14 @@ def _held_out_loss_equals_one_batch(tmp_path, response_only):
   stage = spec.build_stage("sft", cfg, m, src)
   state, frozen = stage.init(jax.random.key(0), {})
   params = stage.view(state.params, frozen, "policy")
-  got = stage.held_out_loss(params)["eval/loss"]
+  got = stage.held_out_loss(params, stage.evaluation(frozen))["eval/loss"]
   held = src.eval_examples("sft")
   assert len(held) == 5  # three batches of two, the last padded
   loss_fn, mb = stage.objective(src.encoder.sequences(held, "response"))
   with jax.set_mesh(m):
     want = float(jax.jit(loss_fn)(params, mb)[0])
   np.testing.assert_allclose(got, want, rtol=1e-5)
-  assert "eval/loss" in stage.evaluate(state, frozen)
+  assert "eval/loss" in stage.evaluation(frozen)(state)
 
 
 

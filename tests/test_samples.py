@@ -174,7 +174,8 @@ def _grpo_stage(tmp_path, **grpo):
 
 
 def _fake_generation(stage, answer):
-  """The evaluator's generation replaced by one answering ``answer(a)`` to the prompt "a+a="."""
+  """The stage's generation evaluator, its generation replaced by one answering ``answer(a)``
+  to the prompt "a+a="."""
   tok = stage.tok
 
   def fn(params, batch, key):
@@ -185,7 +186,9 @@ def _fake_generation(stage, answer):
       ids[i, :len(t) + 1] = t + [tok.eos_id]
     return {"tokens": ids, "lengths": np.full(len(prompts), 3, np.int32)}
 
-  stage.evaluator._greedy = fn
+  ev = stage.generation_eval()
+  ev._greedy = fn
+  return ev
 
 
 def test_math_verify_evaluates_worked_solutions_by_value(tmp_path):
@@ -193,10 +196,9 @@ def test_math_verify_evaluates_worked_solutions_by_value(tmp_path):
   stage = _grpo_stage(tmp_path, reward=RewardConfig(sources=("host:math_verify",
                                                              "host:math_format"),
                                                     weights=(1.0, 0.1)))
-  ev = stage.evaluator
-  assert ev.metric.name == "host:math_verify"  # auto: the stage's correctness source
   texts = [worked.format(a=a, b=2 * a) for a in range(6)]
-  _fake_generation(stage, lambda a: texts[a])
+  ev = _fake_generation(stage, lambda a: texts[a])
+  assert ev.metric.name == "host:math_verify"  # auto: the stage's correctness source
   out = ev(None)
   assert out["eval/accuracy"] == 1.0  # by value, though no response equals its answer
   assert ev.samples[1] == {"kind": "eval", "prompt": "1+1=", "response": texts[1],
@@ -204,13 +206,11 @@ def test_math_verify_evaluates_worked_solutions_by_value(tmp_path):
   # Exact match on the same responses: none is right.
   stage = _grpo_stage(tmp_path, eval_reward="exact_match",
                       reward=RewardConfig(sources=("host:math_verify",)))
-  _fake_generation(stage, lambda a: texts[a])
-  assert stage.evaluator(None)["eval/accuracy"] == 0.0
+  assert _fake_generation(stage, lambda a: texts[a])(None)["eval/accuracy"] == 0.0
   # The stage's whole reward (1.0 x verify + 0.1 x format): no boxed answer, 1.0 each.
   stage = _grpo_stage(tmp_path, eval_reward="reward", reward=RewardConfig(
       sources=("host:math_verify", "host:math_format"), weights=(1.0, 0.1)))
-  _fake_generation(stage, lambda a: texts[a])
-  assert stage.evaluator(None)["eval/accuracy"] == 1.0
+  assert _fake_generation(stage, lambda a: texts[a])(None)["eval/accuracy"] == 1.0
 
 
 def test_sampled_evaluation_reports_mean_reward_pass_and_maj_at_k(tmp_path):
@@ -231,8 +231,9 @@ def test_sampled_evaluation_reports_mean_reward_pass_and_maj_at_k(tmp_path):
       return {"tokens": ids, "lengths": np.full(len(ids), 2, np.int32)}
     return fn
 
-  stage.evaluator._greedy, stage.evaluator._sampled = answers(1), answers(3)
-  out = stage.evaluator(None)
+  ev = stage.generation_eval()
+  ev._greedy, ev._sampled = answers(1), answers(3)
+  out = ev(None)
   assert out["eval/accuracy"] == 1.0  # the greedy (first) answer is right
   assert out["eval/sampled_reward"] == pytest.approx(1 / 3)
   assert out["eval/pass_at_k"] == 1.0 and out["eval/maj_at_k"] == 0.0
@@ -256,8 +257,9 @@ def test_batched_evaluation_equals_one_batch(capsys, monkeypatch):
   for size in (256, 4):
     c = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_batch_size=size))
     stage = build_stage("sft", c, pipeline.make_mesh(c.mesh), DataSource(c.data, c.seed))
-    state, _ = stage.init(jax.random.key(0), {})
-    got[size] = (stage.evaluator(state.params["policy"]), stage.take_samples())
+    state, frozen = stage.init(jax.random.key(0), {})
+    ev = stage.evaluation(frozen)
+    got[size] = (ev.generation(state.params["policy"]), ev.take_samples())
   assert got[4] == got[256]
   assert len(got[4][1]) == 10 and all(r["kind"] == "eval" for r in got[4][1])
   out = capsys.readouterr().out
@@ -328,8 +330,9 @@ def test_dpo_samples_are_the_evaluation_pairs_with_their_margins():
   from test_train import run_steps
   cfg = tiny_config(logging=LoggingConfig(samples=8))  # eval_size 8: every pair a row
   stage, state, frozen, _ = run_steps(cfg, "dpo", mesh(), steps=2)
-  out = stage.evaluate(state, frozen)
-  rows = [r for r in stage.take_samples() if r["kind"] == "eval_pairs"]
+  ev = stage.evaluation(frozen)
+  out = ev(state)
+  rows = [r for r in ev.take_samples() if r["kind"] == "eval_pairs"]
   assert len(rows) == len(stage.data.eval_examples("pairs")) == 8
   for r in rows:
     assert r["reward"] == pytest.approx(r["chosen_reward"] - r["rejected_reward"])

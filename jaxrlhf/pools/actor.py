@@ -128,7 +128,7 @@ def _run_actor(cfg, workdir, store, mesh, roles, *, events, log, should_stop, co
                                stage.initial_extras().replace(reward_stats=None))
   name, steps = C.pool_name(cfg, ROLE), stage.steps
   writer = writer or MetricsWriter(C.pool_dir(workdir, ROLE, cfg), cfg.logging, {name: steps})
-  evaluate = lambda s: stage.evaluate(s, frozen)  # noqa: E731
+  evaluate = stage.evaluation(frozen)
   with C.PoolCheckpointer(workdir, ROLE, cfg) as ck:
     point = ck.resume(C.abstract_of(state), resume, cfg)
     if point is not None:
@@ -159,8 +159,8 @@ def _run_actor(cfg, workdir, store, mesh, roles, *, events, log, should_stop, co
         "stage": name, "inputs": inputs}, loop.final,
         must=lambda: len(loop.inbox.unacked) >= C.MAX_UNACKED)
     with jax.set_mesh(mesh):
-      end = C.driver(stage, ROLE, writer, saves, should_stop, evaluate=evaluate,
-                     samples=stage.take_samples).run(loop, state, done)
+      end = C.driver(stage, ROLE, writer, saves, should_stop,
+                     evaluation=evaluate).run(loop, state, done)
   state, last, done = end.state, dict(end.last), end.done
   if done == steps and stage.eval_every and "eval/accuracy" not in last:
     last.update(evaluate(state))

@@ -133,15 +133,22 @@ class PoolSaves(Saves):
     return self.ck.directory if self.ck.enabled else ""
 
 
-def driver(stage, role: str, writer, saves: PoolSaves, should_stop, *, evaluate=None,
+def driver(stage, role: str, writer, saves: PoolSaves, should_stop, *, evaluation=None,
            samples=None) -> Driver:
-  """The training loop of one pool: the colocated stage's, named ``STAGE.ROLE``."""
+  """The training loop of one pool: the colocated stage's, named ``STAGE.ROLE``;
+  ``evaluation`` (the actor's :class:`~jaxrlhf.train.evaluate.Evaluation`) evaluates, and
+  its samples follow ``samples()``'s."""
+  if evaluation is not None:
+    own = samples or (lambda: [])
+    samples = lambda: own() + evaluation.take_samples()  # noqa: E731
   return Driver(name=f"{stage.name}.{role}", steps=stage.steps, writer=writer,
                 should_stop=should_stop, saves=saves,
                 max_skips=stage.scfg.optim.max_consecutive_skips,
                 skips_setting=f"{stage.name}.optim.max_consecutive_skips",
-                evaluate=evaluate, eval_every=stage.eval_every if evaluate else 0,
-                target_reached=stage.target_reached,
+                evaluate=evaluation,
+                eval_every=(lambda: evaluation.every) if evaluation is not None else 0,
+                target_reached=evaluation.after if evaluation is not None else (
+                    lambda metrics: ""),
                 log_every=stage.cfg.logging.every_steps, samples=samples)
 
 

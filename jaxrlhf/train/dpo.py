@@ -43,8 +43,6 @@ class DPOStage(Stage):
     self.pref_loss = functools.partial(preference_loss, self.scfg)
     self._ref = jax.jit(seq_logps)
     self._cache: dict = {}
-    self._eval_pairs = None
-    self.evaluator = GenerationEval(self)
 
     def eval_fn(policy, reference, b):
       """The preference metrics of the evaluation pairs, and each pair's summed log-probs
@@ -59,6 +57,9 @@ class DPOStage(Stage):
     state, frozen = super().init(key, roles, **kw)
     self.frozen_ref = frozen.get("reference")  # for dpo.reference=cache
     return state, frozen
+
+  def generation_eval(self):
+    return GenerationEval(self)
 
   def batch_shapes(self):
     if self.packer is not None:
@@ -102,16 +103,15 @@ class DPOStage(Stage):
     state, metrics = self.update_role(state, frozen, "policy", loss_fn, mb, n_micro)
     return state, {**metrics, **packing_metrics(batch)}
 
-  def evaluate(self, state, frozen):
-    if self._eval_pairs is None:
-      self._eval_pairs = pair_batches(self)
-    policy = self.view(state.params, frozen, "policy")
+  def evaluate(self, state, ev):
+    pairs = ev.once("pairs", lambda: pair_batches(self))
+    policy = self.view(state.params, ev.frozen, "policy")
     with jax.set_mesh(self.mesh):
-      m, logps = jax.device_get(self._eval(policy, frozen.get("reference"), self._eval_pairs))
+      m, logps = jax.device_get(self._eval(policy, ev.frozen.get("reference"), pairs))
     out = {"eval/pair_accuracy": float(m["pref_accuracy"]),
            "eval/reward_margin": float(m["reward_margin"])}
-    out.update(self.evaluator(self.view(state.params, frozen, "policy", decode=True)))
-    self._samples = self.pair_samples(logps)
+    out.update(ev.generation(self.view(state.params, ev.frozen, "policy", decode=True)))
+    ev.rows = self.pair_samples(logps)
     return out
 
   def pair_samples(self, logps) -> list[dict]:

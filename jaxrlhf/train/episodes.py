@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxrlhf import turns
 from jaxrlhf.config import ConfigError
+from jaxrlhf.data.examples import as_text
 from jaxrlhf.envs import EnvRunner, resolve_env
 from jaxrlhf.envs.render import ChatFormat, TextFormat
 from jaxrlhf.train.common import put_batch
@@ -270,18 +271,27 @@ class _Tally:
 class EnvEval:
   """Greedy episodes on the evaluation examples: ``eval/accuracy`` is the fraction solved
   (return >= ``env.success_reward``), so an SFT stage's ``stop_accuracy`` and the reports read
-  it as they read exact match."""
+  it as they read exact match.  After each call :attr:`samples` holds the first
+  ``logging.samples`` episodes as sample rows: the whole conversation after the prompt
+  (actions and observations) as the response, the episode's return as the reward."""
 
   def __init__(self, stage, role: str = "policy"):
     self.stage = stage
     self.runner = EpisodeRunner(stage, greedy=True, role=role)
     self.examples = None
+    self.samples: list[dict] = []
 
   def __call__(self, params) -> dict:
     if self.examples is None:
       self.examples = self.stage.data.eval_examples("prompts")
     ep = self.runner.run(self.runner.decode_layout(params), self.examples, jax.random.key(0))
     m = ep.metrics
+    P, tok = self.runner.P, self.stage.tok
+    self.samples = [
+        {"kind": "eval", "prompt": as_text(ex.prompt),
+         "response": tok.decode(ep.tokens[i, P:][ep.mask[i, P:]]), "reward": float(ep.returns[i]),
+         **({"answer": ex.answer} if ex.answer else {})}
+        for i, ex in enumerate(self.examples[:self.stage.cfg.logging.samples])]
     return {"eval/accuracy": m["env/solved"], "eval/return": m["env/return_mean"],
             "eval/turns": m["env/turns_mean"], "eval/truncated_frac": m["env/truncated_frac"],
             "eval/response_length": float(np.mean(ep.mask[:, self.runner.P:].sum(1)))}

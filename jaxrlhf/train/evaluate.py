@@ -171,6 +171,52 @@ def chunks(n: int, size: int) -> list[tuple[int, int]]:
   return [(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+# ------------------------------------------------------------------------- the evaluation
+
+
+class Evaluation:
+  """One run's evaluation of a stage, host side: what the stage's :meth:`evaluate
+  <jaxrlhf.train.stage.Stage.evaluate>` makes once and reuses (evaluation pairs or held-out
+  batches on the mesh, their compiled programs: :meth:`once`), its greedy-generation
+  evaluator (:attr:`generation`, None for a stage that generates nothing), the sample rows
+  of the last evaluation, and the cadence (:attr:`every`: ``STAGE.eval_every``, which a stop
+  rule may make denser near its target).  The stage itself keeps nothing that changes while
+  it trains; the training loop, the pipeline's start and end evaluations and the actor pool
+  each hold one of these per stage run."""
+
+  def __init__(self, stage, frozen: dict):
+    self.stage, self.frozen = stage, frozen
+    self.every = stage.eval_every
+    self.generation = stage.generation_eval()
+    self.rows: list[dict] = []  # the stage's own sample rows (DPO's evaluation pairs)
+    self._made: dict = {}
+
+  def once(self, name: str, make: Callable):
+    """``make()``, called at the first use of ``name`` in this run and kept."""
+    if name not in self._made:
+      self._made[name] = make()
+    return self._made[name]
+
+  def __call__(self, state) -> dict:
+    """The evaluation metrics of ``state`` (``eval/*``)."""
+    return self.stage.evaluate(state, self)
+
+  def after(self, metrics: dict) -> str:
+    """After an evaluation: the cadence from here on (:meth:`Stage.eval_every_after`), and
+    why the stage ends here although steps remain ("" to go on)."""
+    self.every = self.stage.eval_every_after(metrics, self.every)
+    return self.stage.target_reached(metrics)
+
+  def take_samples(self) -> list[dict]:
+    """The sample rows of the evaluations since the last call: the stage's own, then the
+    generation evaluator's; empty when none."""
+    rows, self.rows = self.rows, []
+    if self.generation is not None and self.generation.samples:
+      rows += self.generation.samples
+      self.generation.samples = []
+    return rows
+
+
 # -------------------------------------------------------------------------- the evaluator
 
 

@@ -30,8 +30,6 @@ class KTOStage(Stage):
       return jnp.sum(jnp.where(loss_mask[:, 1:], logp, 0.0), axis=-1)
 
     self.seq_logps = seq_logps
-    self._eval_pairs = None
-    self.evaluator = GenerationEval(self)
 
     def eval_fn(policy, reference, b):
       tokens, mask, loss_mask = stack_pairs(b)
@@ -42,6 +40,9 @@ class KTOStage(Stage):
       return preference_metrics(jnp.float32(0.0), r[:n], r[n:], jnp.ones((n,), bool))
 
     self._eval = jax.jit(eval_fn)
+
+  def generation_eval(self):
+    return GenerationEval(self)
 
   def batch_shapes(self):
     shapes = self.sequence_shapes("completion")
@@ -64,15 +65,14 @@ class KTOStage(Stage):
 
     return self.update_role(state, frozen, "policy", loss_fn, mb, 1)
 
-  def evaluate(self, state, frozen):
-    if self._eval_pairs is None:
-      self._eval_pairs = pair_batches(self)
+  def evaluate(self, state, ev):
+    pairs = ev.once("pairs", lambda: pair_batches(self))
     with jax.set_mesh(self.mesh):
-      m = jax.device_get(self._eval(self.view(state.params, frozen, "policy"), frozen["reference"],
-                                    self._eval_pairs))
+      m = jax.device_get(self._eval(self.view(state.params, ev.frozen, "policy"),
+                                    ev.frozen["reference"], pairs))
     out = {"eval/pair_accuracy": float(m["pref_accuracy"]),
            "eval/reward_margin": float(m["reward_margin"])}
-    out.update(self.evaluator(self.view(state.params, frozen, "policy", decode=True)))
+    out.update(ev.generation(self.view(state.params, ev.frozen, "policy", decode=True)))
     return out
 
 

@@ -71,9 +71,9 @@ class StageProgram:
     return state, metrics
 
   def take_samples(self) -> list[dict]:
-    """The sample rows since the last call: the step's rollout's, then its evaluation's."""
+    """The rollout sample rows of the steps since the last call."""
     rows, self.rows = self.rows, []
-    return rows + self.stage.take_samples()
+    return rows
 
 
 class StageSaves(Saves):
@@ -108,23 +108,25 @@ class StageSaves(Saves):
 
 
 def run_stage(stage, state, frozen, *, writer, start_step: int = 0, checkpointer=None,
-              should_stop=lambda: False, extra_fn=None, profiler=None, work=None):
+              should_stop=lambda: False, extra_fn=None, profiler=None, work=None,
+              evaluation=None):
   """Trains ``stage`` from ``start_step`` (steps already done) to ``stage.steps`` with the
   one training loop (:class:`~jaxrlhf.train.driver.Driver`); returns ``(state, last_metrics,
   stopped_early, steps_done)``.  ``steps_done`` is below ``stage.steps`` when an evaluation
   met the stage's target (:meth:`Stage.target_reached`): the stage has then finished, and its
   checkpoint of that step records why (``target_reached`` in its JSON).  ``extra_fn(done)``
-  is the JSON saved beside the state."""
+  is the JSON saved beside the state.  ``evaluation``: the run's
+  :class:`~jaxrlhf.train.evaluate.Evaluation` of the stage (default: a new one)."""
   extra = extra_fn or (lambda done: {})
+  ev = evaluation or stage.evaluation(frozen)
   saves = StageSaves(checkpointer, extra, writer, stage.name) if checkpointer is not None else (
       Saves())
   program = StageProgram(stage, frozen, start=start_step, profiler=profiler, work=work)
   driver = Driver(name=stage.name, steps=stage.steps, writer=writer, should_stop=should_stop,
                   saves=saves, max_skips=getattr(stage.scfg.optim, "max_consecutive_skips", 0),
                   skips_setting=f"{stage.name}.optim.max_consecutive_skips",
-                  evaluate=lambda s: stage.evaluate(s, frozen),
-                  eval_every=lambda: stage.eval_every,
-                  target_reached=stage.target_reached,
-                  log_every=stage.cfg.logging.every_steps, samples=program.take_samples)
+                  evaluate=ev, eval_every=lambda: ev.every, target_reached=ev.after,
+                  log_every=stage.cfg.logging.every_steps,
+                  samples=lambda: program.take_samples() + ev.take_samples())
   end = driver.run(program, state, start_step)
   return end.state, end.last, end.stopped, end.done

@@ -187,6 +187,7 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
   with ck:  # closing waits for the checkpoints still being written, whatever happens
     state, frozen, start, start_eval, reached = _starting_point(stage, ck, key, roles, inputs,
                                                                 policy, writer, t0)
+    ev = stage.evaluation(frozen)
 
     def extra_fn(done: int) -> dict:
       # Batches are a pure function of the step, so the data position is the step.
@@ -206,7 +207,7 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
       state, last, stopped, end = run_stage(stage, state, frozen, writer=writer,
                                             start_step=start, checkpointer=ck,
                                             should_stop=stop.should_stop, extra_fn=extra_fn,
-                                            profiler=profiler, work=work)
+                                            profiler=profiler, work=work, evaluation=ev)
       if stopped:
         ck.wait()
         print(stop.message(int(jax.device_get(state.step)), ck.directory,
@@ -215,10 +216,10 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
     ck.save_now(end, state, extra_fn(end), last)  # no-op if already saved
     final = {k: v for k, v in last.items() if k.startswith("eval/")}
     if not final and stage.eval_every:
-      final = stage.evaluate(state, frozen)
+      final = ev(state)
       if final:
         writer.write(name, end, final)
-      writer.write_samples(name, end, stage.take_samples())
+      writer.write_samples(name, end, ev.take_samples())
   summary = _summary(stage, final, last, end, start_eval, time.perf_counter() - t0)
   outputs = stage.outputs(state, frozen)
   info = ckpt.save_stage_result(workdir, name, outputs,
@@ -246,8 +247,9 @@ def _starting_point(stage, ck, key, roles, inputs, policy, writer, t0):
       state, frozen = stage.init(key, roles)
     start_eval = {}
     if stage.spec.eval_at_start and stage.eval_every:  # eval_every=0: no evaluation at all
-      start_eval = stage.evaluate(state, frozen)
-      writer.write_samples(name, 0, stage.take_samples())
+      ev = stage.evaluation(frozen)
+      start_eval = ev(state)
+      writer.write_samples(name, 0, ev.take_samples())
     return state, frozen, 0, start_eval, ""
   check_inputs(point.extra, inputs, f"{ck.directory}/{point.step}")
   state, start = point.state, int(point.extra.get("data_position", point.step))

@@ -17,7 +17,6 @@ from jaxrlhf.train import program
 from jaxrlhf.train.types import Extras, Skips
 from jaxrlhf.envs import resolve_env
 from jaxrlhf.train.episodes import EpisodeRunner, episode_rollout
-from jaxrlhf.train.evaluate import make_evaluator
 from jaxrlhf.train.phases import initial_carry, rl_phases
 from jaxrlhf.train.spec import Role
 from jaxrlhf.train.types import HostInputs
@@ -74,7 +73,6 @@ class RLStage(Stage):
 
   def __init__(self, cfg, mesh, data):
     super().__init__(cfg, mesh, data)
-    self.evaluator = make_evaluator(self)
     self.n = self.scfg.num_samples
     self.N = cfg.rollout.max_new_tokens
     self.decode_shardings = self.decode_layout_shardings("policy")
@@ -144,8 +142,8 @@ class RLStage(Stage):
       batch["host"] = HostInputs(tuple(examples))
     return batch
 
-  def evaluate(self, state, frozen):
-    return self.evaluator(self.view(state.params, frozen, "policy", decode=True))
+  def evaluate(self, state, ev):
+    return ev.generation(self.view(state.params, ev.frozen, "policy", decode=True))
 
   def value_params(self, params):
     """The parameters the value head reads: the value model's, or the policy's when it

@@ -20,7 +20,6 @@ class RMStage(Stage):
 
   def __init__(self, cfg, mesh, data):
     super().__init__(cfg, mesh, data)
-    self._eval_pairs = None
     cfg = self.model_cfg("reward")
     kernels = self.cfg.kernels
 
@@ -54,12 +53,10 @@ class RMStage(Stage):
     state, metrics = self.update_role(state, frozen, "reward", loss_fn, batch, n_micro)
     return state, {**metrics, **packing_metrics(batch)}
 
-  def evaluate(self, state, frozen):
-    if self._eval_pairs is None:
-      self._eval_pairs = pair_batches(self)
+  def evaluate(self, state, ev):
+    pairs = ev.once("pairs", lambda: pair_batches(self))
     with jax.set_mesh(self.mesh):
-      m = jax.device_get(self._eval(self.view(state.params, frozen, "reward"),
-                                    self._eval_pairs))
+      m = jax.device_get(self._eval(self.view(state.params, ev.frozen, "reward"), pairs))
     return {"eval/pair_accuracy": float(m["accuracy"])}
 
 

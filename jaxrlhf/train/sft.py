@@ -13,18 +13,13 @@ from jaxrlhf.config import ConfigError, SFTConfig
 from jaxrlhf.perf import decoder_flops
 from jaxrlhf.train import spec
 from jaxrlhf.train.common import TrainState, put_batch
-from jaxrlhf.train.evaluate import make_evaluator, metric_label
+from jaxrlhf.train.evaluate import metric_label
 from jaxrlhf.train.sequences import next_token_target, packing_metrics
 from jaxrlhf.train.stage import Stage
 
 
 class SFTStage(Stage):
   name = "sft"
-
-  def __init__(self, cfg, mesh, data):
-    super().__init__(cfg, mesh, data)
-    self.evaluator = make_evaluator(self)
-    self._held_out = None  # eval/loss's batches and program, made at the first evaluation
 
   def batch_shapes(self):
     if self.packer is not None:
@@ -60,38 +55,41 @@ class SFTStage(Stage):
                                       self.scfg.optim.grad_accum)
     return state, {**metrics, **packing_metrics(batch)}
 
-  def evaluate(self, state, frozen):
-    params = self.view(state.params, frozen, "policy")
-    out = self.evaluator(self.view(state.params, frozen, "policy", decode=True))
+  def evaluate(self, state, ev):
+    params = self.view(state.params, ev.frozen, "policy")
+    out = ev.generation(self.view(state.params, ev.frozen, "policy", decode=True))
     if self.data.task is None:  # your files: the held-out responses' loss too
-      out.update(self.held_out_loss(params))
+      out.update(self.held_out_loss(params, ev))
     return out
 
-  def held_out_loss(self, params) -> dict:
+  def held_out_loss(self, params, ev) -> dict:
     """``eval/loss``: the token-mean NLL of the evaluation set's SFT responses (the step's own
     loss, :meth:`objective`, on examples it does not train on when the set is held out), in
-    batches of ``sft.batch_size`` encoded and placed once (the last one filled with rows whose
-    loss mask is off, so one compiled program)."""
-    if self._held_out is None:
-      examples, n = self.data.eval_examples("sft"), self.scfg.batch_size
-      self._held_out = []
-      for lo in range(0, len(examples), n):
-        chunk = examples[lo:lo + n]
-        real = len(chunk)
-        b = self.data.encoder.sequences(chunk + [chunk[-1]] * (n - real), "response")
-        # The fillers train nothing: their loss mask off (and, where every real token is a
-        # target, sft.response_only=false, their mask: a row of padding).
-        for name in ("loss_mask",) if self.scfg.response_only else ("loss_mask", "mask"):
-          b[name] = np.asarray(b[name]).copy()
-          b[name][real:] = False
-        self._held_out.append(put_batch(self.mesh, b))
-      self._nll = jax.jit(lambda p, b: self._loss_and_tokens(p, b))
+    batches of ``sft.batch_size`` encoded and placed once per run (the last one filled with
+    rows whose loss mask is off, so one compiled program)."""
+    batches = ev.once("held_out", self._held_out_batches)
+    nll = ev.once("nll", lambda: jax.jit(self._loss_and_tokens))
     total = count = 0.0
     with jax.set_mesh(self.mesh):
-      for b in self._held_out:
-        loss, tokens = jax.device_get(self._nll(params, b))
+      for b in batches:
+        loss, tokens = jax.device_get(nll(params, b))
         total, count = total + float(loss) * float(tokens), count + float(tokens)
     return {"eval/loss": total / count} if count else {}
+
+  def _held_out_batches(self) -> list:
+    examples, n = self.data.eval_examples("sft"), self.scfg.batch_size
+    out = []
+    for lo in range(0, len(examples), n):
+      chunk = examples[lo:lo + n]
+      real = len(chunk)
+      b = self.data.encoder.sequences(chunk + [chunk[-1]] * (n - real), "response")
+      # The fillers train nothing: their loss mask off (and, where every real token is a
+      # target, sft.response_only=false, their mask: a row of padding).
+      for name in ("loss_mask",) if self.scfg.response_only else ("loss_mask", "mask"):
+        b[name] = np.asarray(b[name]).copy()
+        b[name][real:] = False
+      out.append(put_batch(self.mesh, b))
+    return out
 
   def _loss_and_tokens(self, params, b):
     loss_fn, mb = self.objective(b)
@@ -105,13 +103,16 @@ class SFTStage(Stage):
               else metric_label(self.scfg))
       return (f"{self.data.eval_name('prompts', what)} {acc:.3f} reached "
               f"{stop_rule(self.scfg)}")
-    # Close to the target, evaluate every sft.stop_eval_every steps (the loop reads
-    # eval_every after each step), so that the stage stops near the target rather than up
-    # to eval_every steps past it.
+    return ""
+
+  def eval_every_after(self, eval_metrics: dict, every: int) -> int:
+    """Close to the target, every ``sft.stop_eval_every`` steps, so that the stage stops near
+    the target rather than up to ``eval_every`` steps past it."""
+    stop, acc = self.scfg.stop_accuracy, eval_metrics.get("eval/accuracy")
     dense = self.scfg.stop_eval_every
     if stop > 0 and dense > 0 and acc is not None and acc >= self.scfg.stop_eval_from * stop:
-      self.eval_every = min(self.eval_every, dense)
-    return ""
+      return min(every, dense)
+    return every
 
 
 def stop_rule(scfg) -> str:

@@ -21,6 +21,7 @@ from jaxrlhf.mesh import (DECODE_PARAM_RULES, FROZEN_PARAM_RULES, PARAM_RULES, b
                           replicated, tree_shardings)
 from jaxrlhf.train import precision as PREC, spec
 from jaxrlhf.train.sequences import pair_rows
+from jaxrlhf.train.evaluate import Evaluation, eval_metric, make_evaluator
 from jaxrlhf.train.common import (TrainState, init_state, jit_step, make_optimizer,
                                   make_state_fn, shardings_of, state_shardings, update_role)
 from jaxrlhf.train.types import Extras, Skips
@@ -53,7 +54,6 @@ class Stage:
     self.P = cfg.data.max_prompt_len
     self.R = cfg.data.max_response_len
     self.tok = data.tokenizer
-    self._samples: list[dict] = []  # sample rows since the last take_samples()
     check_vocabulary(cfg, self.tok, self.roles)
     # Every trained role updates once per minibatch and epoch of a step (RL), else once.
     updates = getattr(self.scfg, "ppo_epochs", 1) * getattr(self.scfg, "num_minibatches", 1)
@@ -72,6 +72,8 @@ class Stage:
                                    {r: self.optim_fields[r] for r in self.trainable}, self.name)
     self.packer = make_packer(cfg.data, mesh, self.tok.pad_id, self.scfg.optim.grad_accum) if (
         cfg.data.pack and self.spec.packs) else None
+    if "exact_match" in self.spec.evaluation:
+      eval_metric(self)  # a STAGE.eval_reward that names nothing usable: refused here
 
   # -- to implement -------------------------------------------------------------------------
   def stop_rule(self) -> str:
@@ -83,6 +85,10 @@ class Stage:
     """After an evaluation: why the stage ends here although steps remain (e.g. its held-out
     accuracy reached the configured target), or "" to go on."""
     return ""
+
+  def eval_every_after(self, eval_metrics: dict, every: int) -> int:
+    """After an evaluation: steps between evaluations from here on (``every`` until now)."""
+    return every
 
   def frozen(self) -> dict:
     """Frozen roles -> head (the spec's roles that this stage does not train)."""
@@ -101,19 +107,20 @@ class Stage:
   def step(self, state: TrainState, frozen: dict, batch: dict):
     raise NotImplementedError
 
-  def evaluate(self, state: TrainState, frozen: dict) -> dict:
+  def evaluate(self, state: TrainState, ev: Evaluation) -> dict:
+    """The ``eval/*`` metrics of ``state``; ``ev`` (:class:`Evaluation`) holds the frozen
+    roles, what this run's evaluations make once, and takes the sample rows."""
     return {}
 
-  def take_samples(self) -> list[dict]:
-    """The sample rows of the latest evaluation (``prompt``, ``response``, ``reward``,
-    ``answer``, ``kind``...), once; empty when none.  A rollout's rows go to the step's
-    ``HostInputs.samples`` (:func:`jaxrlhf.train.program.rollout_samples`)."""
-    rows, self._samples = self._samples, []
-    evaluator = getattr(self, "evaluator", None)
-    if evaluator is not None and getattr(evaluator, "samples", None):
-      rows += evaluator.samples
-      evaluator.samples = []
-    return rows
+  def evaluation(self, frozen: dict) -> Evaluation:
+    """A run's evaluation of this stage (host side: caches, samples, cadence)."""
+    return Evaluation(self, frozen)
+
+  def generation_eval(self):
+    """The greedy-generation evaluator of an :class:`Evaluation`: greedy answers scored by
+    ``STAGE.eval_reward`` (episodes with ``env.name``) when the spec's ``evaluation`` includes
+    ``exact_match``, else None."""
+    return make_evaluator(self) if "exact_match" in self.spec.evaluation else None
 
   # -- shared machinery ---------------------------------------------------------------------
   def init(self, key: jax.Array, roles: dict, *, only: tuple | None = None,
