@@ -193,6 +193,59 @@ def test_sync_grpo_pools_with_lora_and_a_host_reward_match_colocated(redis_url, 
                              **TOL)
 
 
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_a_pool_restores_into_the_abstract_state_of_its_share(algo):
+  """A restarted pool restores into ``abstract_roles`` (no fresh state allocated first): the
+  same tree, shapes, dtypes and shardings as the state ``init_roles`` builds, for each pool,
+  with PPO's value model and with GRPO's LoRA adapters over the reference."""
+  from jaxrlhf.pools import common as C
+  cfg = pools_config(steps=2) if algo == "ppo" else grpo_pools_config(steps=2)
+  stage = C.build_stage(cfg, mesh())
+  for role, extras in (("actor", stage.initial_extras().replace(reward_stats=None)),
+                       ("critic", stage.initial_extras().replace(kl=None))):
+    trained, frozen_roles = C.pool_roles(stage, role)
+    state, frozen = C.init_roles(stage, stage_key(cfg), {}, trained, frozen_roles, extras)
+    none, frozen_alone = C.init_roles(stage, stage_key(cfg), {}, trained, frozen_roles, extras,
+                                      restoring=True)
+    abstract = C.abstract_roles(stage, trained, frozen_roles, extras)
+    describe = lambda t: jax.tree.map(  # noqa: E731
+        lambda x: (x.shape, x.dtype, x.sharding.spec), t)
+    assert none is None and describe(frozen_alone) == describe(frozen), role
+    assert jax.tree.structure(abstract) == jax.tree.structure(state), role
+    assert describe(abstract) == describe(state), role
+
+
+def test_sync_dapo_pools_with_dynamic_sampling_match_colocated(redis_url, tmp_path):
+  """Dynamic sampling across pools: the actor generates the over-sampled groups, the critic
+  selects the informative ones (its score program holds the select phase) and sends their
+  rows with the advantages; the actor trains on those rows.  Equal to the colocated step,
+  including the groups kept and the rows the critic records as samples."""
+  steps = 3
+  cfg = grpo_pools_config(steps=steps, mode="sync")
+  cfg = dataclasses.replace(
+      cfg, logging=dataclasses.replace(cfg.logging, samples=4, samples_every=1),
+      grpo=dataclasses.replace(cfg.grpo, batch_size=4, dynamic_sampling=True,
+                               max_oversample=1.5, clip_high=0.28))
+  samples = []
+  _, state, _, reference = run_steps(cfg, "grpo", mesh(), steps=steps, key=stage_key(cfg),
+                                     samples=samples)
+  assert reference[0]["dynamic/generated_groups"] == 6  # ceil(4 x 1.5)
+  # Some groups informative, not all (measured 2, 1, 0 of 6): the selection moves rows.
+  assert any(0 < r["dynamic/informative_groups"] < 6 for r in reference)
+  actor, critic, recs, _ = run_pools(cfg, redis_url, tmp_path)
+  assert_pools_match(recs, reference,
+                     ("policy/loss", "entropy/mean", "kl/mean", "grad_norm",
+                      "response_length/mean"),
+                     ("reward/mean", "dynamic/informative_groups", "dynamic/kept_groups",
+                      "dynamic/shortfall_groups"),
+                     lambda a, c: a["loss/policy"])
+  assert_same_params(actor["state"].params["policy"], state.params["policy"])
+  # The samples are the selected rows, each with its own prompt.
+  rollout = [r for r in recs["critic"].samples if r["kind"] == "rollout"]
+  assert [r["prompt"] for r in rollout] == [r["prompt"] for r in samples]
+  assert [r["response"] for r in rollout] == [r["response"] for r in samples]
+
+
 def bucketed_config(algo, steps=3):
   """``algo`` in sync pools with prompt buckets (16 prompt columns, the prompts fill 5),
   length buckets and packing; 24 of the 48 tokens stop a response, so responses end at
@@ -528,9 +581,6 @@ def test_configs_the_pools_cannot_run_are_refused():
   for changes, match in [
       ({"stages": ("ppo", "dpo")}, "make the RL stage the last"),
       ({"ppo": dataclasses.replace(base.ppo, shared_backbone=True)}, "shared_backbone"),
-      ({"stages": ("grpo",), "grpo": dataclasses.replace(base.grpo, dynamic_sampling=True)},
-       r"grpo.dynamic_sampling=true picks the trained groups in the critic.*set "
-       r"grpo.dynamic_sampling=false"),
       ({"pools": PoolsConfig(mode="async", max_staleness=0)}, "max_staleness"),
       ({"pools": PoolsConfig(max_queue=0)}, "max_queue"),
       ({"pools": PoolsConfig(is_correction=0.5)}, r"is_correction=0.5: 0 \(off\) or a cap > 1")]:

@@ -34,7 +34,7 @@ from jaxrlhf.metrics import MetricsWriter
 from jaxrlhf.pools import common as C
 from jaxrlhf.pools import wire
 from jaxrlhf.pools.store import Store
-from jaxrlhf.train import pipeline, program
+from jaxrlhf.train import phases, pipeline, program
 from jaxrlhf.train.common import put_batch, shardings_of
 from jaxrlhf.train.types import Shaped, StepCarry
 
@@ -90,11 +90,11 @@ def actor_programs(stage):
   the policy update given the critic's advantages (every phase of the actor's after the
   critic's first, as one program: the actor sends nothing while it runs), with this pool's own
   phases around it."""
-  phases = stage.phases(("policy",), ("policy",))
-  programs = program.pool_programs(phases, ROLE, cut_at_host=program.cuts_at_host(stage) or (
+  listed = stage.phases(("policy",), ("policy",))
+  programs = program.pool_programs(listed, ROLE, cut_at_host=program.cuts_at_host(stage) or (
       stage.episodes is not None))
-  at = {id(p): i for i, p in enumerate(phases)}
-  first = min(i for i, p in enumerate(phases) if p.pool == "critic" and p.name != program.HOST)
+  at = {id(p): i for i, p in enumerate(listed)}
+  first = min(i for i, p in enumerate(listed) if p.pool == "critic" and p.name != program.HOST)
   rollout = [ps for ps in programs if at[id(ps[0])] < first]
   update = [p for ps in programs if at[id(ps[0])] > first for p in ps]
   if stage.cfg.pools.is_correction > 0:
@@ -123,14 +123,18 @@ def _run_actor(cfg, workdir, store, mesh, roles, *, events, log, should_stop, co
   events = events or C.EventLog(None)
   stage = C.build_stage(cfg, mesh)
   trained, frozen_roles = C.pool_roles(stage, ROLE)
-  # The critic owns the reward statistics.
-  state, frozen = C.init_roles(stage, C.stage_key(cfg), roles, trained, frozen_roles,
-                               stage.initial_extras().replace(reward_stats=None))
+  extras = stage.initial_extras().replace(reward_stats=None)  # the critic owns them
   name, steps = C.pool_name(cfg, ROLE), stage.steps
   writer = writer or MetricsWriter(C.pool_dir(workdir, ROLE, cfg), cfg.logging, {name: steps})
-  evaluate = stage.evaluation(frozen)
   with C.PoolCheckpointer(workdir, ROLE, cfg) as ck:
-    point = ck.resume(C.abstract_of(state), resume, cfg)
+    restoring = ck.restoring(resume)
+    state, frozen = C.init_roles(stage, C.stage_key(cfg), roles, trained, frozen_roles, extras,
+                                 restoring=restoring)
+    evaluate = stage.evaluation(frozen)
+    point = ck.resume(C.abstract_roles(stage, trained, frozen_roles, extras) if restoring
+                      else None, resume, cfg)
+    if point is None and state is None:  # no complete checkpoint after all: a fresh start
+      state = C.init_roles(stage, C.stage_key(cfg), roles, trained, frozen_roles, extras)[0]
     if point is not None:
       pipeline.check_inputs(point.extra, inputs, f"{ck.directory}/{point.step}")
       state, extra = point.state, point.extra
@@ -294,6 +298,8 @@ class ActorLoop:
     ro, lag = gen.rollout, done - gen.version
     if lag > self.ahead:  # cannot happen by construction; a guard against a broken restart
       raise RuntimeError(f"actor: rollout {done} is {lag} updates stale (limit {self.ahead})")
+    if "rows_B" in scores.arrays:  # dynamic sampling: the groups the critic selected
+      ro = phases.take_rows(ro, jnp.asarray(scores.arrays["rows_B"]), self.stage.n)
     adv = scores.arrays["adv_BN"]
     if adv.shape != ro.response_mask_BN.shape:  # another width than its rollout's bucket
       raise RuntimeError(f"actor: the critic's advantages of batch {done} are {list(adv.shape)}"

@@ -67,10 +67,10 @@ def pool_roles(stage, role: str) -> tuple[tuple, tuple]:
 
 def check_config(cfg: ExperimentConfig) -> None:
   """The experiment can run in two pools, or a ConfigError naming the setting and the fix.
-  The algorithm's limits come from its spec and phase list: every loss term must train a
-  model of its own (a term sharing another's parameters cannot be split between pools), and
-  no phase may say it cannot cross pools (:attr:`jaxrlhf.train.program.Phase.pools_note`).
-  Every rollout setting crosses them (environments, buckets, packing: docs/pools.md)."""
+  The algorithm's limits come from its spec: every loss term must train a model of its own
+  (a term sharing another's parameters cannot be split between pools).  Every phase crosses
+  them (dynamic sampling's selection runs in the critic, the actor takes the rows it chose),
+  and so does every rollout setting (environments, buckets, packing: docs/pools.md)."""
   name = stage_name(cfg)
   rl = [n for n in spec.names() if spec.get(n).generates]
   if name not in rl:
@@ -78,7 +78,6 @@ def check_config(cfg: ExperimentConfig) -> None:
                       f"the experiment's stages are {list(cfg.stages)}: make the RL stage the "
                       "last")
   al = spec.get(name)
-  scfg = getattr(cfg, name)
   roles = al.roles(cfg)
   shared = [t for t in al.terms if t != ACTOR_TERM and t not in roles]
   if shared:
@@ -87,10 +86,6 @@ def check_config(cfg: ExperimentConfig) -> None:
                       f"parameters ({knob}=true puts its head on the policy), so there is no "
                       f"separate model for the critic pool; set {knob}=false for "
                       "--role=actor|critic")
-  terms = tuple(al.terms)
-  note = next((p.pools_note for p in phases.rl_phases(terms, terms, scfg) if p.pools_note), "")
-  if note:
-    raise ConfigError(note.format(stage=name) + " for --role=actor|critic")
   p = cfg.pools
   if p.mode == "async" and p.max_staleness < 1:
     raise ConfigError(f"pools.max_staleness={p.max_staleness}: async mode needs >= 1 (the "
@@ -162,11 +157,20 @@ def stage_key(cfg: ExperimentConfig) -> jax.Array:
   return jax.random.fold_in(jax.random.key(cfg.seed), list(cfg.stages).index(stage_name(cfg)))
 
 
-def init_roles(stage, key: jax.Array, roles: dict, trainable, frozen, extras):
+def init_roles(stage, key: jax.Array, roles: dict, trainable, frozen, extras, *,
+               restoring: bool = False):
   """:meth:`Stage.init` of one pool's roles (and the frozen base of a LoRA role it trains):
   the same key per role as the full stage, so each pool's parameters equal the colocated
-  run's."""
-  return stage.init(key, roles, only=(tuple(trainable), tuple(frozen)), extras=extras)
+  run's.  ``restoring``: the frozen roles alone, and None for the state: a restart restores
+  the state into :func:`abstract_roles`, so none is allocated to be thrown away."""
+  return stage.init(key, roles, only=(tuple(trainable), tuple(frozen)), extras=extras,
+                    frozen_only=restoring)
+
+
+def abstract_roles(stage, trainable, frozen, extras):
+  """The abstract train state of one pool's share (:func:`init_roles`'s, allocating
+  nothing)."""
+  return stage.abstract_init(only=(tuple(trainable), tuple(frozen)), extras=extras)[0]
 
 
 def abstract_of(tree):
@@ -336,10 +340,14 @@ def rollout_schema(stage) -> list[dict]:
 
 
 def scores_schema(stage) -> list[dict]:
-  """The shapes a scores message may take (one map per response width)."""
+  """The shapes a scores message may take (one map per response width); with dynamic
+  sampling, also the generated rows the critic selected for the update (``rows_B``)."""
   rows = stage.scfg.batch_size * stage.n
   widths = sorted({n for _, n in bucket_shapes(stage)}, key=lambda n: n != stage.N)
-  return [{"adv_BN": ((rows, n), "float32"), "valid_B": ((rows,), "bool")} for n in widths]
+  selected = {"rows_B": ((rows,), "int32")} if getattr(stage.scfg, "dynamic_sampling",
+                                                       False) else {}
+  return [{"adv_BN": ((rows, n), "float32"), "valid_B": ((rows,), "bool"), **selected}
+          for n in widths]
 
 
 def packing_of(stage, ro: Rollout, perm_key):
@@ -470,6 +478,11 @@ class PoolCheckpointer:
   def resume(self, abstract, policy, cfg):
     with _ORBAX:
       return self.ck.resume(abstract, policy, cfg)
+
+  def restoring(self, policy) -> bool:
+    """Whether ``--resume=policy`` will restore a checkpoint of this pool."""
+    with _ORBAX:
+      return policy != "none" and bool(self.ck.all_steps())
 
   def save(self, step: int, state, extra: dict, metrics=None, *, force: bool = False) -> bool:
     """Whether everything applied up to ``step`` is now final: saved, or (checkpointing off)

@@ -29,7 +29,7 @@ from jaxrlhf.pools import wire
 from jaxrlhf.pools.store import Store
 from jaxrlhf.train import pipeline, program
 from jaxrlhf.train.common import put_batch
-from jaxrlhf.train.phases import rl_phases
+from jaxrlhf.train import phases
 from jaxrlhf.train.types import StepCarry
 
 ROLE = "critic"
@@ -64,8 +64,8 @@ def critic_programs(stage):
   values, reward shaping), then the update of its roles (none for GRPO), with this pool's
   bookkeeping after it."""
   trained, _ = C.pool_roles(stage, ROLE)
-  phases = [p for p in rl_phases(trained, trained, stage.scfg) if trained or p.name != "train"]
-  score, *update = program.pool_programs(phases, ROLE)
+  listed = [p for p in phases.rl_phases(trained, trained, stage.scfg) if trained or p.name != "train"]
+  score, *update = program.pool_programs(listed, ROLE)
   return score, [p for prog in update for p in prog] + [
       program.Phase("critic_metrics", critic_metrics)]
 
@@ -107,8 +107,6 @@ def _run_critic(cfg, workdir, store, mesh, roles, *, events, log, should_stop, c
     log(f"warning: {name} uses a reward model but no earlier stage trained one; it "
         "starts from random weights (add an 'rm' stage or set reward_model.hf_path)")
   extras = stage.initial_extras().replace(kl=None)  # the actor's controller owns it
-  state, frozen = C.init_roles(stage, C.stage_key(cfg), roles, trained, frozen_roles, extras)
-  fresh = state
   writer = writer or MetricsWriter(C.pool_dir(workdir, ROLE, cfg), cfg.logging, {name: steps})
   ns = C.namespace(cfg, workdir)
   run_key = C.Streams(ns, "").run_key
@@ -118,12 +116,16 @@ def _run_critic(cfg, workdir, store, mesh, roles, *, events, log, should_stop, c
   if run is None:
     return {}
   with C.PoolCheckpointer(workdir, ROLE, cfg) as ck:
-    point = ck.resume(C.abstract_of(state), resume, cfg)
+    restoring = ck.restoring(resume)
+    state, frozen = C.init_roles(stage, C.stage_key(cfg), roles, trained, frozen_roles,
+                                 extras, restoring=restoring)
+    point = ck.resume(C.abstract_roles(stage, trained, frozen_roles, extras) if restoring
+                      else None, resume, cfg)
     done = 0
     if point is not None and point.extra.get("run") != run:
       log(f"critic: the checkpoints in {ck.directory} belong to run {point.extra.get('run')}, "
           f"the actor is on run {run}; starting over")
-      ck.resume(C.abstract_of(state), "none", cfg)
+      ck.resume(None, "none", cfg)
       point = None
     if point is not None:
       pipeline.check_inputs(point.extra, inputs, f"{ck.directory}/{point.step}")
@@ -131,9 +133,9 @@ def _run_critic(cfg, workdir, store, mesh, roles, *, events, log, should_stop, c
       log(f"critic: resumed run {run} after batch {done}")
       events(event="resumed", done=done, run=run)
     else:
-      state = fresh
+      if state is None:  # nothing restored after all (another run's checkpoints): build it
+        state = C.init_roles(stage, C.stage_key(cfg), roles, trained, frozen_roles, extras)[0]
       events(event="started", run=run)
-    del fresh
     streams = C.Streams(ns, run)
     if not C.agree(store, streams, ROLE, C.settings_of(cfg, stage, inputs),
                    timeout=cfg.pools.peer_wait_s, should_stop=should_stop):
@@ -233,9 +235,12 @@ class CriticLoop:
       self.log(f"critic: batch {msg.batch}: {bad} rows with non-finite advantages sent as "
                "invalid (masked out of the policy update)")
       self.events(event="nonfinite_advantages", batch=msg.batch, rows=bad)
+    arrays = {"adv_BN": adv, "valid_B": valid}
+    if c.rollout.prompt_index_B is not None:  # dynamic sampling: the groups it trains on
+      arrays["rows_B"] = phases.selected_rows(c.rollout, self.stage.n)
     out = wire.Message(kind="scores", run=self.run, batch=msg.batch, step=done,
                        policy_version=msg.policy_version, producer=self.consumer, meta=smetrics,
-                       arrays=C.to_host({"adv_BN": adv, "valid_B": valid}))
+                       arrays=C.to_host(arrays))
     added = self.store.publish(self.sc_stream, self.sc_index, msg.batch, wire.encode(out),
                                group=C.GROUP["scores"], max_queue=self.max_queue,
                                should_stop=self.should_stop, wait_s=self.wait_s)

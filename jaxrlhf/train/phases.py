@@ -289,10 +289,24 @@ def select(stage, frozen, batch, c: StepCarry) -> StepCarry:
   rows, valid, metrics = select_groups(
       sc.score_B, sc.keep_B & jnp.isfinite(sc.score_B), group_size=stage.n,
       num_groups=stage.scfg.batch_size)
-  take = lambda x: None if x is None else x[rows]
-  return c.replace(rollout=jax.tree.map(take, c.rollout),
-                   scored=jax.tree.map(take, sc).replace(keep_B=valid),
+  return c.replace(rollout=take_rows(c.rollout, rows, stage.n),
+                   scored=jax.tree.map(lambda x: x[rows], sc).replace(keep_B=valid),
                    metrics={**c.metrics, **metrics})
+
+
+def take_rows(ro: Rollout, rows, n: int) -> Rollout:
+  """The rollout's ``rows`` (whole groups of ``n``, dynamic sampling's selection), each one's
+  prompt (its index among the step's prompts) in ``prompt_index_B``: what the sample rows and
+  the actor pool (:func:`selected_rows`) read."""
+  out = jax.tree.map(lambda x: x[rows], ro.replace(prompt_index_B=None))
+  return out.replace(prompt_index_B=rows // n)
+
+
+def selected_rows(ro: Rollout, n: int):
+  """The rows of the generated rollout that :func:`take_rows` took (from the groups' prompt
+  indices: a group's ``n`` rows are consecutive)."""
+  k = ro.prompt_index_B.shape[0]
+  return (ro.prompt_index_B * n + jnp.arange(k) % n).astype(jnp.int32)
 
 
 def off_policy(stage, frozen, batch, c: StepCarry) -> StepCarry:
@@ -325,10 +339,7 @@ def rl_phases(roles, terms, scfg=None) -> tuple[Phase, ...]:
       Phase(HOST, None, pool="critic"),
       Phase("reference", reference, pool="actor"),
       Phase("reward", reward, pool="critic"),
-      *((Phase("select", select, pool="critic", pools_note=(
-          "{stage}.dynamic_sampling=true picks the trained groups in the critic, after the "
-          "actor has generated them, and the pools exchange whole generated batches; set "
-          "{stage}.dynamic_sampling=false")),) if dynamic else ()),
+      *((Phase("select", select, pool="critic"),) if dynamic else ()),
       *((Phase("values", values, pool="critic"),) if "value" in terms else ()),
       Phase("shape", shape, pool="critic", group="update"),
       *((Phase("off_policy", off_policy, pool="actor", group="update"),) if correct else ()),

@@ -47,15 +47,12 @@ HOST = "host_reward"
 class Phase:
   """One pure piece of the step.  ``group`` names the timed program it belongs to (phases of
   one group run as one program under ``logging.phase_timing``); ``pool`` is where it runs in
-  a disaggregated run (``actor``, ``critic``, or ``both``); ``pools_note``, when set, says
-  why the phase cannot run in a disaggregated run and which setting avoids it (the pools
-  refuse the configuration with it; ``{stage}`` stands for the stage's name)."""
+  a disaggregated run (``actor``, ``critic``, or ``both``)."""
 
   name: str
   fn: Callable  # (stage, frozen, batch, carry) -> carry
   pool: str = "actor"
   group: str = ""
-  pools_note: str = ""
 
   @property
   def timing_group(self) -> str:

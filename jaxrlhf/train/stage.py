@@ -168,17 +168,24 @@ class Stage:
                        self.initial_extras() if extras is None else extras, self.precision)
     return state, frozen
 
-  def abstract_init(self) -> tuple[TrainState, dict]:
+  def abstract_init(self, *, only: tuple | None = None,
+                    extras: Extras | None = None) -> tuple[TrainState, dict]:
     """The train state and frozen parameters as ShapeDtypeStructs with their shardings on the
-    mesh; allocates nothing."""
+    mesh; allocates nothing.  ``only`` and ``extras`` as for :meth:`init` (one pool's
+    share)."""
     def role(r, head, rules):
       cfg = self.cfg.role_model(r)
       sh = M.param_shardings(cfg, self.mesh, head, rules)
       return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           M.abstract_params(cfg, head), sh)
-    frozen = {r: role(r, h, FROZEN_PARAM_RULES) for r, h in self.frozen().items()}
+    trained, wanted = only or (tuple(self.trainable), tuple(self.frozen()))
+    wanted = set(wanted) | {self.base_keys[r] for r in trained if r in self.lora}
+    frozen = {r: role(r, h, FROZEN_PARAM_RULES) for r, h in self.frozen().items()
+              if r in wanted}
     params = {}
     for r, h in self.trainable.items():
+      if r not in trained:
+        continue
       if r not in self.lora:
         params[r] = role(r, h, PARAM_RULES)
         continue
@@ -188,12 +195,15 @@ class Stage:
       params[r] = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                self.abstract_trainable(r), self.trainable_shardings(r))
     for r, bk in self.base_keys.items():
-      frozen[bk] = LORA.cast_base(frozen[bk], self.lora[r].base_dtype)
+      if r in trained:
+        frozen[bk] = LORA.cast_base(frozen[bk], self.lora[r].base_dtype)
     params = {r: self.precision[r].to_master(p) for r, p in params.items()}
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated(self.mesh))
-    make = make_state_fn(self.opt, self.initial_extras(), self.precision)
+    opt = {r: self.opt[r] for r in trained}
+    make = make_state_fn(opt, self.initial_extras() if extras is None else extras,
+                         self.precision)
     shapes = jax.eval_shape(make, params, key)
-    shardings = state_shardings(self.mesh, self.opt, shapes, shardings_of(params))
+    shardings = state_shardings(self.mesh, opt, shapes, shardings_of(params))
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          shapes, shardings)
     return state, frozen
