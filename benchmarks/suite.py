@@ -559,7 +559,7 @@ def worker_longtail(name: str, steps: int) -> dict:
     batch = put_batch(stage.mesh, {k: v for k, v in stage.batch(s).items() if k != "host"})
     with jax.set_mesh(stage.mesh):
       if "gen" not in r:
-        r["gen"] = jax.jit(lambda st, fr, b: phases.generate(stage, fr, b,
+        r["gen"] = jax.jit(lambda st, fr, b: phases.generate(stage.statics, fr, b,
                                                              StepCarry(state=st)).rollout)
         jax.block_until_ready(r["gen"](r["state"], r["frozen"], batch))
       t0 = time.perf_counter()

@@ -27,7 +27,7 @@ def _stage(m, layout, n_new=6):
 
 
 def _generate_fn(stage):
-  return jax.jit(lambda st, b: phases.generate(stage, {}, b, StepCarry(state=st)).rollout)
+  return jax.jit(lambda st, b: phases.generate(stage.statics, {}, b, StepCarry(state=st)).rollout)
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 2), (2, 4, 1)])

@@ -131,7 +131,8 @@ def test_decode_layout_with_lora_gives_the_training_layouts_rollout():
     state = state.replace(params={"policy": jax.device_put(
         _random_adapters(MODEL, LO, jax.random.key(3)),
         jax.tree.map(lambda x: x.sharding, state.params["policy"]))})
-    gen = jax.jit(lambda st, fz, b: phases.generate(stage, fz, b, StepCarry(state=st)).rollout)
+    gen = jax.jit(lambda st, fz, b: phases.generate(stage.statics, fz, b,
+                                                    StepCarry(state=st)).rollout)
     with jax.set_mesh(m):
       ro = gen(state, frozen, put_batch(m, stage.batch(0)))
     out[layout] = jax.device_get((ro.tokens_BT, ro.behaviour_logp_BN))

@@ -301,8 +301,8 @@ def test_answers_and_host_examples_follow_their_groups(tmp_path, monkeypatch):
   stage, state, frozen, levels = _setup(cfg, m)
   host_batch = _host_batch(stage, levels, 0)
   batch = _batch(stage, levels, m, 0)
-  c = jax.jit(lambda st, fr, b: phases.reward(stage, fr, b, phases.generate(
-      stage, fr, b, StepCarry(state=st))))(state, frozen, batch)
+  c = jax.jit(lambda st, fr, b: phases.reward(stage.statics, fr, b, phases.generate(
+      stage.statics, fr, b, StepCarry(state=st))))(state, frozen, batch)
   index = np.asarray(c.rollout.prompt_index_B)
   assert index.max() >= 4 and len(set(index)) == 4  # refilled groups, each of n rows
   assert (index.reshape(4, 4) == index[::4, None]).all()
@@ -345,8 +345,8 @@ def test_carried_prompts_bring_their_answers(monkeypatch):
   cfg = config(sources=("rule:answer_token",), leftover="carry")
   m = mesh()
   stage, state, frozen, levels = _setup(cfg, m)
-  gen = jax.jit(lambda st, fr, b: phases.reward(stage, fr, b, phases.generate(
-      stage, fr, b, StepCarry(state=st))))
+  gen = jax.jit(lambda st, fr, b: phases.reward(stage.statics, fr, b, phases.generate(
+      stage.statics, fr, b, StepCarry(state=st))))
   c1 = gen(state, frozen, _batch(stage, levels, m, 0))
   carry = jax.device_get(c1.state.extras.carry)
   count = int(carry.count)

@@ -59,6 +59,33 @@ def run_steps(cfg, name, m, steps=1, roles=None, key=None, samples=None):
   return stage, state, frozen, out
 
 
+@pytest.mark.parametrize("name", ["ppo", "grpo"])
+def test_the_rl_step_reads_its_statics_and_nothing_of_the_stage(name):
+  """The RL step's phases are given a frozen StepStatics, not the stage: with every attribute
+  of the stage gone (data, tokenizer, configs, evaluation...), the step still traces and runs,
+  and equals the step of an intact stage; the record cannot be changed."""
+  from jaxrlhf.train import program
+  cfg = config()
+  m = mesh()
+  stage = build_stage(name, cfg, m, DataSource(cfg.data, cfg.seed))
+  state, frozen = stage.init(jax.random.key(0), {})
+  batch = put_batch(m, stage.batch(0))
+  with jax.set_mesh(m):
+    _, want = jax.jit(stage.step)(state, frozen, batch)
+  statics = stage.statics
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    statics.n = 3
+  with pytest.raises(TypeError):
+    statics.precision["policy"] = None
+  step = program.step_fn(stage, stage.phases())
+  for attr in list(vars(stage)):
+    if attr != "statics":
+      setattr(stage, attr, None)
+  with jax.set_mesh(m):
+    _, got = jax.jit(step)(state, frozen, batch)
+  assert jax.device_get(got) == jax.device_get(want)
+
+
 @pytest.mark.parametrize("name", ["sft", "rm", "dpo", "ppo", "grpo"])
 def test_step_on_dp2_tp2_equals_single_device(name):
   cfg = config()

@@ -325,7 +325,7 @@ def rollout_schema(stage) -> list[dict]:
   :func:`bucket_shapes`: the fields of :class:`~jaxrlhf.rollout.Rollout` as generation and
   the reference phase fill them, and the key of the update's minibatch permutations."""
   state, frozen = stage.abstract_init()
-  c = jax.eval_shape(lambda st, fz, b: phases.generate(stage, fz, b, StepCarry(state=st)),
+  c = jax.eval_shape(lambda st, fz, b: phases.generate(stage.statics, fz, b, StepCarry(state=st)),
                      state, frozen, stage.abstract_batch())
   ro = c.rollout
   schema = {f.name: (tuple(getattr(ro, f.name).shape), np.dtype(getattr(ro, f.name).dtype).name)

@@ -14,12 +14,12 @@ from jaxrlhf.train.rl import RLStage, rl_roles, rl_validate
 from jaxrlhf.train.work import rl_flops
 
 
-def advantages(stage, carry, score_B, kl_BN, kl_coef, update_mask_BN):
-  scfg = stage.scfg
+def advantages(statics, carry, score_B, kl_BN, kl_coef, update_mask_BN):
+  scfg = statics.scfg
   if scfg.kl.placement == "reward":
     score_B = score_B - kl_coef * jnp.sum(kl_BN, axis=-1)
   valid = jnp.any(update_mask_BN, axis=-1)
-  adv = group_advantages(score_B, group_size=stage.n, method=scfg.advantage, eps=scfg.std_eps,
+  adv = group_advantages(score_B, group_size=statics.n, method=scfg.advantage, eps=scfg.std_eps,
                          valid_B=valid)
   return jnp.where(update_mask_BN, adv[:, None], 0.0), None
 

@@ -1,7 +1,8 @@
-"""The pure phases of an RL step, each ``fn(stage, frozen, batch, carry) -> carry``.
+"""The pure phases of an RL step, each ``fn(statics, frozen, batch, carry) -> carry``.
 
-``stage`` is the :class:`jaxrlhf.train.rl.RLStage` (static settings only: configs, the
-algorithm's spec, reward sources); ``carry`` a :class:`~jaxrlhf.train.types.StepCarry`.
+``statics`` is the step's :class:`~jaxrlhf.train.statics.StepStatics` (configs, sizes, the
+algorithm's spec, the reward sources it computes, how each role's parameters are read: no
+host side, nothing mutable); ``carry`` a :class:`~jaxrlhf.train.types.StepCarry`.
 :data:`RL_PHASES` is the list every RL algorithm composes (train/program.py); an algorithm
 changes the step through its spec's advantage function and loss terms, not here.
 
@@ -55,46 +56,45 @@ def packed_rows(c: StepCarry):
   return None if c.packing is None else c.packing.rows
 
 
-def generate(stage, frozen, batch, c: StepCarry) -> StepCarry:
+def generate(statics, frozen, batch, c: StepCarry) -> StepCarry:
   """Samples the rollout.  With a decode layout (``rollout.decode_layout=tp`` on a mesh with
   fsdp) the policy is resharded into it first, inside this program: one all-gather per step
   instead of one per decoded token; the copy lives only while this phase runs."""
   rng, k = jax.random.split(c.state.rng)
-  tok = stage.tok
-  policy = stage.view(c.state.params, frozen, "policy", decode=True)
-  if stage.decode_shardings is not None:
-    policy = jax.lax.with_sharding_constraint(policy, stage.decode_shardings)
-  kw = dict(cfg=stage.model_cfg("policy"), rollout=stage.cfg.rollout, eos_id=tok.eos_id,
-            pad_id=tok.pad_id, num_samples=stage.n, kernels=stage.cfg.kernels)
-  if stage.cfg.rollout.refill and stage.cfg.rollout.refill_leftover == "carry":
-    return _refill_carry(stage, batch, c.replace(state=c.state.replace(rng=rng)), policy, k,
+  policy = statics.view(c.state.params, frozen, "policy", decode=True)
+  if statics.decode_shardings is not None:
+    policy = jax.lax.with_sharding_constraint(policy, statics.decode_shardings)
+  kw = dict(cfg=statics.model_cfg("policy"), rollout=statics.cfg.rollout, eos_id=statics.eos_id,
+            pad_id=statics.pad_id, num_samples=statics.n, kernels=statics.cfg.kernels)
+  if statics.cfg.rollout.refill and statics.cfg.rollout.refill_leftover == "carry":
+    return _refill_carry(statics, batch, c.replace(state=c.state.replace(rng=rng)), policy, k,
                          kw)
-  if stage.cfg.rollout.refill:
-    return _refill(stage, batch, c.replace(state=c.state.replace(rng=rng)),
+  if statics.cfg.rollout.refill:
+    return _refill(statics, batch, c.replace(state=c.state.replace(rng=rng)),
                    *sample_refill(policy, batch["prompt"], batch["prompt_mask"], k,
-                                  num_groups=stage.scfg.batch_size, **kw))
+                                  num_groups=statics.scfg.batch_size, **kw))
   ro = sample(policy, batch["prompt"], batch["prompt_mask"], k, **kw)
   rollout = ro.replace(sample_logp_BN=None)  # the step trains on the policy's own
   # The loop's sampling steps: it runs until its longest response ends (refill reports its
   # own); a prompt bucket's columns (rollout.prompt_buckets), for the work accounting.
   metrics = {"rollout/decode_steps": jnp.max(rollout.lengths_B).astype(jnp.float32)}
-  if rollout.prompt_len != stage.P:
+  if rollout.prompt_len != statics.P:
     metrics["rollout/prompt_width"] = jnp.float32(rollout.prompt_len)
   return c.replace(state=c.state.replace(rng=rng), rollout=rollout,
                    metrics={**c.metrics, **metrics})
 
 
-def _refill(stage, batch, c: StepCarry, ro: Rollout, refill) -> StepCarry:
+def _refill(statics, batch, c: StepCarry, ro: Rollout, refill) -> StepCarry:
   """The refilled rollout (``rollout.refill``): the first ``batch_size`` groups to complete,
   each row with its prompt's index in the step's queue (answers and host examples follow
   it), and the counts: prompts started, groups completed, groups dropped (started but not
   trained: unfinished, or finished past the quota; :func:`_refill_carry` counts them as
   carried instead), sampling steps, and the share of the decode passes' row-slots that fed a
   running response's token."""
-  rows = stage.scfg.batch_size * stage.n
+  rows = statics.scfg.batch_size * statics.n
   st = {k: v.astype(jnp.float32) for k, v in refill.stats.items()}
   metrics = {"rollout/started": st["started"], "rollout/completed": st["completed"],
-             "rollout/dropped": st["started"] - stage.scfg.batch_size,
+             "rollout/dropped": st["started"] - statics.scfg.batch_size,
              "rollout/queued": jnp.float32(batch["prompt"].shape[0]),
              "rollout/decode_steps": st["steps"],
              "rollout/busy_frac": st["busy"] / (rows * jnp.maximum(st["steps"] - 1, 1))}
@@ -113,7 +113,7 @@ def initial_carry(batch_size: int, prompt_len: int, answer_len: int) -> Carried:
                  answer_mask=jnp.zeros((b, answer_len), bool), count=jnp.zeros((), jnp.int32))
 
 
-def _refill_carry(stage, batch, c: StepCarry, policy, key, kw) -> StepCarry:
+def _refill_carry(statics, batch, c: StepCarry, policy, key, kw) -> StepCarry:
   """Refill with carry-over (``rollout.refill_leftover=carry``): the queue is last step's
   carried prompts, then this batch's; the groups started but not trained go into
   ``state.extras.carry`` for the next step.  :func:`_refill` takes each row's answer from
@@ -125,17 +125,17 @@ def _refill_carry(stage, batch, c: StepCarry, policy, key, kw) -> StepCarry:
          "answer_mask": batch["answer_mask"].astype(bool)}
   queue = carry_queue(carried.queue(), carried.count, new)
   ro, refill = sample_refill(policy, queue["prompt"], queue["prompt_mask"], key,
-                             carried.count, num_groups=stage.scfg.batch_size, **kw)
+                             carried.count, num_groups=statics.scfg.batch_size, **kw)
   left = carry_take(queue, refill.leftover_index_G, refill.stats["carried_out"])
   extras = c.state.extras.replace(carry=Carried(**left, count=refill.stats["carried_out"]))
-  c = _refill(stage, queue, c.replace(state=c.state.replace(extras=extras)), ro, refill)
+  c = _refill(statics, queue, c.replace(state=c.state.replace(extras=extras)), ro, refill)
   st = {k: v.astype(jnp.float32) for k, v in refill.stats.items()}
   metrics = {"rollout/carried_in": st["carried_in"], "rollout/carried_out": st["carried_out"],
              "rollout/dropped": st["started"] - st["trained"] - st["carried_out"]}
   return c.replace(metrics={**c.metrics, **metrics})
 
 
-def reference(stage, frozen, batch, c: StepCarry) -> StepCarry:
+def reference(statics, frozen, batch, c: StepCarry) -> StepCarry:
   """Reference log-probs (the behaviour log-probs when no reference is needed) and the
   per-token KL of the rollout to them.
 
@@ -149,47 +149,47 @@ def reference(stage, frozen, batch, c: StepCarry) -> StepCarry:
   if "reference" not in frozen:
     ref = policy = ro.behaviour_logp_BN
   else:
-    ref, _ = PK.token_logprobs(stage, frozen["reference"], ro.tokens_BT, ro.mask_BT,
+    ref, _ = PK.token_logprobs(statics, frozen["reference"], ro.tokens_BT, ro.mask_BT,
                                packed_rows(c), role="reference", start=ro.prompt_len)
-    same = same_weights(stage.view(c.state.params, frozen, "policy"), frozen["reference"])
+    same = same_weights(statics.view(c.state.params, frozen, "policy"), frozen["reference"])
     policy = jnp.where(same, ref, ro.behaviour_logp_BN)
-  kl = jnp.where(ro.response_mask_BN, kl_of(stage.scfg.kl, policy, ref), 0.0)
+  kl = jnp.where(ro.response_mask_BN, kl_of(statics.scfg.kl, policy, ref), 0.0)
   return c.replace(rollout=ro.replace(ref_logp_BN=ref, kl_BN=kl))
 
 
-def reward(stage, frozen, batch, c: StepCarry) -> StepCarry:
+def reward(statics, frozen, batch, c: StepCarry) -> StepCarry:
   """The raw sequence score (weighted sources, host scores included), missing-EOS handling,
   the guard, and which rows stay in the update."""
   ro = c.rollout
   parts = []
   response = ro.tokens_BT[:, ro.prompt_len:]
-  for kind, name, w in stage.device_sources:
+  for kind, name, w in statics.device_sources:
     if kind == "model":
-      s = PK.sequence_scores(stage, frozen["reward"], ro.tokens_BT, ro.mask_BT,
+      s = PK.sequence_scores(statics, frozen["reward"], ro.tokens_BT, ro.mask_BT,
                              packed_rows(c), role="reward", start=ro.prompt_len)
     else:
       if ro.answer_BR is not None:  # refill: the answers came with the rows
         answer, answer_mask = ro.answer_BR, ro.answer_mask_BR
       else:
-        answer = jnp.repeat(batch["answer"], stage.n, 0)
-        answer_mask = jnp.repeat(batch["answer_mask"], stage.n, 0)
+        answer = jnp.repeat(batch["answer"], statics.n, 0)
+        answer_mask = jnp.repeat(batch["answer_mask"], statics.n, 0)
       s = RW.RULES[name](response, ro.response_mask_BN, answer, answer_mask,
-                         eos_id=stage.tok.eos_id)
+                         eos_id=statics.eos_id)
     parts.append((s.astype(jnp.float32), w))
   if c.host_score_B is not None:
     parts.append((c.host_score_B, 1.0))
   score = RW.combine_rewards([p for p, _ in parts], [w for _, w in parts])
-  rcfg = stage.scfg.reward
+  rcfg = statics.scfg.reward
   keep = jnp.ones(score.shape, bool)
   metrics = {}
   score, keep_eos = RW.apply_missing_eos(score, ro.finished_B, mode=rcfg.missing_eos,
                                          penalty=rcfg.missing_eos_penalty)
   keep &= keep_eos
   if rcfg.overlong_buffer:
-    score = score + overlong_penalty(ro.lengths_B, max_len=stage.N, buffer=rcfg.overlong_buffer,
+    score = score + overlong_penalty(ro.lengths_B, max_len=statics.N, buffer=rcfg.overlong_buffer,
                                      penalty=rcfg.overlong_penalty)
   if rcfg.guard:
-    g = PK.sequence_scores(stage, frozen["guard"], ro.tokens_BT, ro.mask_BT, packed_rows(c),
+    g = PK.sequence_scores(statics, frozen["guard"], ro.tokens_BT, ro.mask_BT, packed_rows(c),
                            role="guard", start=ro.prompt_len)
     score, keep_guard, gm = RW.apply_guard(score, jax.nn.sigmoid(g),
                                            threshold=rcfg.guard_threshold,
@@ -199,21 +199,21 @@ def reward(stage, frozen, batch, c: StepCarry) -> StepCarry:
   return c.replace(scored=Scored(score_B=score, keep_B=keep), metrics={**c.metrics, **metrics})
 
 
-def values(stage, frozen, batch, c: StepCarry) -> StepCarry:
+def values(statics, frozen, batch, c: StepCarry) -> StepCarry:
   """The value of the state *before* each response token (algorithms with a value role)."""
   del batch
   ro = c.rollout
-  v = PK.token_scores(stage, stage.value_params(stage.views(c.state.params, frozen)),
+  v = PK.token_scores(statics, statics.value_params(statics.views(c.state.params, frozen)),
                       ro.tokens_BT, ro.mask_BT, packed_rows(c), role="value")
   n, p = ro.response_mask_BN.shape[1], ro.prompt_len  # each its bucket's width, if any
   return c.replace(scored=c.scored.replace(values_BN=v[:, p - 1:p - 1 + n]))
 
 
-def shape(stage, frozen, batch, c: StepCarry) -> StepCarry:
+def shape(statics, frozen, batch, c: StepCarry) -> StepCarry:
   """Reward normalisation (running statistics kept in the state) and the algorithm's
   advantages: everything the update trains on, before any gradient."""
   del frozen, batch
-  scfg = stage.scfg
+  scfg = statics.scfg
   ro, sc = c.rollout, c.scored
   resp_mask = ro.response_mask_BN
   raw = sc.score_B
@@ -223,7 +223,7 @@ def shape(stage, frozen, batch, c: StepCarry) -> StepCarry:
       clip=scfg.reward.clip)
   kl_tok = ro.kl_BN
   update_mask = resp_mask & valid[:, None]
-  adv, returns = stage.spec.advantages(stage, c, score, kl_tok, kl_coef_of(c), update_mask)
+  adv, returns = statics.spec.advantages(statics, c, score, kl_tok, kl_coef_of(c), update_mask)
   finite = jnp.isfinite(raw)
   # The raw score's statistics win over the normaliser's (which describe the normalised one).
   metrics = {**norm_metrics,
@@ -236,7 +236,7 @@ def shape(stage, frozen, batch, c: StepCarry) -> StepCarry:
   return c.replace(state=state, shaped=shaped, metrics={**c.metrics, **metrics})
 
 
-def train(stage, frozen, batch, c: StepCarry, *, roles, terms) -> StepCarry:
+def train(statics, frozen, batch, c: StepCarry, *, roles, terms) -> StepCarry:
   """The update of ``roles`` on the sum of the algorithm's loss ``terms`` (the colocated step
   trains every role on every term; each pool its own)."""
   del batch
@@ -251,15 +251,15 @@ def train(stage, frozen, batch, c: StepCarry, *, roles, terms) -> StepCarry:
                    adv_BN=sh.adv_BN if policy else None,
                    values_BN=c.scored.values_BN if "value" in terms else None,
                    returns_BN=sh.returns_BN if "value" in terms else None)
-  state, metrics = epochs(stage, frozen, c.state, ub, kl_coef_of(c), roles=roles, terms=terms,
+  state, metrics = epochs(statics, frozen, c.state, ub, kl_coef_of(c), roles=roles, terms=terms,
                           packing=c.packing)
   return c.replace(state=state, metrics={**c.metrics, **metrics})
 
 
-def finish(stage, frozen, batch, c: StepCarry) -> StepCarry:
+def finish(statics, frozen, batch, c: StepCarry) -> StepCarry:
   """The KL controller, the step counter and the rollout's metrics."""
   del frozen, batch
-  scfg = stage.scfg
+  scfg = statics.scfg
   ro, state = c.rollout, c.state
   kl_coef = kl_coef_of(c)
   kl_tok = ro.kl_BN
@@ -279,7 +279,7 @@ def finish(stage, frozen, batch, c: StepCarry) -> StepCarry:
   return c.replace(state=state, metrics={**c.metrics, **metrics})
 
 
-def select(stage, frozen, batch, c: StepCarry) -> StepCarry:
+def select(statics, frozen, batch, c: StepCarry) -> StepCarry:
   """Dynamic sampling (``grpo.dynamic_sampling``): of the over-sampled groups, the first
   ``batch_size`` whose rewards differ, the rollout and the scores gathered down to them (the
   rest of the step runs at the trained batch's fixed shape); short of them, uninformative
@@ -287,9 +287,9 @@ def select(stage, frozen, batch, c: StepCarry) -> StepCarry:
   del frozen, batch
   sc = c.scored
   rows, valid, metrics = select_groups(
-      sc.score_B, sc.keep_B & jnp.isfinite(sc.score_B), group_size=stage.n,
-      num_groups=stage.scfg.batch_size)
-  return c.replace(rollout=take_rows(c.rollout, rows, stage.n),
+      sc.score_B, sc.keep_B & jnp.isfinite(sc.score_B), group_size=statics.n,
+      num_groups=statics.scfg.batch_size)
+  return c.replace(rollout=take_rows(c.rollout, rows, statics.n),
                    scored=jax.tree.map(lambda x: x[rows], sc).replace(keep_B=valid),
                    metrics={**c.metrics, **metrics})
 
@@ -309,18 +309,18 @@ def selected_rows(ro: Rollout, n: int):
   return (ro.prompt_index_B * n + jnp.arange(k) % n).astype(jnp.int32)
 
 
-def off_policy(stage, frozen, batch, c: StepCarry) -> StepCarry:
+def off_policy(statics, frozen, batch, c: StepCarry) -> StepCarry:
   """The rollout/trainer mismatch (``{rl}.off_policy``): the trainer's own log-probs of the
   rollout become the ratio's denominator, and the advantages are weighted by the truncated
   (or masked) importance weight pi_trainer / pi_behaviour."""
   del batch
   ro, sh = c.rollout, c.shaped
-  trainer, _ = PK.token_logprobs(stage, stage.view(c.state.params, frozen, "policy"),
+  trainer, _ = PK.token_logprobs(statics, statics.view(c.state.params, frozen, "policy"),
                                  ro.tokens_BT, ro.mask_BT, packed_rows(c), role="policy",
                                  start=ro.prompt_len)
   trainer = jax.lax.stop_gradient(trainer)
   w, keep, m = off_policy_weights(trainer, ro.behaviour_logp_BN, sh.update_mask_BN,
-                                  mode=stage.scfg.off_policy, cap=stage.scfg.off_policy_cap)
+                                  mode=statics.scfg.off_policy, cap=statics.scfg.off_policy_cap)
   shaped = sh.replace(adv_BN=jnp.where(keep, sh.adv_BN * w, 0.0), update_mask_BN=keep,
                       old_logp_BN=trainer)
   return c.replace(shaped=shaped,
@@ -352,13 +352,13 @@ def rl_phases(roles, terms, scfg=None) -> tuple[Phase, ...]:
 # ----------------------------------------------------------------------------- updating
 
 
-def epochs(stage, frozen, state, ub: UpdateBatch, kl_coef, *, roles, terms, packing=None):
+def epochs(statics, frozen, state, ub: UpdateBatch, kl_coef, *, roles, terms, packing=None):
   """``ppo_epochs`` passes over the batch in ``num_minibatches`` shuffled minibatches (one
   ``lax.scan`` over (epoch, minibatch)), training ``roles`` on the sum of the loss ``terms``.
   All roles skip a non-finite step together: a half-applied update would desynchronise them.
   With ``packing`` (``rollout.pack``) the shuffles are the ones the host drew with the same
   key and packed each minibatch for (:mod:`jaxrlhf.train.packed`)."""
-  scfg = stage.scfg
+  scfg = statics.scfg
   rows = ub.tokens_BT.shape[0]
   n_mb = scfg.num_minibatches
   rng, k = jax.random.split(state.rng)
@@ -384,24 +384,24 @@ def epochs(stage, frozen, state, ub: UpdateBatch, kl_coef, *, roles, terms, pack
 
     def loss_fn(p, micro):
       total, metrics = 0.0, {}
-      p = stage.views(p, frozen)  # LoRA roles: adapters over their frozen bases
+      p = statics.views(p, frozen)  # LoRA roles: adapters over their frozen bases
       if "reference" in frozen:  # read, never trained: same_weights in the KL term
         p = {**p, "reference": frozen["reference"]}
       for term in terms:
-        loss, m = stage.spec.terms[term](stage, p, micro, denom=denom, n_seq=n_seq,
+        loss, m = statics.spec.terms[term](statics, p, micro, denom=denom, n_seq=n_seq,
                                          kl_coef=kl_coef)
         total = total + loss
         metrics.update(m)
       return total, metrics
 
-    prec = stage.precision
+    prec = statics.precision
     loss, grads, aux = accumulate_grads(
         loss_fn, {r: prec[r].differentiable(x) for r, x in params.items()}, mb,
         scfg.optim.grad_accum)
     new_params, new_opt, finites, norms = {}, {}, [], {}
     for i, role in enumerate(params):
       new_params[role], new_opt[role], fin, norms[role] = apply_update(
-          params[role], opt_state[role], grads[role], loss, stage.opt[role], prec[role],
+          params[role], opt_state[role], grads[role], loss, statics.opt[role], prec[role],
           rounding_key(state.rng, state.step, index * len(params) + i))
       finites.append(fin)
     finite = jnp.all(jnp.stack(finites))
@@ -450,21 +450,21 @@ def same_weights(a, b) -> jax.Array:
       jnp.array_equal(x.astype(y.dtype), y) for x, y in zip(la, lb) if x is not y]))
 
 
-def policy_term(stage, params, mb: UpdateBatch, *, denom, n_seq, kl_coef):
+def policy_term(statics, params, mb: UpdateBatch, *, denom, n_seq, kl_coef):
   """The policy's loss: the surrogate ``policy_loss`` names (PPO's clipped one, GSPO, CISPO),
   entropy bonus and (``kl.placement=loss``) the KL to the reference, each aggregated as
   ``loss_agg`` says; reads ``params["policy"]`` only."""
-  scfg = stage.scfg
-  logp, ent = PK.token_logprobs(stage, params["policy"], mb.tokens_BT, mb.mask_BT, mb.packed,
+  scfg = statics.scfg
+  logp, ent = PK.token_logprobs(statics, params["policy"], mb.tokens_BT, mb.mask_BT, mb.packed,
                                 role="policy", start=mb.prompt_len)
   mask = mb.update_mask_BN
   agg = dict(agg=scfg.loss_agg, denom=denom if scfg.loss_agg == "token_mean" else n_seq,
-             max_len=stage.N)
+             max_len=statics.N)
   pg, pm = POLICY_LOSSES[scfg.policy_loss](logp, mb.old_logp_BN, mb.adv_BN, mask,
                                            clip_low=scfg.clip_low, clip_high=scfg.clip_high,
                                            dual_clip=scfg.dual_clip, **agg)
   # The metric is the entropy as the loss aggregates it.
-  entropy = aggregate(ent, mask, mode=scfg.loss_agg, denom=agg["denom"], max_len=stage.N)
+  entropy = aggregate(ent, mask, mode=scfg.loss_agg, denom=agg["denom"], max_len=statics.N)
   bonus, _ = entropy_bonus(ent, mask, coef=scfg.entropy_coef, **agg)
   mismatch = jnp.sum(jnp.where(mask, jnp.abs(jax.lax.stop_gradient(logp)
                                              - mb.behaviour_logp_BN), 0.0)) / denom
@@ -485,5 +485,5 @@ def policy_term(stage, params, mb: UpdateBatch, *, denom, n_seq, kl_coef):
     penalty, _ = kl_penalty_loss(kl, mask, coef=kl_coef, **agg)
     loss = loss + penalty
     metrics["kl/loss"] = aggregate(kl, mask, mode=scfg.loss_agg, denom=agg["denom"],
-                                   max_len=stage.N)
+                                   max_len=statics.N)
   return loss, metrics

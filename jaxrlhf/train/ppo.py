@@ -15,8 +15,8 @@ from jaxrlhf.train.rl import RLStage, rl_roles, rl_validate
 from jaxrlhf.train.work import rl_flops
 
 
-def advantages(stage, carry, score_B, kl_BN, kl_coef, update_mask_BN):
-  scfg = stage.scfg
+def advantages(statics, carry, score_B, kl_BN, kl_coef, update_mask_BN):
+  scfg = statics.scfg
   coef = kl_coef if scfg.kl.placement == "reward" else 0.0
   mask = carry.rollout.response_mask_BN
   turn = carry.rollout.turn_rewards_BN
@@ -24,7 +24,7 @@ def advantages(stage, carry, score_B, kl_BN, kl_coef, update_mask_BN):
     # Multi-turn episodes: each turn's reward where its action ends (GAE skips the observations
     # between actions), the other sources' score at the last token.  Normalised or clipped
     # scores are not a sum over turns: the whole return then stays at the last token.
-    turn = jnp.where(mask, stage.env_weight * turn, 0.0)
+    turn = jnp.where(mask, statics.env_weight * turn, 0.0)
     rewards = kl_shaped_rewards(score_B - jnp.sum(turn, axis=-1), kl_BN, mask, coef=coef) + turn
   else:
     rewards = kl_shaped_rewards(score_B, kl_BN, mask, coef=coef)
@@ -35,12 +35,12 @@ def advantages(stage, carry, score_B, kl_BN, kl_coef, update_mask_BN):
   return adv, returns
 
 
-def value_term(stage, params, mb, *, denom, n_seq, kl_coef):
+def value_term(statics, params, mb, *, denom, n_seq, kl_coef):
   """``vf_coef`` x the clipped value loss; reads the value head's parameters only (the
   policy's with a shared backbone)."""
   del n_seq, kl_coef
-  scfg = stage.scfg
-  v = PK.token_scores(stage, stage.value_params(params), mb.tokens_BT, mb.mask_BT, mb.packed,
+  scfg = statics.scfg
+  v = PK.token_scores(statics, statics.value_params(params), mb.tokens_BT, mb.mask_BT, mb.packed,
                       role="value")[:, mb.prompt_len - 1:mb.tokens_BT.shape[1] - 1]
   vl, vm = value_loss(v, mb.values_BN, mb.returns_BN, mb.update_mask_BN, clip=scfg.value_clip,
                       agg="token_mean", denom=denom)

@@ -50,7 +50,7 @@ class Phase:
   a disaggregated run (``actor``, ``critic``, or ``both``)."""
 
   name: str
-  fn: Callable  # (stage, frozen, batch, carry) -> carry
+  fn: Callable  # (statics: StepStatics, frozen, batch, carry) -> carry
   pool: str = "actor"
   group: str = ""
 
@@ -60,12 +60,14 @@ class Phase:
 
 
 def compose(stage, phases: Sequence[Phase]) -> Callable:
-  """``(frozen, batch, carry) -> carry``: the phases one after another."""
+  """``(frozen, batch, carry) -> carry``: the phases one after another, each given the
+  stage's :class:`~jaxrlhf.train.statics.StepStatics` (never the stage itself)."""
   phases = tuple(p for p in phases if p.name != HOST)
+  statics = stage.statics
 
   def run(frozen, batch, carry: StepCarry) -> StepCarry:
     for p in phases:
-      carry = p.fn(stage, frozen, batch, carry)
+      carry = p.fn(statics, frozen, batch, carry)
     return carry
 
   return run

@@ -145,11 +145,6 @@ class RLStage(Stage):
   def evaluate(self, state, ev):
     return ev.generation(self.view(state.params, ev.frozen, "policy", decode=True))
 
-  def value_params(self, params):
-    """The parameters the value head reads: the value model's, or the policy's when it
-    carries the value head (a shared backbone)."""
-    return params["value"] if "value" in params else params["policy"]
-
   def outputs(self, state, frozen):
     return {r: self.merged(state.params, frozen, r) for r in self.outputs_roles()}
 

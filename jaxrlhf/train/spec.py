@@ -49,10 +49,12 @@ class AlgorithmSpec:
   - ``evaluation``: ``exact_match`` (greedy answers), ``pairs`` (preference accuracy), or
     both; ``eval_at_start``: the held-out figure before training goes into the summary.
   - ``stop_rule(scfg)``: the setting that may end the stage before its steps ("" if none).
-  - RL algorithms (``generates``): ``advantages(stage, carry, score_B, kl_BN, kl_coef,
+  - RL algorithms (``generates``): ``advantages(statics, carry, score_B, kl_BN, kl_coef,
     update_mask_BN) -> (adv_BN, returns_BN or None)`` and ``terms``: loss term -> function
-    ``(stage, params, minibatch, *, denom, n_seq, kl_coef) -> (loss, metrics)``, each reading
-    the parameters of the role of the same name (the pools train each term in its own pool).
+    ``(statics, params, minibatch, *, denom, n_seq, kl_coef) -> (loss, metrics)``, each
+    reading the parameters of the role of the same name (the pools train each term in its
+    own pool).  ``statics`` is the step's :class:`~jaxrlhf.train.statics.StepStatics`, as
+    for every phase: what a step function may read, never the stage.
   """
 
   name: str

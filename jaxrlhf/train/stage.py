@@ -7,6 +7,7 @@ parameters) into a :class:`TrainState` plus frozen parameters, and supplies a pu
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -22,8 +23,9 @@ from jaxrlhf.mesh import (DECODE_PARAM_RULES, FROZEN_PARAM_RULES, PARAM_RULES, b
 from jaxrlhf.train import precision as PREC, spec
 from jaxrlhf.train.sequences import pair_rows
 from jaxrlhf.train.evaluate import Evaluation, eval_metric, make_evaluator
+from jaxrlhf.train.statics import StepStatics
 from jaxrlhf.train.common import (TrainState, init_state, jit_step, make_optimizer,
-                                  make_state_fn, shardings_of, state_shardings, update_role)
+                                  make_state_fn, shardings_of, state_shardings)
 from jaxrlhf.train.types import Extras, Skips
 
 
@@ -278,35 +280,30 @@ class Stage:
     cfg, head = self.model_cfg(role), self.trainable[role]
     return LORA.split_full(M.param_shardings(cfg, self.mesh, head, FROZEN_PARAM_RULES))[0]
 
-  def view(self, params: dict, frozen: dict, role: str, *, decode: bool = False) -> dict:
-    """The parameters the model reads for ``role``: a LoRA role's adapters over its frozen
-    base, a frozen role's, or a trained role's master as it is (the model casts each weight
-    to ``compute_dtype`` where it uses it, so with a 16-bit ``compute_dtype`` a float32 master
-    computes exactly as its rounded copy would, and a loss's gradient reaches it in float32).
-    ``decode``: for generation, whose every token reads the weights again, the master cast
-    to ``param_dtype`` once (``self.precision``; a copy that lives while decoding)."""
-    if role in self.lora:
-      return LORA.view(params[role], frozen[self.base_keys[role]], self.lora[role])
-    if role not in params:
-      return frozen[role]
-    return self.precision[role].view(params[role]) if decode else params[role]
+  @functools.cached_property
+  def statics(self) -> StepStatics:
+    """What this stage's step functions read (:class:`~jaxrlhf.train.statics.StepStatics`),
+    built on first use, after construction."""
+    rl = dict(n=self.n, N=self.N, decode_shardings=self.decode_shardings,
+              device_sources=tuple(self.device_sources),
+              env_weight=self.env_weight) if self.spec.generates else {}
+    return StepStatics(name=self.name, cfg=self.cfg, scfg=self.scfg, spec=self.spec,
+                       mesh=self.mesh, roles=self.roles, lora=self.lora,
+                       base_keys=self.base_keys, precision=self.precision, opt=self.opt,
+                       P=self.P, R=self.R, eos_id=self.tok.eos_id, pad_id=self.tok.pad_id,
+                       **rl)
 
-  def on_view(self, loss_fn, frozen: dict, role: str):
-    """``loss_fn(params, batch)`` of ``role``'s model as a function of its *trained* tree (the
-    master; a LoRA role's adapters and head, the base frozen, closed over)."""
-    return lambda p, mb: loss_fn(self.view({role: p}, frozen, role), mb)
+  def view(self, params: dict, frozen: dict, role: str, *, decode: bool = False) -> dict:
+    """:meth:`StepStatics.view <jaxrlhf.train.statics.StepStatics.view>`."""
+    return self.statics.view(params, frozen, role, decode=decode)
+
+  def views(self, params: dict, frozen: dict) -> dict:
+    return self.statics.views(params, frozen)
 
   def update_role(self, state: TrainState, frozen: dict, role: str, loss_fn, batch: dict,
                   n_micro: int):
-    """One training step of ``role`` alone (SFT, RM, DPO, KTO): ``loss_fn(params, batch)`` of
-    the model as it reads the role (:meth:`on_view`), its gradients summed over ``n_micro``
-    micro-batches and applied by the role's optimizer at its precision."""
-    return update_role(state, role, self.on_view(loss_fn, frozen, role), batch, n_micro,
-                       self.opt[role], self.precision[role])
-
-  def views(self, params: dict, frozen: dict) -> dict:
-    """:meth:`view` of every role in ``params`` (a dict like ``state.params``)."""
-    return {r: self.view(params, frozen, r) for r in params}
+    """:meth:`StepStatics.update_role <jaxrlhf.train.statics.StepStatics.update_role>`."""
+    return self.statics.update_role(state, frozen, role, loss_fn, batch, n_micro)
 
   def export_adapters(self, state: TrainState, directory: str) -> dict:
     """Each LoRA role's adapters in PEFT's layout under ``directory/ROLE``; returns role ->
