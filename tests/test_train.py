@@ -59,6 +59,30 @@ def run_steps(cfg, name, m, steps=1, roles=None, key=None, samples=None):
   return stage, state, frozen, out
 
 
+def test_dpo_reference_cache_is_the_runs_and_computes_each_pair_once(monkeypatch):
+  """``dpo.reference=cache``: the run's feeder adds each pair's reference log-probs, equal to
+  the reference's forward pass on the step's batch, and runs that pass only for pairs it has
+  not seen (the stage itself keeps nothing)."""
+  cfg = config()
+  cfg = dataclasses.replace(cfg, dpo=dataclasses.replace(cfg.dpo, loss="ipo", reference="cache"))
+  m = mesh()
+  stage = build_stage("dpo", cfg, m, DataSource(cfg.data, cfg.seed))
+  state, frozen = stage.init(jax.random.key(0), {})
+  feeder = stage.feeder(frozen)
+  calls = []
+  ref = stage._ref
+  monkeypatch.setattr(stage, "_ref", lambda *a: calls.append(1) or ref(*a))
+  got = feeder.batch(0)
+  with jax.set_mesh(m):
+    want = jax.device_get(ref(frozen["reference"], put_batch(m, stage.batch(0))))
+  np.testing.assert_allclose(got["ref_chosen"], want[0], rtol=1e-6)
+  np.testing.assert_allclose(got["ref_rejected"], want[1], rtol=1e-6)
+  assert len(calls) == 1
+  again = feeder.batch(0)  # the same pairs: read from the cache
+  assert len(calls) == 1 and (again["ref_chosen"] == got["ref_chosen"]).all()
+  assert "ref_chosen" not in stage.batch(0) and not hasattr(stage, "_cache")
+
+
 @pytest.mark.parametrize("name", ["ppo", "grpo"])
 def test_the_rl_step_reads_its_statics_and_nothing_of_the_stage(name):
   """The RL step's phases are given a frozen StepStatics, not the stage: with every attribute

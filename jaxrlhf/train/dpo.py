@@ -21,7 +21,7 @@ from jaxrlhf.data.examples import as_text
 from jaxrlhf.train.evaluate import GenerationEval, pair_batches
 from jaxrlhf.train.sequences import (packing_metrics, pair_logp_sums, pair_response_lengths,
                                      pair_rows)
-from jaxrlhf.train.stage import Stage
+from jaxrlhf.train.stage import Feeder, Stage
 
 
 class DPOStage(Stage):
@@ -42,7 +42,6 @@ class DPOStage(Stage):
     self.seq_logps = seq_logps
     self.pref_loss = functools.partial(preference_loss, self.scfg)
     self._ref = jax.jit(seq_logps)
-    self._cache: dict = {}
 
     def eval_fn(policy, reference, b):
       """The preference metrics of the evaluation pairs, and each pair's summed log-probs
@@ -53,10 +52,9 @@ class DPOStage(Stage):
 
     self._eval = jax.jit(eval_fn)
 
-  def init(self, key, roles, **kw):
-    state, frozen = super().init(key, roles, **kw)
-    self.frozen_ref = frozen.get("reference")  # for dpo.reference=cache
-    return state, frozen
+  def feeder(self, frozen):
+    return CachedReference(self, frozen) if self.scfg.reference == "cache" else (
+        super().feeder(frozen))
 
   def generation_eval(self):
     return GenerationEval(self)
@@ -71,23 +69,13 @@ class DPOStage(Stage):
       shapes.update(ref_chosen=((b,), jnp.float32), ref_rejected=((b,), jnp.float32))
     return shapes
 
-  def batch(self, step):
-    examples = self.data.examples("pairs", step, self.scfg.batch_size)
-    batch = self.pair_batch(examples)
-    if self.scfg.reference == "cache":
-      batch.update(self._cached_reference(examples, batch))
-    return batch
+  def examples(self, step):
+    return self.data.examples("pairs", step, self.scfg.batch_size)
 
-  def _cached_reference(self, examples, batch) -> dict:
-    keys = [(e.prompt, e.chosen, e.rejected) for e in examples]
-    missing = [i for i, k in enumerate(keys) if k not in self._cache]
-    if missing:
-      with jax.set_mesh(self.mesh):
-        rc, rr = jax.device_get(self._ref(self.frozen_ref, put_batch(self.mesh, batch)))
-      for i in missing:
-        self._cache[keys[i]] = (rc[i], rr[i])
-    return {"ref_chosen": np.array([self._cache[k][0] for k in keys], np.float32),
-            "ref_rejected": np.array([self._cache[k][1] for k in keys], np.float32)}
+  def batch(self, step):
+    """The step's preference pairs (with ``dpo.reference=cache`` the run's
+    :class:`CachedReference` adds the reference's log-probs)."""
+    return self.pair_batch(self.examples(step))
 
   def step(self, state, frozen, batch):
     n_micro = self.scfg.optim.grad_accum
@@ -129,6 +117,31 @@ class DPOStage(Stage):
                    "reward": chosen - rejected, "chosen_reward": chosen,
                    "rejected_reward": rejected})
     return rows
+
+
+class CachedReference(Feeder):
+  """``dpo.reference=cache``: each step's pairs with the frozen reference's summed log-probs
+  of both sides (``ref_chosen``, ``ref_rejected``), computed the first time a pair is seen
+  and kept for the run: the reference never changes, so later epochs over the same pairs
+  skip its forward pass."""
+
+  def __init__(self, stage, frozen):
+    super().__init__(stage, frozen)
+    self.cache: dict = {}
+
+  def batch(self, step):
+    stage = self.stage
+    examples = stage.examples(step)
+    batch = stage.pair_batch(examples)
+    keys = [(e.prompt, e.chosen, e.rejected) for e in examples]
+    if any(k not in self.cache for k in keys):
+      with jax.set_mesh(stage.mesh):
+        rc, rr = jax.device_get(stage._ref(self.frozen["reference"],
+                                           put_batch(stage.mesh, batch)))
+      for i, k in enumerate(keys):
+        self.cache.setdefault(k, (rc[i], rr[i]))
+    return {**batch, "ref_chosen": np.array([self.cache[k][0] for k in keys], np.float32),
+            "ref_rejected": np.array([self.cache[k][1] for k in keys], np.float32)}
 
 
 def preference_loss(scfg, pc_B, pr_B, rc_B, rr_B, b):

@@ -37,13 +37,14 @@ class StageProgram:
     self.stage, self.frozen, self.start = stage, frozen, start
     self.profiler, self.work = profiler, work
     self.step_fn = None
+    self.feeder = stage.feeder(frozen)
     self.rows: list = []  # the rollout sample rows of the last step (logging.samples_every)
 
   def __call__(self, state, step: int):
     stage, profiler, done = self.stage, self.profiler, step + 1
     if profiler is not None:
       profiler.before_step(stage.name, done)
-    host_batch = stage.batch(step)
+    host_batch = self.feeder.batch(step)
     if "host" in host_batch and samples_due(stage.cfg.logging, done):  # an RL step's rollout
       host_batch["host"] = dataclasses.replace(host_batch["host"], samples=self.rows)
     batch = put_batch(stage.mesh, host_batch)

@@ -114,6 +114,10 @@ class Stage:
     roles, what this run's evaluations make once, and takes the sample rows."""
     return {}
 
+  def feeder(self, frozen: dict) -> "Feeder":
+    """A run's batches of this stage (:class:`Feeder`)."""
+    return Feeder(self, frozen)
+
   def evaluation(self, frozen: dict) -> Evaluation:
     """A run's evaluation of this stage (host side: caches, samples, cadence)."""
     return Evaluation(self, frozen)
@@ -404,6 +408,20 @@ class Stage:
 
   def model_cfg(self, role: str) -> ModelConfig:
     return self.cfg.role_model(role)
+
+
+class Feeder:
+  """A run's batches of a stage, host side: :meth:`batch` of a step, a pure function of the
+  step (so the step is also the data position).  The stage's own :meth:`Stage.batch` unless
+  its batches need the run's frozen roles (DPO's ``dpo.reference=cache``: each pair's
+  reference log-probs, computed once per pair); what such a feeder keeps lives with the run,
+  never on the stage."""
+
+  def __init__(self, stage: Stage, frozen: dict):
+    self.stage, self.frozen = stage, frozen
+
+  def batch(self, step: int) -> dict:
+    return self.stage.batch(step)
 
 
 _ROLE_FIELDS = {"policy": "model", "reference": "model", "reward": "reward_model",
