@@ -143,8 +143,9 @@ def test_step_flops_agree_with_xla_cost_analysis():
 
     grpo = build_stage("grpo", cfg, m, DataSource(cfg.data, cfg.seed))
     state, frozen = grpo.abstract_init()
-    carry = jax.eval_shape(lambda st, b: phases.generate(grpo, {}, b, StepCarry(state=st)),
-                           state, grpo.abstract_batch())
-    ref = lambda f, c: phases.reference(grpo, f, {}, c)
+    carry = jax.eval_shape(
+        lambda st, b: phases.generate(grpo.statics, {}, b, StepCarry(state=st)), state,
+        grpo.abstract_batch())
+    ref = lambda f, c: phases.reference(grpo.statics, f, {}, c)
     xla = perf.compiled_cost(jax.jit(ref), frozen, carry)
     assert step_flops(grpo)["reference"] == pytest.approx(xla["flops"], rel=0.06)
