@@ -284,7 +284,7 @@ def test_eval_every_0_never_evaluates(tmp_path, monkeypatch):
   calls = []
   real = E.GenerationEval.__call__
   monkeypatch.setattr(E.GenerationEval, "__call__",
-                      lambda self, p: calls.append(1) or real(self, p))
+                      lambda self, p: calls.append(self) or real(self, p))
   cfg = dataclasses.replace(tiny_config(), stages=("sft",),
                             sft=SFTConfig(steps=2, batch_size=8, optim=OPT, eval_every=0))
   recs, samples, summary = _run(tmp_path / "off", cfg)
@@ -295,6 +295,9 @@ def test_eval_every_0_never_evaluates(tmp_path, monkeypatch):
   cfg = dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, eval_every=2))
   recs, samples, summary = _run(tmp_path / "on", cfg)
   assert len(calls) == 2 and "eval/accuracy" in summary["sft/start"]
+  # One evaluator for the run: the start's and the training's evaluations share its
+  # compiled programs (a second one would compile them again).
+  assert calls[0] is calls[1]
   assert [r["step"] for r in recs if "eval/accuracy" in r] == [2]
   assert sorted({r["step"] for r in samples}) == [0, 2]
   assert len([r for r in samples if r["step"] == 2]) == 8  # logging.samples

@@ -185,9 +185,8 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
   ck = ckpt.Checkpointer(ckpt.checkpoint_dir(workdir, name), cfg.checkpoint, to_dict(cfg),
                          frozen=frozen_manifest(stage, workdir, sources))
   with ck:  # closing waits for the checkpoints still being written, whatever happens
-    state, frozen, start, start_eval, reached = _starting_point(stage, ck, key, roles, inputs,
-                                                                policy, writer, t0)
-    ev = stage.evaluation(frozen)
+    state, frozen, ev, start, start_eval, reached = _starting_point(
+        stage, ck, key, roles, inputs, policy, writer, t0)
 
     def extra_fn(done: int) -> dict:
       # Batches are a pure function of the step, so the data position is the step.
@@ -232,10 +231,11 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
 
 
 def _starting_point(stage, ck, key, roles, inputs, policy, writer, t0):
-  """``(state, frozen, start step, start evaluation, reached)``: the stage's latest
-  checkpoint (per ``policy``) restored, or a fresh state evaluated before training (when its
-  spec asks); ``reached`` is why a restored stage had already ended early ("" if it had
-  not)."""
+  """``(state, frozen, evaluation, start step, start evaluation, reached)``: the stage's
+  latest checkpoint (per ``policy``) restored, or a fresh state evaluated before training
+  (when its spec asks); ``evaluation`` is the run's :class:`Evaluation` (one per run: its
+  programs compile once, for the start and for training); ``reached`` is why a restored
+  stage had already ended early ("" if it had not)."""
   name, cfg = stage.name, stage.cfg
   restoring = policy != "none" and bool(ck.all_steps())
   # Restoring: the frozen roles alone, the state restored into its abstract shape (no fresh
@@ -246,11 +246,11 @@ def _starting_point(stage, ck, key, roles, inputs, policy, writer, t0):
     if state is None:  # no complete checkpoint after all: a fresh start
       state, frozen = stage.init(key, roles)
     start_eval = {}
+    ev = stage.evaluation(frozen)
     if stage.spec.eval_at_start and stage.eval_every:  # eval_every=0: no evaluation at all
-      ev = stage.evaluation(frozen)
       start_eval = ev(state)
       writer.write_samples(name, 0, ev.take_samples())
-    return state, frozen, 0, start_eval, ""
+    return state, frozen, ev, 0, start_eval, ""
   check_inputs(point.extra, inputs, f"{ck.directory}/{point.step}")
   state, start = point.state, int(point.extra.get("data_position", point.step))
   if start > stage.steps:
@@ -265,7 +265,7 @@ def _starting_point(stage, ck, key, roles, inputs, policy, writer, t0):
         "every stage again")
   print(f"{name}: continuing after step {start} of {stage.steps} "
         f"(set up and restored in {time.perf_counter() - t0:.1f}s)")
-  return (state, frozen, start, point.extra.get("start_eval", {}),
+  return (state, frozen, stage.evaluation(frozen), start, point.extra.get("start_eval", {}),
           point.extra.get("target_reached", ""))
 
 
