@@ -65,6 +65,7 @@ def main(argv=None) -> dict:
 
   import jax
   from jaxrlhf import hardware
+  from kernels._backend import platform_of
   from jaxrlhf.perf import enable_compilation_cache
   enable_compilation_cache()
   model = one_b_model(args.smoke)
@@ -78,7 +79,8 @@ def main(argv=None) -> dict:
   ph = suite.worker_phases("grpo", steps, cfg=cfg)
   update_s = ph["phases_s"]["update"]
   update_flops = ph["phase_flops"]["update"]
-  res = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+  device = jax.devices()[0]  # the one the workload ran on
+  res = {"backend": platform_of(device), "device": device.device_kind,
          "model": dataclasses.asdict(model), "params": model.num_params("lm"),
          "prompts": prompts, "samples": samples, "bf16_matmul_flops_per_s": rate,
          "phases_s": ph["phases_s"], "phase_flops": ph["phase_flops"],

@@ -30,6 +30,7 @@ import numpy as np
 from jaxrlhf.config import ModelConfig, RolloutConfig
 from jaxrlhf.model import forward, init_cache, init_params, lm_logits, positions_from_mask
 from jaxrlhf.rollout import generate, generate_uncached
+from kernels._backend import platform_of
 
 # name -> (model, batch, prompt_len, new_tokens)
 PRESETS = {
@@ -73,7 +74,7 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  backend = jax.default_backend()
+  backend = platform_of(jax.devices()[0])  # the device the benchmark runs on
   parser.add_argument("--preset", choices=sorted(PRESETS),
                       default="cpu" if backend == "cpu" else "gpu-1b")
   parser.add_argument("--batch", type=int, help="prompts (default: the preset's)")

@@ -39,6 +39,7 @@ from typing import Callable, Optional
 import jax
 
 from jaxrlhf.config import ConfigError, ModelConfig
+from kernels._backend import platform_of
 
 # ----------------------------------------------------------------------------- FLOPs
 
@@ -384,7 +385,7 @@ def tune_host_allocator(mmap_threshold: int = 1 << 20) -> bool:
     return False
   if mode == "lean":
     return bool(lib.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)))
-  if jax.default_backend() != "cpu":  # device buffers are not malloc'd: leave the host alone
+  if platform_of(jax.devices()[0]) != "cpu":  # device buffers are not malloc'd: leave the host
     return False
   return bool(lib.mallopt(_M_MMAP_MAX, 0) and lib.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
 

@@ -32,17 +32,21 @@ def target_platform() -> str:
   device; every step, evaluation and plan of the trainer is traced under its mesh."""
   mesh = jax.sharding.get_abstract_mesh()
   device = None if mesh.empty else getattr(mesh, "abstract_device", None)
-  platform = device.platform if device is not None else _unmeshed_platform()
+  if device is not None:
+    return platform_of(device)
+  default = jax.config.jax_default_device  # a device, a platform name, or None
+  if isinstance(default, str):
+    return platform_of_name(default)
+  return platform_of(default if default is not None else jax.devices()[0])
+
+
+def platform_of(device) -> str:
+  """A device's platform as the kernels choose by it: "cpu", "gpu" (CUDA or ROCm) or "tpu"."""
+  return platform_of_name(device.platform)
+
+
+def platform_of_name(platform: str) -> str:
   return "gpu" if platform in ("cuda", "rocm") else platform
-
-
-def _unmeshed_platform() -> str:
-  """The platform a jit outside any mesh compiles for: ``jax_default_device``'s when set, else
-  the default backend's (whose first device a bare jit places on)."""
-  default = jax.config.jax_default_device
-  if default is None:
-    return jax.default_backend()
-  return default if isinstance(default, str) else default.platform
 
 
 def resolve_impl(op: str, impl: str, valid: tuple[str, ...], auto: dict[str, str],

@@ -27,6 +27,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from kernels._backend import platform_of
 from kernels.attention import attention
 from kernels.logprob import logprob_entropy, logprob_entropy_pallas
 
@@ -127,7 +128,7 @@ def main(argv=None):
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--json", default="")
   a = p.parse_args(argv)
-  backend = jax.default_backend()
+  backend = platform_of(jax.devices()[0])  # the device every case runs on
   flops_peak, bw_peak = ceilings(a.iters, a.quick)
   print(f"device: {jax.devices()[0].device_kind} ({backend}); measured ceilings: "
         f"bf16 matmul {flops_peak / 1e12:.1f} TFLOP/s, streaming {bw_peak / 1e9:.0f} GB/s")

@@ -462,9 +462,9 @@ def _calls(jaxpr) -> list[str]:
 
 
 @needs_gpu_compiler
-def test_a_gpu_program_traced_on_this_host_is_the_one_a_gpu_host_traces(monkeypatch):
+def test_a_gpu_program_traced_on_this_host_is_the_one_a_gpu_host_traces():
   """The bf16 model's forward and log-prob head, kernels on ``auto``: traced here under the
-  compile-only H200 mesh, and traced as on a GPU host (no mesh, the default backend "gpu"),
+  compile-only H200 mesh, and traced as on a GPU host (no mesh, the default device a GPU),
   the same dots in the same dtypes and the same kernels.  Traced for this CPU host it differs
   (no kernels; its dots are the same bf16 ones, docs/rollout.md): the comparison would see a
   leak."""
@@ -478,15 +478,15 @@ def test_a_gpu_program_traced_on_this_host_is_the_one_a_gpu_host_traces(monkeypa
     h, _ = forward(params, tokens, jnp.cumsum(mask, 1) - 1, mask, cfg=cfg)
     return logprob_entropy(h, unembedding(params, cfg), tokens)
 
-  def trace():  # jit's trace cache is keyed by the mesh, not by the default backend
+  def trace():  # jit's trace cache is keyed by the mesh, not by the default device
     jax.clear_caches()
     return _calls(jax.make_jaxpr(head)(params, tokens, mask).jaxpr)
 
   on_cpu = trace()
   with jax.set_mesh(targets.mesh("h200", MeshConfig(dp=1, fsdp=1, tp=1), 1)):
     for_h200 = trace()
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  on_gpu_host = trace()
+  with jax.default_device(targets.devices("h200", 1)[0]):
+    on_gpu_host = trace()
   assert for_h200 == on_gpu_host
   assert {c for c in for_h200 if c.startswith("pallas")} == {
       "pallas decode_attention", "pallas logprob_entropy_fwd"}  # 16 tokens: decode kernel
