@@ -70,8 +70,8 @@ def test_dpo_reference_cache_is_the_runs_and_computes_each_pair_once(monkeypatch
   state, frozen = stage.init(jax.random.key(0), {})
   feeder = stage.feeder(frozen)
   calls = []
-  ref = stage._ref
-  monkeypatch.setattr(stage, "_ref", lambda *a: calls.append(1) or ref(*a))
+  ref = stage.reference_logps
+  monkeypatch.setattr(stage, "reference_logps", lambda *a: calls.append(1) or ref(*a))
   got = feeder.batch(0)
   with jax.set_mesh(m):
     want = jax.device_get(ref(frozen["reference"], put_batch(m, stage.batch(0))))

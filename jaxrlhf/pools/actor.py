@@ -130,7 +130,7 @@ def _run_actor(cfg, workdir, store, mesh, roles, *, events, log, should_stop, co
     restoring = ck.restoring(resume)
     state, frozen = C.init_roles(stage, C.stage_key(cfg), roles, trained, frozen_roles, extras,
                                  restoring=restoring)
-    evaluate = stage.evaluation(frozen)
+    ev = stage.evaluation(frozen)
     point = ck.resume(C.abstract_roles(stage, trained, frozen_roles, extras) if restoring
                       else None, resume, cfg)
     if point is None and state is None:  # no complete checkpoint after all: a fresh start
@@ -145,7 +145,7 @@ def _run_actor(cfg, workdir, store, mesh, roles, *, events, log, should_stop, co
     else:
       run, done, published = uuid.uuid4().hex[:12], 0, 0
       # As a colocated stage: before training when the spec asks, never with eval_every=0.
-      start_eval = evaluate(state) if stage.spec.eval_at_start and stage.eval_every else {}
+      start_eval = ev(state) if stage.spec.eval_at_start and stage.eval_every else {}
       # Saved before anything is published: a restart always finds this run's id.
       ck.save(0, state, {"run": run, "done": 0, "published": 0, "start_eval": start_eval,
                          "inputs": inputs}, force=True)
@@ -164,10 +164,10 @@ def _run_actor(cfg, workdir, store, mesh, roles, *, events, log, should_stop, co
         must=lambda: len(loop.inbox.unacked) >= C.MAX_UNACKED)
     with jax.set_mesh(mesh):
       end = C.driver(stage, ROLE, writer, saves, should_stop,
-                     evaluation=evaluate).run(loop, state, done)
+                     evaluation=ev).run(loop, state, done)
   state, last, done = end.state, dict(end.last), end.done
   if done == steps and stage.eval_every and "eval/accuracy" not in last:
-    last.update(evaluate(state))
+    last.update(ev(state))
   if done == steps:
     C.save_result(workdir, ROLE, cfg, {r: stage.merged(state.params, frozen, r) for r in trained},
                   {"summary": {name: {k: v for k, v in last.items() if k.startswith("eval/")}},

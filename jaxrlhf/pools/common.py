@@ -173,11 +173,6 @@ def abstract_roles(stage, trainable, frozen, extras):
   return stage.abstract_init(only=(tuple(trainable), tuple(frozen)), extras=extras)[0]
 
 
-def abstract_of(tree):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                      tree)
-
-
 @dataclasses.dataclass(frozen=True)
 class Streams:
   """Redis key names of one run."""

@@ -64,7 +64,8 @@ def critic_programs(stage):
   values, reward shaping), then the update of its roles (none for GRPO), with this pool's
   bookkeeping after it."""
   trained, _ = C.pool_roles(stage, ROLE)
-  listed = [p for p in phases.rl_phases(trained, trained, stage.scfg) if trained or p.name != "train"]
+  listed = [p for p in phases.rl_phases(trained, trained, stage.scfg)
+            if trained or p.name != "train"]
   score, *update = program.pool_programs(listed, ROLE)
   return score, [p for prog in update for p in prog] + [
       program.Phase("critic_metrics", critic_metrics)]

@@ -41,7 +41,7 @@ class DPOStage(Stage):
 
     self.seq_logps = seq_logps
     self.pref_loss = functools.partial(preference_loss, self.scfg)
-    self._ref = jax.jit(seq_logps)
+    self.reference_logps = jax.jit(seq_logps)  # the cached reference's pass (CachedReference)
 
     def eval_fn(policy, reference, b):
       """The preference metrics of the evaluation pairs, and each pair's summed log-probs
@@ -136,8 +136,8 @@ class CachedReference(Feeder):
     keys = [(e.prompt, e.chosen, e.rejected) for e in examples]
     if any(k not in self.cache for k in keys):
       with jax.set_mesh(stage.mesh):
-        rc, rr = jax.device_get(stage._ref(self.frozen["reference"],
-                                           put_batch(stage.mesh, batch)))
+        rc, rr = jax.device_get(stage.reference_logps(self.frozen["reference"],
+                                                      put_batch(stage.mesh, batch)))
       for i, k in enumerate(keys):
         self.cache.setdefault(k, (rc[i], rr[i]))
     return {**batch, "ref_chosen": np.array([self.cache[k][0] for k in keys], np.float32),

@@ -23,7 +23,7 @@ from jaxrlhf.mesh import (DECODE_PARAM_RULES, FROZEN_PARAM_RULES, PARAM_RULES, b
 from jaxrlhf.train import precision as PREC, spec
 from jaxrlhf.train.sequences import pair_rows
 from jaxrlhf.train.evaluate import Evaluation, eval_metric, make_evaluator
-from jaxrlhf.train.statics import StepStatics
+from jaxrlhf.train.statics import StepStatics, frozen_heads, trained_heads
 from jaxrlhf.train.common import (TrainState, init_state, jit_step, make_optimizer,
                                   make_state_fn, shardings_of, state_shardings)
 from jaxrlhf.train.types import Extras, Skips
@@ -46,7 +46,7 @@ class Stage:
     self.spec = spec.get(self.name)
     self.roles = self.spec.roles(cfg)
     # Trained roles -> head ("lm", "scalar" or "lm+scalar").
-    self.trainable = {r: x.head for r, x in self.roles.items() if x.trains}
+    self.trainable = trained_heads(self.roles)
     self.cfg = cfg
     self.mesh = mesh
     self.data = data
@@ -94,7 +94,7 @@ class Stage:
 
   def frozen(self) -> dict:
     """Frozen roles -> head (the spec's roles that this stage does not train)."""
-    return {r: x.head for r, x in self.roles.items() if not x.trains}
+    return frozen_heads(self.roles)
 
   def initial_extras(self) -> Extras:
     return Extras(skips=Skips.zeros())
@@ -300,9 +300,6 @@ class Stage:
   def view(self, params: dict, frozen: dict, role: str, *, decode: bool = False) -> dict:
     """:meth:`StepStatics.view <jaxrlhf.train.statics.StepStatics.view>`."""
     return self.statics.view(params, frozen, role, decode=decode)
-
-  def views(self, params: dict, frozen: dict) -> dict:
-    return self.statics.views(params, frozen)
 
   def update_role(self, state: TrainState, frozen: dict, role: str, loss_fn, batch: dict,
                   n_micro: int):

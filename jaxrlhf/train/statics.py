@@ -26,6 +26,16 @@ def _frozen_map(d: Mapping) -> Mapping:
   return types.MappingProxyType(dict(d))
 
 
+def trained_heads(roles: Mapping) -> dict:
+  """Trained roles -> head, of a spec's ``role -> Role`` map."""
+  return {r: x.head for r, x in roles.items() if x.trains}
+
+
+def frozen_heads(roles: Mapping) -> dict:
+  """Frozen roles -> head, of a spec's ``role -> Role`` map."""
+  return {r: x.head for r, x in roles.items() if not x.trains}
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepStatics:
   """The static inputs of a stage's step functions (module docstring).  Mappings are
@@ -59,13 +69,11 @@ class StepStatics:
 
   # -- roles ---------------------------------------------------------------------------
   @property
-  def trainable(self) -> Mapping:
-    """Trained roles -> head."""
-    return {r: x.head for r, x in self.roles.items() if x.trains}
+  def trainable(self) -> dict:
+    return trained_heads(self.roles)
 
   def frozen(self) -> dict:
-    """Frozen roles -> head."""
-    return {r: x.head for r, x in self.roles.items() if not x.trains}
+    return frozen_heads(self.roles)
 
   def model_cfg(self, role: str) -> ModelConfig:
     return self.cfg.role_model(role)
