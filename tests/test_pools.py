@@ -246,6 +246,28 @@ def test_sync_dapo_pools_with_dynamic_sampling_match_colocated(redis_url, tmp_pa
   assert [r["response"] for r in rollout] == [r["response"] for r in samples]
 
 
+def test_sync_grpo_pools_with_refill_match_colocated(redis_url, tmp_path):
+  """Refill (continuous batching) in the actor: its rollout carries each row's prompt index
+  (``prompt_index_B``) to the critic, which scores it as any rollout and sends advantages
+  only (no selected rows: that is dynamic sampling's); equal to the colocated step."""
+  steps = 2
+  cfg = grpo_pools_config(steps=steps, mode="sync")
+  cfg = dataclasses.replace(
+      cfg, rollout=dataclasses.replace(cfg.rollout, refill=True),
+      logging=dataclasses.replace(cfg.logging, samples=4, samples_every=1))
+  samples = []
+  _, state, _, reference = run_steps(cfg, "grpo", mesh(), steps=steps, key=stage_key(cfg),
+                                     samples=samples)
+  actor, critic, recs, _ = run_pools(cfg, redis_url, tmp_path)
+  assert_pools_match(recs, reference,
+                     ("policy/loss", "entropy/mean", "kl/mean", "grad_norm",
+                      "response_length/mean", "rollout/started"),
+                     ("reward/mean", "reward/std"), lambda a, c: a["loss/policy"])
+  assert_same_params(actor["state"].params["policy"], state.params["policy"])
+  rollout = [r for r in recs["critic"].samples if r["kind"] == "rollout"]
+  assert [r["prompt"] for r in rollout] == [r["prompt"] for r in samples]
+
+
 def bucketed_config(algo, steps=3):
   """``algo`` in sync pools with prompt buckets (16 prompt columns, the prompts fill 5),
   length buckets and packing; 24 of the 48 tokens stop a response, so responses end at

@@ -339,10 +339,15 @@ def scores_schema(stage) -> list[dict]:
   sampling, also the generated rows the critic selected for the update (``rows_B``)."""
   rows = stage.scfg.batch_size * stage.n
   widths = sorted({n for _, n in bucket_shapes(stage)}, key=lambda n: n != stage.N)
-  selected = {"rows_B": ((rows,), "int32")} if getattr(stage.scfg, "dynamic_sampling",
-                                                       False) else {}
+  selected = {"rows_B": ((rows,), "int32")} if selects_rows(stage) else {}
   return [{"adv_BN": ((rows, n), "float32"), "valid_B": ((rows,), "bool"), **selected}
           for n in widths]
+
+
+def selects_rows(stage) -> bool:
+  """Whether the critic chooses the rows the actor trains on (dynamic sampling's ``select``
+  phase, in the critic's score program): its scores then carry them (``rows_B``)."""
+  return bool(getattr(stage.scfg, "dynamic_sampling", False))
 
 
 def packing_of(stage, ro: Rollout, perm_key):

@@ -237,7 +237,7 @@ class CriticLoop:
                "invalid (masked out of the policy update)")
       self.events(event="nonfinite_advantages", batch=msg.batch, rows=bad)
     arrays = {"adv_BN": adv, "valid_B": valid}
-    if c.rollout.prompt_index_B is not None:  # dynamic sampling: the groups it trains on
+    if C.selects_rows(self.stage):  # dynamic sampling: the groups it trains on
       arrays["rows_B"] = phases.selected_rows(c.rollout, self.stage.n)
     out = wire.Message(kind="scores", run=self.run, batch=msg.batch, step=done,
                        policy_version=msg.policy_version, producer=self.consumer, meta=smetrics,
