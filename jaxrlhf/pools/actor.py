@@ -186,6 +186,7 @@ class ActorLoop:
                should_stop, published: int, start: int):
     cfg, mesh = stage.cfg, stage.mesh
     self.stage, self.store, self.frozen, self.mesh = stage, store, frozen, mesh
+    self.feeder = stage.feeder(frozen)  # the run's batches, as the colocated loop reads them
     self.consumer, self.events, self.log, self.should_stop = consumer, events, log, should_stop
     self.run, self.published, self.ahead = streams.run, published, C.staleness(cfg)
     self.wait_s, self.max_queue = cfg.pools.peer_wait_s, cfg.pools.max_queue
@@ -232,7 +233,7 @@ class ActorLoop:
     episodes, run on the host, in place of the first (their returns the carry's host
     scores, for the critic)."""
     stage = self.stage
-    host_batch = stage.batch(b)
+    host_batch = self.feeder.batch(b)
     host = host_batch.pop("host", None)
     batch = put_batch(self.mesh, host_batch)
     c, metrics = StepCarry(state=state), {}

@@ -4,9 +4,9 @@ stream names, message schemas, and the pieces of a pool's run (checkpointer, met
 The pools run the experiment's last stage, any algorithm whose spec generates (PPO, GRPO and
 its variants).  Each pool builds the full stage (construction allocates nothing) but
 initialises only its own roles, with the same per-role keys as the colocated stage, so both
-pools start exactly where a colocated run would.  Which roles and loss terms live in which
-pool is read from the stage's spec and phase list (:func:`pool_roles`), and so is what cannot
-cross the two (:func:`check_config`).
+pools start exactly where a colocated run would.  Which roles live in which pool is the
+stage's layout's (:func:`pool_roles`); which loss terms and phases run where is read from
+its spec and phase list, and so is what cannot cross the two (:func:`check_config`).
 """
 
 from __future__ import annotations
@@ -33,11 +33,9 @@ from jaxrlhf.train.common import put_batch
 from jaxrlhf.train.driver import Driver, Saves
 from jaxrlhf.train.types import Rollout, StepCarry
 
-# The loss term each pool trains: the policy's where the rollouts are generated, every other
-# term (a value model's) beside the reward model.  Frozen roles: the reference with the
-# policy (its log-probs and the KL term), the rest (reward model, guard) with the scorer.
+# The loss term the actor trains (the policy's, where the rollouts are generated); every
+# other term (a value model's) trains beside the reward model.
 ACTOR_TERM = "policy"
-ACTOR_FROZEN = ("reference",)
 
 
 def stage_name(cfg: ExperimentConfig) -> str:
@@ -52,17 +50,11 @@ def build_stage(cfg: ExperimentConfig, mesh):
 
 
 def pool_roles(stage, role: str) -> tuple[tuple, tuple]:
-  """``(trained, frozen)`` roles of one pool of ``stage``: the actor trains the policy and
-  holds the reference; the critic trains the roles of the other loss terms (none for GRPO)
-  and holds the reward model and guard."""
-  terms = tuple(stage.spec.terms)
-  if role == "actor":
-    trained = tuple(t for t in terms if t == ACTOR_TERM)
-    frozen = tuple(r for r in stage.frozen() if r in ACTOR_FROZEN)
-  else:
-    trained = tuple(t for t in terms if t != ACTOR_TERM)
-    frozen = tuple(r for r in stage.frozen() if r not in ACTOR_FROZEN)
-  return trained, frozen
+  """``(trained, frozen)`` roles of one pool of ``stage``, from its layout
+  (:meth:`jaxrlhf.train.layout.StateLayout.pool`): the actor trains the policy and holds the
+  reference; the critic trains every other role (the value model; none for GRPO) and holds
+  the reward model and guard."""
+  return stage.layout.pool(role)
 
 
 def check_config(cfg: ExperimentConfig) -> None:

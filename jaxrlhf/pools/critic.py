@@ -168,6 +168,7 @@ class CriticLoop:
   def __init__(self, stage, store, streams, frozen, state, *, run_key, consumer, events, log,
                should_stop):
     self.stage, self.store, self.frozen, self.mesh = stage, store, frozen, stage.mesh
+    self.feeder = stage.feeder(frozen)  # the run's batches, as the colocated loop reads them
     self.run, self.run_key, self.consumer = streams.run, run_key, consumer
     self.events, self.log, self.should_stop = events, log, should_stop
     self.wait_s, self.max_queue = stage.cfg.pools.peer_wait_s, stage.cfg.pools.max_queue
@@ -203,7 +204,7 @@ class CriticLoop:
     """``(carry after the score program, device batch, its metrics, host inputs)`` of a
     rollout message."""
     stage = self.stage
-    host_batch = stage.batch(msg.batch)
+    host_batch = self.feeder.batch(msg.batch)
     host = host_batch.pop("host", None)  # the examples behind the prompts (host rewards)
     batch = put_batch(self.mesh, host_batch)
     # The update's minibatches follow the actor's key: in sync mode the very permutation the

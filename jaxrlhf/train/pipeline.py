@@ -317,33 +317,24 @@ def load_finished(stage, workdir: str) -> StageOutcome:
 
 
 def frozen_manifest(stage, workdir: str, sources: dict) -> dict:
-  """Frozen role -> where its parameters come from: an earlier stage's result (by reference,
-  with that result's id), a Hugging Face directory, or a seeded random init.
+  """Frozen role (and LoRA role's own frozen base) -> where its parameters come from, as the
+  stage's layout says (:meth:`jaxrlhf.train.layout.RoleLayout.origin`): an earlier stage's
+  result (by reference, with that result's id), a Hugging Face directory, or a seeded random
+  init.  ``sources``: role -> the earlier stage whose result holds it."""
+  def entry(row, **tag) -> dict:
+    kind, where = row.origin(sources)
+    if kind == "stage":
+      return {**ckpt.frozen_source(workdir, sources[where], where), **tag}
+    if kind == "hf":
+      return {"hf_path": where, **tag}
+    return {"init": "random", "seed": stage.cfg.seed, **tag}
 
-  Follows the order of :meth:`jaxrlhf.train.stage.Stage.role_params`: the role itself, else
-  (reference) the policy, else (a scalar head on the policy's shape) the policy's backbone.
-  """
-  cfg = stage.cfg
-
-  def entry(role: str, donors: list, **tag) -> dict:
-    origin = next((d for d in donors if d in sources), None)
-    if origin is not None:
-      return {**ckpt.frozen_source(workdir, sources[origin], origin), **tag}
-    if cfg.role_model(role).hf_path:
-      return {"hf_path": cfg.role_model(role).hf_path, **tag}
-    return {"init": "random", "seed": cfg.seed, **tag}
-
-  out = {}
-  for role, head in stage.frozen().items():
-    policy = role == "reference" or (head == "scalar" and cfg.role_model(role) == cfg.model)
-    out[role] = entry(role, [role] + (["policy"] if policy else []), head=head)
-  # A LoRA role's frozen base (unless it is a frozen role above): the adapters in the stage's
-  # checkpoints are only meaningful on top of it.
-  for role, key in stage.base_keys.items():
-    if key not in out:
-      donors = [role] + (["reward"] if role == "value" else []) + (
-          ["policy"] if stage.trainable[role] == "scalar" else [])
-      out[key] = entry(role, donors, lora_base=role)
+  layout = stage.layout
+  out = {r.name: entry(r, head=r.head) for r in layout.frozen.values()}
+  # A LoRA role's own frozen base: the adapters in the stage's checkpoints are only
+  # meaningful on top of it.
+  out.update({r.base: entry(r, lora_base=r.name) for r in layout.trained.values()
+              if r.owns_base})
   return out
 
 

@@ -53,15 +53,16 @@ def state_bytes(cfg: ExperimentConfig) -> float:
   best = 0.0
   for name in cfg.stages:
     stage = build_stage(name, cfg, None, data)
-    # Trained roles: master weights and Adam's two moments, in their precision's dtypes.
-    total = sum(stage.precision[r].trained_bytes(cfg.role_model(r).num_params(h))
-                for r, h in stage.trainable.items() if r not in stage.lora)
-    total += sum(param_bytes(cfg.role_model(r), h) for r, h in stage.frozen().items())
-    for r, key in stage.base_keys.items():  # LoRA: adapters x 3, the base once
-      total += stage.precision[r].trained_bytes(sum(x.size for x in jax.tree.leaves(
-          stage.abstract_trainable(r))))
-      if key not in stage.frozen():
-        total += param_bytes(cfg.role_model(r), stage.trainable[r])
+    total = 0.0
+    for r in stage.layout.rows:
+      if not r.trains:
+        total += param_bytes(r.model, r.head)
+      elif r.lora is None:  # master weights and Adam's two moments, in their precision's dtypes
+        total += stage.precision[r.name].trained_bytes(r.model.num_params(r.head))
+      else:  # LoRA: adapters x 3, and the base once (unless it is a frozen role above)
+        total += stage.precision[r.name].trained_bytes(sum(
+            x.size for x in jax.tree.leaves(r.abstract_trainable())))
+        total += param_bytes(r.model, r.head) if r.owns_base else 0.0
     best = max(best, total)
   return best
 

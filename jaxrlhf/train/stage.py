@@ -14,18 +14,18 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf import model as M
-from jaxrlhf.model import hf, lora as LORA
+from jaxrlhf.model import lora as LORA
 from jaxrlhf.config import ConfigError, ExperimentConfig, ModelConfig
 from jaxrlhf.data import DataSource
 from jaxrlhf.data.packing import Packer, interleave_pairs
-from jaxrlhf.mesh import (DECODE_PARAM_RULES, FROZEN_PARAM_RULES, PARAM_RULES, batch_sharding,
-                          replicated, tree_shardings)
-from jaxrlhf.train import precision as PREC, spec
+from jaxrlhf.mesh import (DECODE_PARAM_RULES, PARAM_RULES, batch_sharding,
+                          tree_shardings)
+from jaxrlhf.train import layout as LAYOUT, precision as PREC, spec
+from jaxrlhf.train.layout import StateLayout, convert_head, same_backbone, zero_score  # noqa: F401
 from jaxrlhf.train.sequences import pair_rows
 from jaxrlhf.train.evaluate import Evaluation, eval_metric, make_evaluator
 from jaxrlhf.train.statics import StepStatics, frozen_heads, trained_heads
-from jaxrlhf.train.common import (TrainState, init_state, jit_step, make_optimizer,
-                                  make_state_fn, shardings_of, state_shardings)
+from jaxrlhf.train.common import (TrainState, jit_step, make_optimizer)
 from jaxrlhf.train.types import Extras, Skips
 
 
@@ -62,13 +62,10 @@ class Stage:
     self.opt = {role: make_optimizer(getattr(self.scfg, self.optim_fields[role]), self.steps,
                                      updates)
                 for role in self.trainable}
-    # Roles trained with adapters (``STAGE.lora``) -> their LoRA settings, and where each one's
-    # frozen base lives in ``frozen``: the reference for the policy (the base *is* the
-    # reference: one copy), the reward model for a value model on the same backbone, else
-    # ``ROLE.base``.
+    # Roles trained with adapters (``STAGE.lora``) -> their LoRA settings (where each one's
+    # frozen base lives: the layout's, :attr:`base_keys`).
     lo = self.scfg.lora
     self.lora = {r: lo for r in self.trainable if lo.rank and r in lo.roles}
-    self.base_keys = {r: self._base_key(r) for r in self.lora}
     # How each trained role's weights are kept and updated (float32 masters by default).
     self.precision = PREC.of_stage(self.scfg, self.model_cfg, self.lora,
                                    {r: self.optim_fields[r] for r in self.trainable}, self.name)
@@ -129,90 +126,44 @@ class Stage:
     return make_evaluator(self) if "exact_match" in self.spec.evaluation else None
 
   # -- shared machinery ---------------------------------------------------------------------
+  @functools.cached_property
+  def layout(self) -> StateLayout:
+    """The stage's roles and state (:class:`~jaxrlhf.train.layout.StateLayout`), built on first
+    use, after construction."""
+    return LAYOUT.build(self.name, self.cfg, self.mesh, self.trainable, self.frozen(), self.lora,
+                        self.opt, self.precision, self.initial_extras())
+
+  @property
+  def base_keys(self) -> dict:
+    """LoRA role -> where its frozen base lives in ``frozen``: the reference for the policy
+    (the base *is* the reference: one copy), the reward model for a value model on the same
+    backbone, else ``ROLE.base`` (:func:`jaxrlhf.train.layout.base_key`)."""
+    return self.layout.base_keys
+
+  def _share(self, only, extras) -> StateLayout:
+    return self.layout if only is None and extras is None else self.layout.share(
+        *(only or (tuple(self.trainable), tuple(self.frozen()))), extras=extras)
+
   def init(self, key: jax.Array, roles: dict, *, only: tuple | None = None,
            extras: Extras | None = None,
            frozen_only: bool = False) -> tuple[TrainState | None, dict]:
-    """Parameters of every role (from earlier stages, a Hugging Face directory, or fresh) on
-    the mesh, and the train state around the trainable ones.  ``only=(trained, frozen)``
-    builds a subset (one pool of a disaggregated run), each role from the same key as the
-    whole stage's, plus the frozen base of each LoRA role it trains; ``extras`` then replaces
-    :meth:`initial_extras` (a pool keeps its own share of the algorithm's state).
+    """Parameters of every role (from earlier stages' results ``roles``, a Hugging Face
+    directory, or fresh) on the mesh, and the train state around the trainable ones
+    (:meth:`StateLayout.init <jaxrlhf.train.layout.StateLayout.init>`).  ``only=(trained,
+    frozen)`` builds a subset (one pool of a disaggregated run), each role from the same key
+    as the whole stage's, plus the frozen base of each LoRA role it trains; ``extras`` then
+    replaces :meth:`initial_extras` (a pool keeps its own share of the algorithm's state).
     ``frozen_only``: the frozen roles (LoRA bases included) alone, and None for the state: a
     resume restores the state into :meth:`abstract_init`'s, so none is allocated to be
     thrown away."""
-    keys = dict(zip(("state",) + tuple(self.trainable) + tuple(self.frozen()),
-                    jax.random.split(key, 1 + len(self.trainable) + len(self.frozen()))))
-    trained, wanted = only or (tuple(self.trainable), tuple(self.frozen()))
-    wanted = set(wanted) | {self.base_keys[r] for r in trained if r in self.lora}
-    # The reference starts from the same weights as the policy when both are fresh.
-    frozen = {r: self.role_params(roles, r, keys.get("policy", keys[r]) if r == "reference"
-                                  else keys[r], head=h, frozen=True)
-              for r, h in self.frozen().items() if r in wanted}
-    params = {}
-    for r, h in self.trainable.items():
-      if r not in trained:
-        continue
-      if r not in self.lora:
-        if not frozen_only:
-          params[r] = self.role_params(roles, r, keys[r], head=h)
-        continue
-      bk = self.base_keys[r]
-      if bk in frozen:  # the base is a frozen role already loaded: no second copy
-        head = {"score": zero_score(self.model_cfg(r))} if h == "scalar" else {}
-      else:
-        base, head = LORA.split_full(self.role_params(roles, r, keys[r], head=h))
-        frozen[bk] = jax.device_put(base, self.base_shardings(r))
-      if not frozen_only:
-        params[r] = self.lora_params(r, keys[r], head)
-    for r, bk in self.base_keys.items():
-      if r in trained:
-        frozen[bk] = LORA.cast_base(frozen[bk], self.lora[r].base_dtype)
-    if frozen_only:
-      return None, frozen
-    params = {r: self.precision[r].to_master(p) for r, p in params.items()}
-    state = init_state(self.mesh, params, {r: self.opt[r] for r in trained}, keys["state"],
-                       self.initial_extras() if extras is None else extras, self.precision)
-    return state, frozen
+    return self._share(only, extras).init(key, roles, frozen_only=frozen_only)
 
   def abstract_init(self, *, only: tuple | None = None,
                     extras: Extras | None = None) -> tuple[TrainState, dict]:
     """The train state and frozen parameters as ShapeDtypeStructs with their shardings on the
-    mesh; allocates nothing.  ``only`` and ``extras`` as for :meth:`init` (one pool's
-    share)."""
-    def role(r, head, rules):
-      cfg = self.cfg.role_model(r)
-      sh = M.param_shardings(cfg, self.mesh, head, rules)
-      return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          M.abstract_params(cfg, head), sh)
-    trained, wanted = only or (tuple(self.trainable), tuple(self.frozen()))
-    wanted = set(wanted) | {self.base_keys[r] for r in trained if r in self.lora}
-    frozen = {r: role(r, h, FROZEN_PARAM_RULES) for r, h in self.frozen().items()
-              if r in wanted}
-    params = {}
-    for r, h in self.trainable.items():
-      if r not in trained:
-        continue
-      if r not in self.lora:
-        params[r] = role(r, h, PARAM_RULES)
-        continue
-      bk = self.base_keys[r]
-      if bk not in frozen:
-        frozen[bk] = LORA.split_full(role(r, h, FROZEN_PARAM_RULES))[0]
-      params[r] = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                               self.abstract_trainable(r), self.trainable_shardings(r))
-    for r, bk in self.base_keys.items():
-      if r in trained:
-        frozen[bk] = LORA.cast_base(frozen[bk], self.lora[r].base_dtype)
-    params = {r: self.precision[r].to_master(p) for r, p in params.items()}
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated(self.mesh))
-    opt = {r: self.opt[r] for r in trained}
-    make = make_state_fn(opt, self.initial_extras() if extras is None else extras,
-                         self.precision)
-    shapes = jax.eval_shape(make, params, key)
-    shardings = state_shardings(self.mesh, opt, shapes, shardings_of(params))
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         shapes, shardings)
-    return state, frozen
+    mesh (``eval_shape`` of the same init); allocates nothing.  ``only`` and ``extras`` as for
+    :meth:`init` (one pool's share)."""
+    return self._share(only, extras).abstract()
 
   def abstract_batch(self) -> dict:
     return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(self.mesh, len(shape),
@@ -243,46 +194,15 @@ class Stage:
     return tuple(self.trainable)
 
   # -- LoRA ---------------------------------------------------------------------------------
-  def _base_key(self, role: str) -> str:
-    """Where a LoRA role's frozen base lives in ``frozen`` (see ``__init__``)."""
-    frozen = self.frozen()
-    if role == "policy" and "reference" in frozen:
-      return "reference"
-    value = self.model_cfg("value") if role == "value" else None
-    if value is not None and not value.hf_path:
-      # The backbone the value model would start from (Stage.role_params): the reward
-      # model's, else the policy's, which is the reference's.
-      if "reward" in frozen and same_backbone(self.model_cfg("reward"), value):
-        return "reward"
-      if "reference" in frozen and same_backbone(self.model_cfg("policy"), value):
-        return "reference"
-    return f"{role}.base"
-
-  def lora_params(self, role: str, key: jax.Array, head: dict) -> dict:
-    """A LoRA role's trainable tree on the mesh: adapters (fresh, B = 0, or from
-    ``lora.init_from``) and the trained scalar head, if any."""
-    cfg, lo = self.model_cfg(role), self.lora[role]
-    if lo.init_from:
-      adapters = LORA.load_peft(lo.init_from, cfg, lo, f"{self.name}.lora.init_from")
-    else:
-      adapters = LORA.init_adapters(cfg, lo, key)
-    return jax.device_put({**adapters, **head}, self.trainable_shardings(role))
-
   def abstract_trainable(self, role: str):
     """ShapeDtypeStructs of a LoRA role's trainable tree (no shardings)."""
-    cfg, lo = self.model_cfg(role), self.lora[role]
-    return jax.eval_shape(lambda: {
-        **LORA.init_adapters(cfg, lo, jax.random.key(0)),
-        **({"score": zero_score(cfg)} if self.trainable[role] == "scalar" else {})})
+    return self.layout.trained[role].abstract_trainable()
 
   def trainable_shardings(self, role: str):
-    cfg, lo = self.model_cfg(role), self.lora[role]
-    axes = LORA.trainable_axes(cfg, lo, self.trainable[role])
-    return tree_shardings(self.mesh, axes, self.abstract_trainable(role), PARAM_RULES)
+    return self.layout.trained[role].shardings(self.mesh)
 
   def base_shardings(self, role: str):
-    cfg, head = self.model_cfg(role), self.trainable[role]
-    return LORA.split_full(M.param_shardings(cfg, self.mesh, head, FROZEN_PARAM_RULES))[0]
+    return self.layout.trained[role].base_shardings(self.mesh)
 
   @functools.cached_property
   def statics(self) -> StepStatics:
@@ -294,6 +214,7 @@ class Stage:
     return StepStatics(name=self.name, cfg=self.cfg, scfg=self.scfg, spec=self.spec,
                        mesh=self.mesh, roles=self.roles, lora=self.lora,
                        base_keys=self.base_keys, precision=self.precision, opt=self.opt,
+                       layout=self.layout,
                        P=self.P, R=self.R, eos_id=self.tok.eos_id, pad_id=self.tok.pad_id,
                        **rl)
 
@@ -353,37 +274,6 @@ class Stage:
             f"{pre}loss_mask": ((b, length), jnp.bool_)}
 
   # -- shared helpers -----------------------------------------------------------------------
-  def role_params(self, roles: dict, role: str, key: jax.Array, *, head: str,
-                  frozen: bool = False) -> dict:
-    """Parameters for ``role``, from the first that applies: an earlier stage's result for
-    this role; the policy's weights for the reference; the role's own Hugging Face directory;
-    the reward model's backbone for the value model, or the policy's for a scalar role (a
-    new scalar head on an SFT model), when the shapes agree; else a fresh sharded init."""
-    cfg = self.cfg.role_model(role)
-    rules = FROZEN_PARAM_RULES if frozen else PARAM_RULES
-    shardings = M.param_shardings(cfg, self.mesh, head, rules)
-    source = roles.get(role)
-    if source is None and role == "reference":
-      source = roles.get("policy")
-    if source is None and not cfg.hf_path:
-      donors = (["reward"] if role == "value" else []) + (["policy"] if head == "scalar" else [])
-      for donor in donors:
-        if donor in roles and same_backbone(self.cfg.role_model(donor), cfg):
-          source = roles[donor]
-          if role == "value":
-            # The backbone only: the reward head's scale (raw reward-model scores) has nothing
-            # to do with the normalised returns a value head predicts, and starting from it
-            # made the first PPO steps' advantages noise (tiny_ppo fell 82% -> 62% before
-            # recovering); a zero head starts at the baseline of normalised returns.
-            source = {k: v for k, v in source.items() if k != "score"}
-          break
-    if source is None:
-      # A Hugging Face directory (model.hf_path / reward_model.hf_path ...) or a random init.
-      if head != "lm+scalar":
-        return hf.load_or_init(cfg, self.mesh, key, head, rules)
-      source = hf.load_or_init(cfg, self.mesh, key, "lm", rules)  # + a zero value head below
-    return jax.device_put(convert_head(source, cfg, head), shardings)
-
   def decode_layout_shardings(self, role: str = "policy"):
     """The shardings ``role`` generates in (``rollout.decode_layout``, docs/rollout.md), or
     None when they are its training shardings (``train``, a mesh without fsdp, or no mesh):
@@ -453,12 +343,6 @@ def check_vocabulary(cfg: ExperimentConfig, tok, roles) -> None:
                       f"was built for")
 
 
-def zero_score(cfg: ModelConfig) -> dict:
-  """A scalar head that starts at zero (a value model's)."""
-  dtype = jnp.dtype(cfg.param_dtype)
-  return {"w": jnp.zeros((cfg.d_model,), dtype), "b": jnp.zeros((), dtype)}
-
-
 def make_packer(d, mesh, pad_id: int, grad_accum: int) -> Packer:
   """The packing of a stage's batches from ``data.pack_*`` (``d``: the DataConfig): each
   micro-batch packed into its own rows, rows in multiples of the data-parallel shards."""
@@ -473,30 +357,3 @@ def stack_pairs(b: dict):
   pass scores both sides of each preference pair; split results with ``[:n]`` / ``[n:]``
   (a padded pair batch: :func:`jaxrlhf.train.sequences.pair_rows` takes either layout)."""
   return pair_rows(b)[:3]
-
-
-def same_backbone(a: ModelConfig, b: ModelConfig) -> bool:
-  """Whether two model configs have parameters of the same shapes (head aside)."""
-  return M.param_shapes(a, "scalar") == M.param_shapes(b, "scalar") and (
-      a.param_dtype == b.param_dtype)
-
-
-def convert_head(params: dict, cfg: ModelConfig, head: str) -> dict:
-  """The same backbone with the requested head(s): ``"lm"`` keeps or restores the unembedding,
-  ``"scalar"`` keeps the model's score head or adds a zero-initialised one, ``"lm+scalar"``
-  (a policy sharing its backbone with the value head) does both.  Copies, so the source stays
-  usable."""
-  out = {k: v for k, v in params.items() if k not in ("unembed", "score")}
-  out = jax.tree.map(jnp.copy, out)
-  if head in ("scalar", "lm+scalar"):
-    if "score" in params:
-      out["score"] = jax.tree.map(jnp.copy, params["score"])
-    else:
-      dtype = params["embed"].dtype
-      out["score"] = {"w": jnp.zeros((cfg.d_model,), dtype), "b": jnp.zeros((), dtype)}
-  if head in ("lm", "lm+scalar"):
-    if "unembed" in params:
-      out["unembed"] = jnp.copy(params["unembed"])
-    elif not cfg.tie_embeddings:
-      raise ConfigError("cannot make an LM head from a scalar-head model with untied embeddings")
-  return out

@@ -62,6 +62,7 @@ class StepStatics:
   decode_shardings: Any = None
   device_sources: tuple = ()
   env_weight: float = 0.0
+  layout: Any = None  # the stage's jaxrlhf.train.layout.StateLayout (roles, LoRA bases, pools)
 
   def __post_init__(self):
     for f in ("roles", "lora", "base_keys", "precision", "opt"):
