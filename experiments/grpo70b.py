@@ -26,3 +26,18 @@ def build():
                       clip_low=0.2, clip_high=0.2, optim=optim,
                       kl=KLConfig(coef=0.001, estimator="k3", placement="loss"),
                       reward=RewardConfig(sources=("model",))))
+
+
+@register("grpo70b_longprompt")
+def build_longprompt():
+  """grpo70b with long prompts and large groups (issue 42's long-prompt workload): 2,048-token
+  prompts x 16 samples x 512 new tokens, 8 prompts per step (the same 128 rollouts).  Each
+  prompt's KV is most of what decoding reads; ``--set=rollout.prefix_sharing=true`` reads it
+  once per group (docs/rollout.md, "Shared prefixes")."""
+  cfg = build()
+  return dataclasses.replace(
+      cfg, name="grpo70b_longprompt",
+      description="GRPO of Llama-3-70B: 8 prompts of 2,048 tokens x 16 samples x 512 new "
+                  "tokens, 32 GPUs",
+      data=dataclasses.replace(cfg.data, max_prompt_len=2048),
+      grpo=dataclasses.replace(cfg.grpo, batch_size=8, num_samples=16))

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 
 from jaxrlhf.config import ConfigError, KernelsConfig, ModelConfig, RolloutConfig
 from jaxrlhf.mesh import constrain
-from jaxrlhf.model.transformer import (KVCache, forward, init_cache, last_valid_index,
-                                       lm_logits, positions_from_mask, unstack_layers)
+from jaxrlhf.model.transformer import (KVCache, SharedPrefix, forward, init_cache,
+                                       last_valid_index, lm_logits, positions_from_mask,
+                                       unstack_layers)
 from kernels._backend import target_platform
 from kernels.logprob.xla import logprob_from_logits
 
@@ -349,6 +350,27 @@ def _grow(cache: KVCache, n: int, extra: int, per_layer: bool = False) -> KVCach
       index=cache.index))
 
 
+def _share(cache: KVCache, n: int, slots: int, per_layer: bool):
+  """``(prefix, cache)``: the prompts' prefilled cache as each group's shared prefix (one copy,
+  not ``n``), and an empty cache of ``slots`` decoding slots per row (``n`` per prompt)."""
+  axes = KVCache.axes()
+  kv = lambda x: constrain(x, axes.k[1:] if per_layer else axes.k)  # noqa: E731
+  if per_layer:
+    k = tuple(kv(cache.k[i]) for i in range(cache.k.shape[0]))
+    v = tuple(kv(cache.v[i]) for i in range(cache.v.shape[0]))
+  else:
+    k, v = kv(cache.k), kv(cache.v)
+  prefix = SharedPrefix(k=k, v=v, mask=constrain(cache.mask, axes.mask))
+  l, g, heads, _, dh = cache.k.shape
+  slots = max(slots, 1)  # (one new token: the loop body is traced, never run)
+  shape = (g * n, heads, slots, dh)
+  zeros = (lambda: tuple(jnp.zeros(shape, cache.k.dtype) for _ in range(l))) if per_layer else (
+      lambda: jnp.zeros((l,) + shape, cache.k.dtype))
+  own = KVCache(k=zeros(), v=zeros(), mask=jnp.zeros((g * n, slots), bool),
+                index=jnp.zeros((), jnp.int32))
+  return prefix, _constrain_cache(own)
+
+
 def _generate(params, prompt_tokens_BP, prompt_mask_BP, key, *,
               cfg: ModelConfig, rollout: RolloutConfig, eos_id: int, pad_id: int,
               num_samples: int, kernels: KernelsConfig):
@@ -358,10 +380,16 @@ def _generate(params, prompt_tokens_BP, prompt_mask_BP, key, *,
   tokens_BP = _rows(prompt_tokens_BP.astype(jnp.int32))
   mask_BP = _rows(prompt_mask_BP.astype(bool))
 
-  # Prefill once per prompt, then replicate for the group with the decoding slots.
+  # Prefill once per prompt, then replicate for the group with the decoding slots (or, with
+  # rollout.prefix_sharing, keep one copy per group beside each row's own decoding slots).
   last_logits, cache = _prefill(params, tokens_BP, mask_BP, cfg=cfg, kernels=kernels)
   first_logits = jnp.repeat(last_logits, n, axis=0)
-  cache = _grow(cache, n, n_new - 1, per_layer=unrolled_decode(kernels))
+  per_layer = unrolled_decode(kernels)
+  prefix = None
+  if rollout.prefix_sharing:
+    prefix, cache = _share(cache, n, n_new - 1, per_layer)
+  else:
+    cache = _grow(cache, n, n_new - 1, per_layer=per_layer)
   dparams = decode_params(params, cfg, kernels)
   # Rotary positions continue from each row's number of real prompt tokens.
   start_B = jnp.repeat(jnp.sum(mask_BP, axis=1, dtype=jnp.int32), n)
@@ -369,7 +397,7 @@ def _generate(params, prompt_tokens_BP, prompt_mask_BP, key, *,
   def advance(cache, tok_B, live_B, i):
     pos_B1 = (start_B + i - 1)[:, None]
     h, cache = forward(dparams, tok_B[:, None], pos_B1, live_B[:, None], cfg=cfg, cache=cache,
-                       attn_impl=kernels.attention)
+                       attn_impl=kernels.attention, prefix=prefix)
     return _rows(lm_logits(dparams, h, cfg)[:, 0]), _constrain_cache(cache)
 
   decoded = _decode(_rows(first_logits), advance, cache, key, cfg=cfg, rollout=rollout,

@@ -225,6 +225,13 @@ class RolloutConfig:
   # sample) draws with fold_in(fold_in(key, r), j), so a response does not depend on the row
   # or loop step it ran in.  Off: every row draws from fold_in(key, step) (the default's draws).
   row_keys: bool = False
+  # Group-shared prompts (docs/rollout.md, "Shared prefixes"): the num_samples responses of
+  # a prompt read its keys/values from one copy, written once, with their queries batched
+  # against it (one prompt read per group and decoded token, not num_samples), and keep only
+  # their own response slots apart.  The same tokens; log-probs to float rounding (one
+  # softmax over both parts, summed in another order).  Plain generation (RL steps, sampled
+  # evaluations); refill and multi-turn episodes keep a whole cache per row.
+  prefix_sharing: bool = False
   # In-flight refill (RL steps, docs/rollout.md): the step's rows are batch_size groups of
   # num_samples slots; a group whose rows have all stopped takes the next prompt of the step's
   # queue inside the decode loop, and decoding stops once batch_size groups have completed.

@@ -270,6 +270,11 @@ class RLConfig(StageConfig):
       c.problems.append("rollout.pack=true with kernels.attention=cudnn: cuDNN's attention "
                         "takes no segment ids (packed rows); set kernels.attention=auto (or "
                         "xla, pallas), or rollout.pack=false")
+    if ro.prefix_sharing and (ro.refill or cfg.env.name):
+      what = "rollout.refill=true" if ro.refill else f"env.name={cfg.env.name!r}"
+      c.problems.append(f"rollout.prefix_sharing=true with {what}: shared prompts are read by "
+                        "plain generation only (refill and multi-turn episodes keep a whole "
+                        "cache per row); set rollout.prefix_sharing=false")
     if ro.refill:
       _check_refill(self, name, cfg, c)
     elif ro.refill_leftover != "drop":

@@ -30,6 +30,7 @@ import numpy as np
 from jaxrlhf.config import ModelConfig
 from jaxrlhf.mesh import constrain
 from kernels.attention import attention
+from kernels.attention.shared_prefix import shared_prefix_attention
 from kernels.numerics import fixed_order_sum
 
 HEADS = ("lm", "scalar", "lm+scalar")
@@ -142,6 +143,31 @@ class KVCache:
   def per_layer(self) -> bool:
     """Whether ``k`` and ``v`` are tuples of per-layer buffers."""
     return isinstance(self.k, tuple)
+
+
+@flax.struct.dataclass
+class SharedPrefix:
+  """The prompt's keys/values of each group, written once and read by its ``n`` samples
+  (``rollout.prefix_sharing``, docs/rollout.md): ``k``/``v`` ``[L, G, K, P, Dh]`` (or tuples of
+  ``L`` per-layer ``[G, K, P, Dh]`` buffers, with a per-layer :class:`KVCache`) and which
+  slots hold real tokens ``[G, P]``.  The rows of the batch are prompt-major, ``n = B // G``
+  per prompt; the :class:`KVCache` beside it holds each row's own (response) slots, which
+  come after the prompt's ``P``."""
+
+  k: jax.Array
+  v: jax.Array
+  mask: jax.Array
+
+  @property
+  def per_layer(self) -> bool:
+    return isinstance(self.k, tuple)
+
+  def layer(self, li):
+    """Layer ``li``'s ``(k, v, mask)``."""
+    if self.per_layer:
+      return self.k[li], self.v[li], self.mask
+    return (jax.lax.dynamic_index_in_dim(self.k, li, 0, keepdims=False),
+            jax.lax.dynamic_index_in_dim(self.v, li, 0, keepdims=False), self.mask)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
@@ -314,7 +340,8 @@ def _attention_settings(cfg: ModelConfig, sliding, rope_cs, kv_mask):
   return rope_cs, attn_kw, kv_mask
 
 
-def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offset, cache_kv):
+def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offset, cache_kv,
+           prefix=None):
   """One decoder layer.  ``rope_cs``: the ``(cos, sin)`` pair of :func:`rope_tables`, or
   ``((cos, sin) global, (cos, sin) local)`` with a local rotary base.
   ``cache_kv`` is None or ``(k_LBKSD, v_LBKSD, layer)``: the *whole* cache and this layer's
@@ -322,7 +349,8 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
   is returned whole.  Or ``(k_BKSD, v_BKSD, layer)``: this layer's own cache (a per-layer
   :class:`KVCache`), written and returned the same way.  Without a cache, ``cache_kv`` may be
   ``(None, None, layer)``: the layer index alone, for configs whose layers differ (sliding /
-  full)."""
+  full).  ``prefix``: this layer's :class:`SharedPrefix` ``(k, v, mask)``, the slots before
+  the cache's, shared by each group of rows."""
   cdt, rdt = _dtype(cfg.compute_dtype), _residual_dtype(cfg)
   lp = jax.tree.map(lambda p: p.astype(cdt), lp)
   proj = lambda x, name: _proj(x, lp, name, rdt)
@@ -356,8 +384,12 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
       cv = jax.lax.dynamic_update_slice(cv, head_major(v), at)
       k_all = jax.lax.dynamic_index_in_dim(ck, li, 0, keepdims=False)
       v_all = jax.lax.dynamic_index_in_dim(cv, li, 0, keepdims=False)
-    o = attention(q, k_all, v_all, kv_mask, q_offset, impl=attn_impl, kv_layout="bksd",
-                  **attn_kw)
+    if prefix is not None:
+      pk, pv, pmask = prefix
+      o = shared_prefix_attention(q, pk, pv, pmask, k_all, v_all, kv_mask, q_offset, **attn_kw)
+    else:
+      o = attention(q, k_all, v_all, kv_mask, q_offset, impl=attn_impl, kv_layout="bksd",
+                    **attn_kw)
     new_kv = (ck, cv)
   else:
     o, new_kv = attention(q, k, v, kv_mask, q_offset, impl=attn_impl, **attn_kw), None
@@ -382,7 +414,7 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
 
 def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT: jax.Array, *,
             cfg: ModelConfig, cache: Optional[KVCache] = None, attn_impl: str = "auto",
-            segment_ids_BT: Optional[jax.Array] = None):
+            segment_ids_BT: Optional[jax.Array] = None, prefix: Optional[SharedPrefix] = None):
   """Final hidden states ``[B, T, D]`` (after the final norm) and the updated cache.
 
   tokens_BT, positions_BT: token ids and rotary positions; mask_BT: which tokens are real.
@@ -394,7 +426,11 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
   ``segment_ids_BT`` (int, without a cache): packed rows, several sequences per row, each
   token attending only to its own sequence (id >= 1; 0 for padding, where ``mask_BT`` must be
   false); the positions should restart at each sequence (:func:`positions_from_segments`).
+  ``prefix`` (with a cache): each group's shared prompt slots before the cache's
+  (:class:`SharedPrefix`), read once per group by the attention of its rows.
   """
+  if prefix is not None and (cache is None or segment_ids_BT is not None):
+    raise ValueError("forward: a shared prefix is read beside a KV cache (decoding)")
   if segment_ids_BT is not None and cache is not None:
     raise ValueError("forward: segment_ids_BT (packed rows) is for teacher-forced passes "
                      "without a KV cache")
@@ -431,7 +467,8 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
       layer_kv = (*kv, li)
     else:
       layer_kv = (None, None, li) if per_layer else None
-    h, kv = layer(h, lp, rope_cs, kv_mask, q_offset, layer_kv)
+    h, kv = layer(h, lp, rope_cs, kv_mask, q_offset, layer_kv,
+                  None if prefix is None else prefix.layer(li))
     return (h, kv), None
 
   kv = None if cache is None else (cache.k, cache.v)
@@ -443,7 +480,8 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
     ks, vs = list(kv[0]), list(kv[1])
     for i in range(cfg.n_layers):
       lp = params["layers"][i] if unstacked else jax.tree.map(lambda p: p[i], params["layers"])
-      h, (ks[i], vs[i]) = layer(h, lp, rope_cs, kv_mask, q_offset, (ks[i], vs[i], i))
+      h, (ks[i], vs[i]) = layer(h, lp, rope_cs, kv_mask, q_offset, (ks[i], vs[i], i),
+                                None if prefix is None else prefix.layer(i))
     kv = (tuple(ks), tuple(vs))
   else:
     for i in range(cfg.n_layers):

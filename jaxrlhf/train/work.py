@@ -126,8 +126,10 @@ def generation_bytes(stage, tp: int, n_devices: int, prompt_len: int | None = No
 
   Each decode step reads every parameter once per tensor-parallel group (``n_devices / tp``
   groups each hold, or gather, a whole copy) and the whole KV cache (attention runs over all
-  ``P + N - 1`` slots, masked).  Activations are left out: at decode they are tiny next to
-  these.  ``prompt_len``: the prompt's columns (default ``data.max_prompt_len``).
+  ``P + N - 1`` slots, masked; with ``rollout.prefix_sharing`` a group's prompt slots are
+  read once, not once per sample: ``P`` per prompt plus ``N - 1`` per row).  Activations are
+  left out: at decode they are tiny next to these.  ``prompt_len``: the prompt's columns
+  (default ``data.max_prompt_len``).
   """
   if not stage.spec.generates:
     return math.nan
@@ -135,8 +137,9 @@ def generation_bytes(stage, tp: int, n_devices: int, prompt_len: int | None = No
   rows = stage.decode_prompts * stage.n
   params = cfg.num_params("lm") * _itemsize(cfg.param_dtype)
   P = stage.P if prompt_len is None else prompt_len
-  cache = (2 * cfg.n_layers * rows * (P + stage.N - 1) * cfg.n_kv_heads * cfg.head_dim
-           * _itemsize(cfg.compute_dtype))
+  slots = (stage.decode_prompts * P + rows * (stage.N - 1) if stage.cfg.rollout.prefix_sharing
+           else rows * (P + stage.N - 1))
+  cache = 2 * cfg.n_layers * slots * cfg.n_kv_heads * cfg.head_dim * _itemsize(cfg.compute_dtype)
   return float((stage.N - 1) * (params * max(n_devices // tp, 1) + cache))
 
 

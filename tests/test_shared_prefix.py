@@ -1,0 +1,113 @@
+"""Group-shared prompts (``rollout.prefix_sharing``): attention over one copy of each prompt's
+keys/values, merged with each sample's own slots in one softmax, equals dense attention over
+the prompt repeated per sample; generation with it gives today's tokens and log-probs to float
+rounding, on one device and on dp2 x tp2."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import mesh
+from jaxrlhf import model as M
+from jaxrlhf.config import ConfigError, ModelConfig, RolloutConfig, validate
+from jaxrlhf.rollout import generate
+from kernels.attention.reference import attention_reference
+from kernels.attention.shared_prefix import shared_prefix_attention
+
+
+def _dense(q, pk, pv, pmask, k, v, kmask, q_offset, n, **kw):
+  """The prompt repeated for each of its n rows, then the rows' own slots: today's cache."""
+  rep = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
+  k_all = jnp.concatenate([rep(pk), k], axis=2)
+  v_all = jnp.concatenate([rep(pv), v], axis=2)
+  m_all = jnp.concatenate([rep(pmask), kmask], axis=1)
+  return attention_reference(q, k_all, v_all, m_all, pk.shape[2] + q_offset, kv_layout="bksd",
+                             **kw)
+
+
+@pytest.mark.parametrize("n", [1, 4, 16])
+@pytest.mark.parametrize("kw", [{}, {"window": 5}, {"softcap": 3.0, "scale": 0.3}])
+def test_shared_prefix_attention_equals_dense_attention(n, kw):
+  g, h, kh, d, p, s, t = 3, 4, 2, 8, 9, 6, 1
+  keys = jax.random.split(jax.random.key(n), 6)
+  q = jax.random.normal(keys[0], (g * n, t, h, d))
+  pk, pv = (jax.random.normal(k, (g, kh, p, d)) for k in keys[1:3])
+  k, v = (jax.random.normal(kk, (g * n, kh, s, d)) for kk in keys[3:5])
+  # Ragged prompts (left padding of 0, 3 and 6 slots) and responses of ragged length.
+  pmask = jnp.arange(p)[None, :] >= jnp.array([0, 3, 6])[:, None]
+  q_offset = 3
+  kmask = (jnp.arange(s)[None, :] <= q_offset) & (
+      jnp.arange(s)[None, :] < 1 + jnp.arange(g * n)[:, None] % 4)
+  got = shared_prefix_attention(q, pk, pv, pmask, k, v, kmask, q_offset, **kw)
+  want = _dense(q, pk, pv, pmask, k, v, kmask, q_offset, n, **kw)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+TINY = ModelConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                   mlp_dim=64, max_seq_len=32)
+SLIDING = dataclasses.replace(TINY, sliding_window=6, layer_types=("sliding", "full"),
+                              attn_softcap=20.0)
+
+
+def _rollouts(cfg, m, n=4, **ro):
+  params = M.init_params(cfg, jax.random.key(0))
+  prompts = jax.random.randint(jax.random.key(1), (4, 8), 3, cfg.vocab_size)
+  mask = jnp.arange(8)[None, :] >= jnp.array([0, 2, 5, 7])[:, None]  # ragged prompts
+  outs = []
+  for share in (False, True):
+    rollout = RolloutConfig(max_new_tokens=10, prefix_sharing=share, **ro)
+    with jax.set_mesh(m):
+      outs.append(jax.device_get(generate(params, prompts, mask, jax.random.key(2), cfg=cfg,
+                                          rollout=rollout, eos_id=1, num_samples=n)))
+  return outs
+
+
+@pytest.mark.parametrize("cfg", [TINY, SLIDING], ids=["full", "sliding"])
+@pytest.mark.parametrize("n", [1, 4])
+def test_generation_with_shared_prompts_gives_todays_tokens(cfg, n):
+  dense, shared = _rollouts(cfg, mesh(), n=n)
+  np.testing.assert_array_equal(shared.tokens_BT, dense.tokens_BT)
+  np.testing.assert_array_equal(shared.mask_BT, dense.mask_BT)
+  np.testing.assert_allclose(shared.behaviour_logp_BN, dense.behaviour_logp_BN, atol=2e-5)
+  np.testing.assert_allclose(shared.sample_logp_BN, dense.sample_logp_BN, atol=2e-5)
+  assert dense.response_mask_BN.sum() > 4 * n  # the responses are not all empty
+
+
+def test_generation_with_shared_prompts_on_dp2_tp2():
+  dense, shared = _rollouts(TINY, mesh(dp=2, tp=2), n=4, row_keys=True)
+  single, _ = _rollouts(TINY, mesh(), n=4, row_keys=True)
+  np.testing.assert_array_equal(shared.tokens_BT, dense.tokens_BT)
+  np.testing.assert_array_equal(shared.tokens_BT, single.tokens_BT)
+  np.testing.assert_allclose(shared.behaviour_logp_BN, dense.behaviour_logp_BN, atol=2e-5)
+
+
+def test_prefix_sharing_with_refill_or_episodes_is_refused():
+  from test_train import config
+  cfg = config()
+  for ro, env in ((dict(refill=True), ""), ({}, "calculator")):
+    bad = dataclasses.replace(cfg, stages=("grpo",), rollout=dataclasses.replace(
+        cfg.rollout, prefix_sharing=True, **ro), env=dataclasses.replace(cfg.env, name=env))
+    with pytest.raises(ConfigError, match="rollout.prefix_sharing=false"):
+      validate(bad)
+
+
+def test_decode_bytes_count_the_prompt_once_per_group():
+  """What perf/* and the planner charge decoding (``generation_bytes``): with shared prompts
+  the prompt's slots are read once per group, not once per sample."""
+  from jaxrlhf.data import DataSource
+  from jaxrlhf.train.spec import build_stage
+  from jaxrlhf.train.work import generation_bytes
+  from test_train import config
+  got = {}
+  for share in (False, True):
+    cfg = config()
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout,
+                                                               prefix_sharing=share))
+    stage = build_stage("grpo", cfg, None, DataSource(cfg.data, cfg.seed))
+    got[share] = generation_bytes(stage, 1, 1)
+  m, b, n = cfg.model, stage.scfg.batch_size, stage.n
+  per_slot = 2 * m.n_layers * m.n_kv_heads * m.head_dim * 4
+  assert got[False] - got[True] == (stage.N - 1) * (b * n - b) * stage.P * per_slot
