@@ -186,13 +186,13 @@ class StateLayout:
 
   def _onto_mesh(self, tree):
     """An earlier stage's result on this layout's devices: as it is when it already lies on
-    them, else moved with the same partition specs (a pool on its own devices, given results
-    computed elsewhere in the process)."""
+    them (or on the host), else moved with the same partition specs (a pool on its own
+    devices, given results computed elsewhere in the process)."""
     devices = set(self.mesh.devices.flat)
 
     def put(x):
-      if set(x.sharding.device_set) == devices:
-        return x
+      if not isinstance(x, jax.Array) or set(x.sharding.device_set) == devices:
+        return x  # (host arrays: the init places them)
       spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
       return jax.device_put(x, NamedSharding(self.mesh, spec))
     return jax.tree.map(put, tree)
