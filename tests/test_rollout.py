@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import TINY, mesh, ragged_batch
+from kernels._backend import platform_of
 from jaxrlhf import model as M
 from jaxrlhf import rollout as R
 from jaxrlhf.config import ConfigError, KernelsConfig, RolloutConfig
@@ -368,4 +369,6 @@ def test_unrolled_decode_holds_a_buffer_per_layer(params, prompts):
   unrolled = lower("unrolled").as_text()
   assert stacked not in unrolled
   assert f"f32[4,{CFG.n_kv_heads},{P + N - 1},{CFG.head_dim}]" in unrolled
-  assert R.unrolled_decode(KernelsConfig()) == (jax.default_backend() == "cpu")
+  device = jax.devices()[0]  # "auto" follows the platform of the program being traced
+  with jax.default_device(device):
+    assert R.unrolled_decode(KernelsConfig()) == (platform_of(device) == "cpu")

@@ -230,17 +230,6 @@ def make_state_fn(optimizers: dict, extras: dict, precisions: dict | None = None
   return make
 
 
-def init_state(mesh, params: dict, optimizers: dict, key: jax.Array, extras: dict,
-               precisions: dict | None = None) -> TrainState:
-  """A TrainState whose optimizer states are created on the mesh, sharded like their
-  parameters.  ``params`` are the trained roles' masters (``Precision.to_master``)."""
-  make = make_state_fn(optimizers, extras, precisions)
-  abstract = jax.eval_shape(make, params, key)
-  shardings = state_shardings(mesh, optimizers, abstract, shardings_of(params))
-  with jax.set_mesh(mesh):
-    return jax.jit(make, out_shardings=shardings)(params, key)
-
-
 def metrics_to_host(metrics: dict) -> dict[str, float]:
   return {k: float(v) for k, v in jax.device_get(metrics).items()}
 

@@ -154,8 +154,8 @@ class StateLayout:
     stages' results (role -> parameters, left as they are); weights read here from Hugging
     Face directories and PEFT adapters are donated.  ``frozen_only``: the frozen parameters
     alone and None for the state (a resume restores the state into :meth:`abstract`)."""
-    given = {d: self._onto_mesh(given[d]) for d in (r.origin(given)[1] for r in self.rows
-                                                    if r.origin(given)[0] == "stage")}
+    origins = [r.origin(given) for r in self.rows]
+    given = {d: self._onto_mesh(given[d]) for kind, d in origins if kind == "stage"}
     loaded = self._read(given, frozen_only)
     shapes = self._shapes()
     state_sh, frozen_sh = self.shardings(shapes)
