@@ -230,3 +230,30 @@ def test_the_literal_70b_command_fails_fast_before_allocating(tmp_path):
   assert "GB per device" in err and "a device holds" in err
   assert "--plan --devices=64 --accelerator=h100" in err and "--plan_search" in err
   assert not workdir.exists()  # nothing written, nothing allocated
+
+
+def test_the_plan_reports_decode_reads_with_and_without_shared_prefixes():
+  """Per decoded token and device: the weights, the KV cache (its prompts' part), and the KV
+  with ``rollout.prefix_sharing`` (a prompt read once per group); and the decode loop's time
+  at the HBM roofline both ways."""
+  from jaxrlhf.config import GRPOConfig, RolloutConfig
+  from jaxrlhf.plan.report import format_plan
+  b, n, P, N = 4, 8, 32, 16
+  cfg = ExperimentConfig(name="small_grpo", stages=("grpo",), model=SMALL,
+                         data=DataConfig(max_prompt_len=P, max_response_len=N),
+                         rollout=RolloutConfig(max_new_tokens=N),
+                         grpo=GRPOConfig(steps=10, batch_size=b, num_samples=n))
+  p = plan.build_plan(cfg, 2, H100, mesh_cfg=MeshConfig(dp=1, fsdp=1, tp=2), full=False)
+  d = p.stages[0].decode
+  t, sec = d["token_bytes"], d["decode_hbm_seconds"]
+  per_slot = 2 * SMALL.n_layers * SMALL.n_kv_heads * SMALL.head_dim * 2  # bf16 K and V
+  # Two devices, each with half the KV heads (tp=2) and half the weights.
+  assert t["kv"] == b * n * (P + N - 1) * per_slot / 2
+  assert t["kv_prompt"] == b * n * P * per_slot / 2
+  assert t["kv_shared"] == (b * P + b * n * (N - 1)) * per_slot / 2
+  assert t["weights"] == SMALL.num_params("lm") * 2 / 2
+  assert sec["dense"] == pytest.approx((N - 1) * (t["weights"] + t["kv"]) / H100.hbm_bandwidth)
+  assert sec["shared"] < sec["dense"]
+  text = format_plan(p)
+  assert "decode reads per token and device" in text
+  assert "with shared prefixes" in text and "rollout.prefix_sharing=false here" in text

@@ -206,10 +206,11 @@ def decode_plan(stage, state, frozen, mesh, acc) -> dict:
   else:  # the master's copy in param_dtype (Stage.view(decode=True))
     policy = stage.precision["policy"].view(policy)
   train_bytes = tree_bytes(policy)
+  reads = decode_reads(stage, mesh, acc)
   if layout == "train":
     return {"layout": "train" if stage.cfg.rollout.decode_layout == "train" else
             "tp (the training layout: no fsdp)", "copy_bytes": 0.0, "reshard_bytes": 0.0,
-            "reshard_seconds": 0.0, "policy_bytes": float(train_bytes)}
+            "reshard_seconds": 0.0, "policy_bytes": float(train_bytes), **reads}
   copy = tree_bytes(jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                  policy, stage.decode_shardings))
   sizes = dict(mesh.shape)
@@ -219,7 +220,23 @@ def decode_plan(stage, state, frozen, mesh, acc) -> dict:
   gathered = copy - train_bytes
   return {"layout": "tp", "copy_bytes": float(copy), "reshard_bytes": float(gathered),
           "reshard_seconds": gathered / bw, "policy_bytes": float(train_bytes),
-          "link": "network" if crosses else acc.interconnect}
+          "link": "network" if crosses else acc.interconnect, **reads}
+
+
+def decode_reads(stage, mesh, acc) -> dict:
+  """Bytes one decoded token reads per device (``token_bytes``: weights, the KV cache, its
+  prompts' part, and the cache with ``rollout.prefix_sharing``), and the decode loop's time
+  at the HBM roofline (``N - 1`` tokens) without and with prefix sharing."""
+  from jaxrlhf.plan.workload import tp_share
+  from jaxrlhf.train.work import decode_token_bytes
+  n = mesh.size
+  per = decode_token_bytes(stage, tp_share(stage.model_cfg("policy"), dict(mesh.shape)["tp"]),
+                           n)
+  per = {k: v / n for k, v in per.items()}
+  steps = max(stage.N - 1, 1)
+  loop = lambda kv: steps * (per["weights"] + kv) / acc.hbm_bandwidth  # noqa: E731
+  return {"token_bytes": per, "decode_hbm_seconds": {"dense": loop(per["kv"]),
+                                                      "shared": loop(per["kv_shared"])}}
 
 
 def plan_stage(cfg: ExperimentConfig, name: str, mesh, acc, *, full: bool = True) -> StagePlan:

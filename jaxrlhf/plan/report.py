@@ -114,6 +114,16 @@ def _decode_lines(plan: Plan, s) -> list[str]:
                    f"layout instead (no copy, its fsdp shards gathered for every token)")
     else:
       lines.append(f"decode layout: {d['layout']}")
+    if "token_bytes" in d:
+      t, sec = d["token_bytes"], d["decode_hbm_seconds"]
+      on = plan.cfg.rollout.prefix_sharing
+      lines.append(
+          f"decode reads per token and device: weights {fmt_bytes(t['weights'])} + KV "
+          f"{fmt_bytes(t['kv'])} ({fmt_bytes(t['kv_prompt'])} of it the prompts'); with "
+          f"prefix sharing the KV is {fmt_bytes(t['kv_shared'])}. Decode loop at the HBM "
+          f"roofline: {fmt_secs(sec['dense'])} dense, {fmt_secs(sec['shared'])} with shared "
+          f"prefixes ({sec['dense'] / sec['shared']:.2f}x; rollout.prefix_sharing="
+          f"{str(on).lower()} here)")
   gen = next((p for p in s.programs if p.name.endswith("/generate")), None)
   if gen is not None and gen.bound == "collectives" and (s.decode or {}).get("layout") == "train":
     # One gather per step instead of one per token: the decode loop's traffic once.

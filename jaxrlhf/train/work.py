@@ -121,26 +121,37 @@ def _itemsize(dtype_name: str) -> int:
   return np.dtype(jnp.dtype(dtype_name)).itemsize
 
 
-def generation_bytes(stage, tp: int, n_devices: int, prompt_len: int | None = None) -> float:
-  """Bytes read from device memory by one step's decoding, all devices together.
-
-  Each decode step reads every parameter once per tensor-parallel group (``n_devices / tp``
-  groups each hold, or gather, a whole copy) and the whole KV cache (attention runs over all
-  ``P + N - 1`` slots, masked; with ``rollout.prefix_sharing`` a group's prompt slots are
-  read once, not once per sample: ``P`` per prompt plus ``N - 1`` per row).  Activations are
-  left out: at decode they are tiny next to these.  ``prompt_len``: the prompt's columns
-  (default ``data.max_prompt_len``).
-  """
+def decode_token_bytes(stage, tp: int, n_devices: int, prompt_len: int | None = None) -> dict:
+  """What one decode step reads from device memory, all devices together: ``weights`` (every
+  parameter once per tensor-parallel group: ``n_devices / tp`` groups each hold, or gather, a
+  whole copy), ``kv`` (the whole cache: attention runs over all ``P + N - 1`` slots, masked),
+  ``kv_prompt`` (the prompts' part of it) and ``kv_shared`` (the cache with
+  ``rollout.prefix_sharing``: a group's prompt slots read once, not once per sample, so ``P``
+  per prompt plus ``N - 1`` per row).  ``prompt_len``: the prompt's columns (default
+  ``data.max_prompt_len``).  Empty for stages that do not generate."""
   if not stage.spec.generates:
-    return math.nan
+    return {}
   cfg = stage.model_cfg("policy")
   rows = stage.decode_prompts * stage.n
-  params = cfg.num_params("lm") * _itemsize(cfg.param_dtype)
   P = stage.P if prompt_len is None else prompt_len
-  slots = (stage.decode_prompts * P + rows * (stage.N - 1) if stage.cfg.rollout.prefix_sharing
-           else rows * (P + stage.N - 1))
-  cache = 2 * cfg.n_layers * slots * cfg.n_kv_heads * cfg.head_dim * _itemsize(cfg.compute_dtype)
-  return float((stage.N - 1) * (params * max(n_devices // tp, 1) + cache))
+  per_slot = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * _itemsize(cfg.compute_dtype)
+  return {"weights": float(cfg.num_params("lm") * _itemsize(cfg.param_dtype)
+                           * max(n_devices // tp, 1)),
+          "kv": float(rows * (P + stage.N - 1) * per_slot),
+          "kv_prompt": float(rows * P * per_slot),
+          "kv_shared": float((stage.decode_prompts * P + rows * (stage.N - 1)) * per_slot)}
+
+
+def generation_bytes(stage, tp: int, n_devices: int, prompt_len: int | None = None) -> float:
+  """Bytes read from device memory by one step's decoding, all devices together: ``N - 1``
+  decode steps of :func:`decode_token_bytes` (its ``kv_shared`` with
+  ``rollout.prefix_sharing``).  Activations are left out: at decode they are tiny next to
+  these."""
+  per = decode_token_bytes(stage, tp, n_devices, prompt_len)
+  if not per:
+    return math.nan
+  kv = per["kv_shared"] if stage.cfg.rollout.prefix_sharing else per["kv"]
+  return float((stage.N - 1) * (per["weights"] + kv))
 
 
 def mesh_ceiling(accelerator, n_devices: int, n_processes: int = 1):
