@@ -695,14 +695,15 @@ def report_spread(r: dict) -> str:
   return "\n".join(lines)
 
 
-def worker_turns(name: str, steps: int, sft_steps: int = 150) -> dict:
+def worker_turns(name: str, steps: int, sft_steps: int = 150, page_size: int = 0) -> dict:
   """``tiny_grpo_calc`` (the 0.8M-parameter tiny model over char_tools) after ``sft_steps`` of
   SFT on the calculator demonstrations, then ``steps`` timed GRPO steps against the calculator
   (after one untimed step that compiles), each phase timed by the trainer itself
   (``logging.phase_timing``).  Turns per second and useful tokens per second are of the
   episodes phase (the host loop: decode segments, environment steps, observation prefills);
   useful tokens are the actions' and the observations' (not the slots the lock-step decoder
-  leaves empty)."""
+  leaves empty).  ``page_size``: the paged engine (``rollout.kv_page_size``), else lock step;
+  ``kv_fill`` is real tokens per KV slot held (``env/kv_fill``)."""
   import dataclasses as dc
   from jaxrlhf import registry
   from jaxrlhf.metrics import read_jsonl
@@ -714,6 +715,7 @@ def worker_turns(name: str, steps: int, sft_steps: int = 150) -> dict:
       grpo=dc.replace(cfg.grpo, steps=steps + 1, eval_every=0),
       logging=dc.replace(cfg.logging, phase_timing=True, console_every_s=0.0),
       checkpoint=dc.replace(cfg.checkpoint, enabled=False),
+      rollout=dc.replace(cfg.rollout, kv_page_size=page_size),
       data=dc.replace(cfg.data, eval_size=16))  # the stages' start/end evaluations: not timed
   with tempfile.TemporaryDirectory(prefix="bench_turns_") as d:
     if pipeline.run(cfg, d) != 0:
@@ -726,6 +728,8 @@ def worker_turns(name: str, steps: int, sft_steps: int = 150) -> dict:
   useful = [r["env/policy_tokens"] + r["env/observation_tokens"] for r in recs]
   turns = [rows * r["env/turns_mean"] for r in recs]
   return {"workload": name, "steps": len(recs), "rows": rows, "sft_steps": sft_steps,
+          "page_size": page_size,
+          "kv_fill": statistics.mean(r["env/kv_fill"] for r in recs),
           "slots_per_row": cfg.rollout.max_new_tokens,
           "step_s": _median_min_max([r["time/step_s"] for r in recs]),
           "episodes_s": _median_min_max(gen),
@@ -740,15 +744,17 @@ def worker_turns(name: str, steps: int, sft_steps: int = 150) -> dict:
 
 
 def report_turns(r: dict) -> str:
+  engine = f"paged, {r['page_size']}-slot pages" if r.get("page_size") else "lock step"
   return "\n".join([
-      f"== {r['workload']} (tiny_grpo_calc after {r['sft_steps']} SFT steps; {r['rows']} "
-      f"episodes a step, {r['steps']} steps)",
+      f"== {r['workload']} [{engine}] (tiny_grpo_calc after {r['sft_steps']} SFT steps; "
+      f"{r['rows']} episodes a step, {r['steps']} steps)",
       f"  step {r['step_s']['median']:.3f} s, episodes {r['episodes_s']['median']:.3f} s "
       f"({100 * r['episodes_share']:.0f}% of the step)",
       f"  {r['turns_per_episode']:.2f} turns an episode: {r['turns_per_s']:.0f} turns/s, "
       f"{r['useful_tokens_per_s']:.0f} useful tokens/s ({r['policy_tokens_per_s']:.0f} the "
       f"policy's), {100 * r['useful_fraction']:.1f}% of the {r['slots_per_row']} slots a row "
-      f"useful; solved {100 * r['solved']:.1f}% (load {r['loadavg_1min']:.1f})"])
+      f"useful; solved {100 * r['solved']:.1f}% (load {r['loadavg_1min']:.1f})",
+      f"  KV: {100 * r['kv_fill']:.1f}% of the slots held hold a real token"])
 
 
 def smol_config(name: str, steps: int):
@@ -865,6 +871,7 @@ def run_worker(mode: str, name: str, args, cache_dir: str) -> dict:
          f"--spread_steps={getattr(args, 'spread_steps', 4)}",
          f"--turn_steps={getattr(args, 'turn_steps', 6)}",
          f"--longtail_steps={getattr(args, 'longtail_steps', 4)}",
+         f"--turn_page_size={getattr(args, 'turn_page_size', 0)}",
          f"--_result={path}"]
   env = {**os.environ, "JAXRLHF_COMPILATION_CACHE": cache_dir}
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -938,6 +945,10 @@ def main(argv=None) -> dict:
                       help="timed steps of each layout in the spread-length workloads")
   parser.add_argument("--turn_steps", type=int, default=6,
                       help="timed GRPO steps of the multi-turn workload")
+  parser.add_argument("--turn_pages", default="0,16",
+                      help="the multi-turn workload's arms: rollout.kv_page_size values (0: "
+                           "lock step), run one after the other")
+  parser.add_argument("--turn_page_size", type=int, default=0, help=argparse.SUPPRESS)
   parser.add_argument("--smol_steps", type=int, default=3,
                       help="steady steps of the real-model workloads (after the first)")
   parser.add_argument("--steps", type=int, default=15, help="timed steps after warm-up")
@@ -960,7 +971,8 @@ def main(argv=None) -> dict:
            "phases": lambda: worker_phases(name, args.phase_steps),
            "warm": lambda: worker_warm(name),
            "spread": lambda: worker_spread(name, args.spread_steps),
-           "turns": lambda: worker_turns(name, args.turn_steps),
+           "turns": lambda: worker_turns(name, args.turn_steps,
+                                         page_size=args.turn_page_size),
            "longtail": lambda: worker_longtail(name, args.longtail_steps),
            "smol": lambda: worker_smol(name, args.smol_steps)}[mode]()
     with open(args._result, "w") as f:
@@ -986,9 +998,19 @@ def main(argv=None) -> dict:
       print(report_longtail(results[name]), flush=True)
       continue
     if name in TURN_WORKLOADS:
-      with tempfile.TemporaryDirectory(prefix=f"bench_{name}_xla_") as cache:
-        results[name] = run_worker("turns", name, args, cache)
-      print(report_turns(results[name]), flush=True)
+      arms = []
+      for ps in (int(x) for x in args.turn_pages.split(",")):
+        with tempfile.TemporaryDirectory(prefix=f"bench_{name}_xla_") as cache:
+          arms.append(run_worker("turns", name, argparse.Namespace(
+              **{**vars(args), "turn_page_size": ps}), cache))
+        print(report_turns(arms[-1]), flush=True)
+      results[name] = arms[0] if len(arms) == 1 else {"arms": arms}
+      a = arms[0]
+      for b in arms[1:]:  # each arm against the first, measured in this one run
+        print(f"  page size {b['page_size']} / {a['page_size']}: turns/s "
+              f"{b['turns_per_s'] / a['turns_per_s']:.2f}x, episodes phase "
+              f"{a['episodes_s']['median'] / b['episodes_s']['median']:.2f}x faster, KV fill "
+              f"{100 * a['kv_fill']:.1f}% -> {100 * b['kv_fill']:.1f}%", flush=True)
       continue
     if name in SPREAD_WORKLOADS:
       with tempfile.TemporaryDirectory(prefix=f"bench_{name}_xla_") as cache:

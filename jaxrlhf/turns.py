@@ -1,12 +1,21 @@
 """Multi-turn generation: the policy's actions and an environment's observations in one KV cache.
 
-A conversation is decoded in lock step over a fixed buffer of ``S = P + N`` slots per row: the
-prompt's ``P`` (left-padded), then ``N`` slots that actions, observations and holes share.  Every
-row writes the same slot at the same time (the cache keeps one write index), so a row that has
-finished its action while others still decode leaves masked slots (holes) behind.  Attention is
-masked by slot and rotary positions count real tokens only, so a hole changes nothing: a row's
-logits are those of its real tokens laid end to end (tested against a from-scratch forward over
-the compacted conversation).
+A conversation lives in a fixed buffer of ``S = P + N`` columns per row: the prompt's ``P``
+(left-padded), then ``N`` columns that actions and observations share.  Two engines:
+
+- **Lock step** (``rollout.kv_page_size=0``): one contiguous cache of ``S`` slots a row, one
+  write index for the batch.  Every row writes the same slot at the same time, so a row that
+  has finished its action while others still decode leaves masked slots (holes) behind.
+  Attention is masked by slot and rotary positions count real tokens only, so a hole changes
+  nothing: a row's logits are those of its real tokens laid end to end.
+- **Paged** (``rollout.kv_page_size > 0``, :mod:`jaxrlhf.model.paged`): each row has its own
+  write position and takes pages of the shared pool as its tokens fill them, so a row writes
+  only its real tokens, end to end, and holds only the pages they fill.  No holes: the response
+  columns are already compact, and a row's ``N`` columns are all its own.  When the pool
+  (``rollout.kv_pages``) runs out, the segment stops and :attr:`Conversation.starved` says so;
+  the host raises an error naming the setting (nothing written is lost or overwritten).
+
+Both are tested against a from-scratch forward over the compacted conversation.
 
 Three jittable pieces, all shapes static, driven turn by turn from the host (the environment is
 Python) by :mod:`jaxrlhf.train.episodes`:
@@ -31,7 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.config import KernelsConfig, ModelConfig, RolloutConfig
-from jaxrlhf.model.transformer import KVCache, forward, lm_logits
+from jaxrlhf.model.paged import PagedKV, constrain_paged, init_paged
+from jaxrlhf.model.transformer import (KVCache, forward, last_valid_index, lm_logits,
+                                       positions_from_mask)
 from jaxrlhf.rollout import (_constrain_cache, _grow, _prefill, _real_vocab, _rows,
                              decode_params, sample_logits, unrolled_decode)
 
@@ -43,29 +54,65 @@ NOT_LIVE, EOS, STOP, TURN_LIMIT, BUFFER_FULL = 0, 1, 2, 3, 4
 class Conversation:
   """The decoding state of ``R`` conversations over ``S`` slots."""
 
-  cache: KVCache  # [L, R, K, S, Dh] (or per layer); cache.index: the next slot every row writes
+  # Lock step: [L, R, K, S, Dh] (or per layer), cache.index the next slot every row writes.
+  # Paged: the pool, each row's page table and length (its real tokens so far).
+  cache: KVCache | PagedKV
   tokens_RS: jax.Array  # int32: prompt, then actions and observations as written (pad in holes)
   mask_RS: jax.Array  # bool: real tokens
   policy_RS: jax.Array  # bool: tokens the policy sampled
   logp_RS: jax.Array  # f32: their log-prob under the policy at temperature 1 (0 elsewhere)
   pos_R: jax.Array  # int32: the rotary position of each row's next token (real tokens so far)
   logits_RV: jax.Array  # f32: each row's next-token logits (after its last real token)
+  write_R: jax.Array  # int32: the column each row writes next (lock step: cache.index for all)
+  starved: jax.Array  # bool: the page pool ran out (paged; never true in lock step)
+
+  @property
+  def paged(self) -> bool:
+    return isinstance(self.cache, PagedKV)
+
+  def kv_slots(self) -> jax.Array:
+    """KV slots held: the pages in use times their size (paged), the whole buffer (lock
+    step)."""
+    if self.paged:
+      return self.cache.in_use() * self.cache.page_size
+    return jnp.asarray(self.tokens_RS.size, jnp.int32)
+
+
+def pool_pages(rows: int, total: int, page_size: int, kv_pages: int = 0) -> int:
+  """The paged pool's size: ``kv_pages``, or with 0 enough for every row to fill its
+  ``total`` slots (it never runs out)."""
+  return kv_pages or rows * -(-total // page_size)
 
 
 def start(params, prompt_RP, pmask_RP, *, cfg: ModelConfig, total: int,
-          kernels: KernelsConfig) -> Conversation:
-  """Prefills ``[R, P]`` left-padded prompts into a cache of ``total`` slots (``P + N``)."""
+          kernels: KernelsConfig, page_size: int = 0, kv_pages: int = 0) -> Conversation:
+  """Prefills ``[R, P]`` left-padded prompts into a cache of ``total`` slots (``P + N``) a
+  row: a contiguous lock-step cache, or with ``page_size`` a paged one of ``kv_pages`` pages
+  (:func:`pool_pages`)."""
   r, p = prompt_RP.shape
   tokens = _rows(prompt_RP.astype(jnp.int32))
   mask = _rows(pmask_RP.astype(bool))
-  logits, cache = _prefill(params, tokens, mask, cfg=cfg, kernels=kernels)
-  cache = _grow(cache, 1, total - p, per_layer=unrolled_decode(kernels))
+  starved = jnp.zeros((), bool)
+  if page_size:
+    cache = init_paged(cfg, r, pool_pages(r, total, page_size, kv_pages), page_size, total,
+                       per_layer=unrolled_decode(kernels))
+    cache, ok = cache.reserve(jnp.sum(mask, axis=1, dtype=jnp.int32))
+    starved = ~jnp.all(ok)
+    h, cache = forward(params, tokens, positions_from_mask(mask), mask & ok[:, None], cfg=cfg,
+                       paged=constrain_paged(cache), attn_impl=kernels.attention)
+    cache = constrain_paged(cache)
+    h = jnp.take_along_axis(h, last_valid_index(mask)[:, None, None], axis=1)
+    logits = lm_logits(params, h, cfg)[:, 0]
+  else:
+    logits, cache = _prefill(params, tokens, mask, cfg=cfg, kernels=kernels)
+    cache = _grow(cache, 1, total - p, per_layer=unrolled_decode(kernels))
   pad = lambda x, v: jnp.pad(x, ((0, 0), (0, total - p)), constant_values=v)
   return Conversation(cache=cache, tokens_RS=_rows(pad(tokens, 0)),
                       mask_RS=_rows(pad(mask, False)),
                       policy_RS=_rows(jnp.zeros((r, total), bool)),
                       logp_RS=_rows(jnp.zeros((r, total), jnp.float32)),
-                      pos_R=jnp.sum(mask, axis=1, dtype=jnp.int32), logits_RV=_rows(logits))
+                      pos_R=jnp.sum(mask, axis=1, dtype=jnp.int32), logits_RV=_rows(logits),
+                      write_R=jnp.full((r,), p, jnp.int32), starved=starved)
 
 
 def _stop_table(stop_seqs: Sequence[Sequence[int]]):
@@ -84,71 +131,106 @@ def act(params, conv: Conversation, key, live_R, *, cfg: ModelConfig, rollout: R
         stop_seqs: tuple[tuple[int, ...], ...] = ()):
   """One action per ``live_R`` row: tokens sampled from the row's logits and fed into the cache
   one slot at a time, until EOS, a stop sequence (the token ids of a stop string; its last
-  token is kept), ``max_tokens`` tokens, or the last slot.  Token ``j`` of the action draws
-  with ``fold_in(key, j)``.
+  token is kept), ``max_tokens`` tokens, or the row's last column.  Token ``j`` of the action
+  draws with ``fold_in(key, j)``.  Paged: a row that needs a page the pool cannot give stops
+  the segment (``starved``; its token is not written).
 
-  Returns ``(conversation, reason_R, first_slot)``: why each row's action ended (``EOS``,
+  Returns ``(conversation, reason_R, first_R)``: why each row's action ended (``EOS``,
   ``STOP``, ``TURN_LIMIT``, ``BUFFER_FULL``; ``NOT_LIVE`` for rows that did not act) and the
-  slot the action began at (its tokens are the row's policy slots from there on)."""
+  column each row's action began at (its tokens are the row's policy columns from there on)."""
   total = conv.tokens_RS.shape[1]
   r = conv.tokens_RS.shape[0]
   table, k = _stop_table(stop_seqs)
   eos = jnp.asarray(eos_id, jnp.int32)
-  first = conv.cache.index
+  first = conv.write_R
   dparams = decode_params(params, cfg, kernels)
+  row_R = jnp.arange(r)
 
   def cond(s):
     j, c, active, _, _ = s
-    return (j < max_tokens) & jnp.any(active) & (c.cache.index < total)
+    return (j < max_tokens) & jnp.any(active & (c.write_R < total)) & ~c.starved
 
   def body(s):
     j, c, active, reason, tail = s
     tok, logp, _ = sample_logits(_real_vocab(c.logits_RV, cfg), jax.random.fold_in(key, j),
                                  rollout, block_v=kernels.logprob_block_v)
+    cache, starved = c.cache, c.starved
+    if c.paged:
+      cache, ok = cache.reserve(active.astype(jnp.int32))
+      starved = starved | jnp.any(active & ~ok)
+      active = active & ok
     tok = jnp.where(active, tok, pad_id)
-    i = c.cache.index
-    put = lambda buf, col: jax.lax.dynamic_update_slice_in_dim(buf, col[:, None], i, axis=1)
-    h, cache = forward(dparams, tok[:, None], c.pos_R[:, None], active[:, None], cfg=cfg,
-                       cache=c.cache, attn_impl=kernels.attention)
+    if c.paged:
+      h, cache = forward(dparams, tok[:, None], c.pos_R[:, None], active[:, None], cfg=cfg,
+                         paged=cache, attn_impl=kernels.attention)
+      cache = constrain_paged(cache)
+      step_R = active.astype(jnp.int32)  # each row advances by its own token
+    else:
+      h, cache = forward(dparams, tok[:, None], c.pos_R[:, None], active[:, None], cfg=cfg,
+                         cache=c.cache, attn_impl=kernels.attention)
+      cache = _constrain_cache(cache)
+      step_R = jnp.ones((r,), jnp.int32)  # one shared index: every row's column moves
+    col = jnp.where(active, c.write_R, total)  # out of range: not written
+    put = lambda buf, x: _rows(buf.at[row_R, col].set(x, mode="drop"))  # noqa: E731
     logits = jnp.where(active[:, None], lm_logits(dparams, h, cfg)[:, 0], c.logits_RV)
-    c = c.replace(cache=_constrain_cache(cache), tokens_RS=_rows(put(c.tokens_RS, tok)),
-                  mask_RS=_rows(put(c.mask_RS, active)), policy_RS=_rows(put(c.policy_RS, active)),
-                  logp_RS=_rows(put(c.logp_RS, jnp.where(active, logp, 0.0))),
-                  pos_R=c.pos_R + active, logits_RV=_rows(logits))
-    tail = jnp.concatenate([tail[:, 1:], tok[:, None]], axis=1)
+    c = c.replace(cache=cache, tokens_RS=put(c.tokens_RS, tok), mask_RS=put(c.mask_RS, active),
+                  policy_RS=put(c.policy_RS, active), logp_RS=put(c.logp_RS, logp),
+                  pos_R=c.pos_R + active, logits_RV=_rows(logits),
+                  write_R=c.write_R + step_R, starved=starved)
+    tail = jnp.where(active[:, None], jnp.concatenate([tail[:, 1:], tok[:, None]], axis=1), tail)
     hit = jnp.all((table[None] == tail[:, None]) | (table[None] == -1), axis=-1).any(-1)
     now = jnp.where(tok == eos, EOS, jnp.where(hit, STOP, NOT_LIVE))
     now = jnp.where((now == NOT_LIVE) & (j + 1 >= max_tokens), TURN_LIMIT, now)
-    now = jnp.where((now == NOT_LIVE) & (i + 1 >= total), BUFFER_FULL, now)
+    now = jnp.where((now == NOT_LIVE) & (c.write_R >= total), BUFFER_FULL, now)
     reason = jnp.where(active, now, reason)
     return j + 1, c, active & (now == NOT_LIVE), reason, tail
 
   init = (jnp.zeros((), jnp.int32), conv, live_R.astype(bool), jnp.zeros((r,), jnp.int32),
           jnp.full((r, k), -3, jnp.int32))
   _, conv, active, reason, _ = jax.lax.while_loop(cond, body, init)
-  # A live row the loop left still active ran out of slots before its first token.
+  # A live row the loop left still active ran out of slots before its first token (or, paged,
+  # is the row the pool could not serve: conv.starved).
   reason = jnp.where(active, BUFFER_FULL, reason)
   return conv, reason, first
 
 
 def observe(params, conv: Conversation, obs_RW, obs_mask_RW, *, cfg: ModelConfig,
             kernels: KernelsConfig) -> Conversation:
-  """Appends a ``[R, W]`` observation block at the write index (each row's tokens right-aligned:
-  its last real token in the block's last slot; a row with none is all masked and keeps its
-  logits).  The caller checks that ``W`` slots are left."""
-  i = conv.cache.index
+  """Appends a ``[R, W]`` observation block (each row's tokens right-aligned: its last real
+  token in the block's last slot; a row with none is all masked and keeps its logits).  Lock
+  step: the block takes ``W`` columns of every row at the write index.  Paged: each row's real
+  tokens only, at its own write column.  The caller checks that the row has room."""
   mask = _rows(obs_mask_RW.astype(bool))
   tokens = _rows(jnp.where(mask, obs_RW.astype(jnp.int32), 0))
   pos = conv.pos_R[:, None] + jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
-  h, cache = forward(params, tokens, pos, mask, cfg=cfg, cache=conv.cache,
-                     attn_impl=kernels.attention)
-  some = jnp.any(mask, axis=1)
+  count_R = jnp.sum(mask, axis=1, dtype=jnp.int32)
+  if conv.paged:
+    cache, ok = conv.cache.reserve(count_R)
+    starved = conv.starved | ~jnp.all(ok)
+    mask = mask & ok[:, None]
+    h, cache = forward(params, tokens, pos, mask, cfg=cfg, paged=cache,
+                       attn_impl=kernels.attention)
+    cache = constrain_paged(cache)
+    count_R = jnp.sum(mask, axis=1, dtype=jnp.int32)
+    # Each row's real tokens at its own columns, in order.
+    col = jnp.where(mask, conv.write_R[:, None] + jnp.cumsum(mask, axis=1) - 1,
+                    conv.tokens_RS.shape[1])
+    row = jnp.broadcast_to(jnp.arange(mask.shape[0])[:, None], col.shape)
+    put = lambda buf, blk: buf.at[row, col].set(blk, mode="drop")  # noqa: E731
+    write_R = conv.write_R + count_R
+  else:
+    i = conv.cache.index
+    h, cache = forward(params, tokens, pos, mask, cfg=cfg, cache=conv.cache,
+                       attn_impl=kernels.attention)
+    cache, starved = _constrain_cache(cache), conv.starved
+    put = lambda buf, blk: jax.lax.dynamic_update_slice_in_dim(buf, blk, i, axis=1)  # noqa
+    write_R = conv.write_R + mask.shape[1]
+  some = count_R > 0
   logits = jnp.where(some[:, None], lm_logits(params, h[:, -1:], cfg)[:, 0], conv.logits_RV)
-  put = lambda buf, blk: jax.lax.dynamic_update_slice_in_dim(buf, blk, i, axis=1)
-  return conv.replace(cache=_constrain_cache(cache), tokens_RS=_rows(put(conv.tokens_RS, tokens)),
+  return conv.replace(cache=cache, tokens_RS=_rows(put(conv.tokens_RS, tokens)),
                       mask_RS=_rows(put(conv.mask_RS, mask)),
-                      pos_R=conv.pos_R + jnp.sum(mask, axis=1, dtype=jnp.int32),
-                      logits_RV=_rows(logits))
+                      pos_R=conv.pos_R + count_R, logits_RV=_rows(logits), write_R=write_R,
+                      starved=starved)
 
 
 def compact(tokens_RS, mask_RS, *others_RS, start: int, pad_id: int):

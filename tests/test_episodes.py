@@ -407,3 +407,39 @@ def test_episodes_on_several_processes_are_refused_with_the_fix(tmp_path, monkey
   with pytest.raises(ConfigError, match=r"env.name=.* with 2 processes: .*run the stage as one "
                                         r"process"):
     _stage(cfg, mesh())
+
+
+def test_paged_episodes_equal_lock_step_in_less_kv_and_running_out_is_an_error(tmp_path):
+  base = _cfg(tmp_path, ECHO, "Echo")
+  paged = lambda **kw: dataclasses.replace(  # noqa: E731
+      base, rollout=dataclasses.replace(base.rollout, kv_page_size=8, **kw))
+  m = mesh()
+  eps = []
+  for cfg in (base, paged()):
+    stage, state, frozen = _stage(cfg, m)
+    ep = EpisodeRunner(stage).run(stage.view(state.params, frozen, "policy"),
+                                  stage.data.examples("prompts", 0, 4), jax.random.key(3), n=2)
+    eps.append(ep)
+  lock, pg = eps
+  assert lock.metrics["env/turns_mean"] > 1
+  for f in ("tokens", "mask", "policy", "turns", "returns", "truncated"):
+    np.testing.assert_array_equal(getattr(pg, f), getattr(lock, f), err_msg=f)
+  np.testing.assert_allclose(pg.logp, lock.logp, atol=2e-5)
+  # Real tokens per KV slot held: the whole buffer in lock step, the filled pages when paged.
+  real = lock.mask.sum()
+  assert lock.metrics["env/kv_fill"] == pytest.approx(real / lock.mask.size)
+  assert pg.metrics["env/kv_fill"] > 2 * lock.metrics["env/kv_fill"]
+  assert pg.metrics["env/kv_fill"] > 0.7
+  # A pool too small for the episodes stops them with the setting to raise.
+  stage, state, frozen = _stage(paged(kv_pages=10), m)
+  with pytest.raises(ConfigError, match=r"rollout.kv_pages=10: the KV page pool ran out .* "
+                                        r"raise rollout.kv_pages \(48 pages never run out\)"):
+    EpisodeRunner(stage).run(stage.view(state.params, frozen, "policy"),
+                             stage.data.examples("prompts", 0, 4), jax.random.key(3), n=2)
+
+
+def test_the_paged_cache_is_refused_without_an_environment():
+  cfg = ExperimentConfig(stages=("grpo",), rollout=RolloutConfig(kv_page_size=16))
+  with pytest.raises(ConfigError, match=r"rollout.kv_page_size=16: the paged KV cache runs "
+                                        r"multi-turn episodes \(env.name\) only"):
+    validate(cfg)

@@ -1,5 +1,6 @@
 """Multi-turn decoding (jaxrlhf/turns.py): actions and observations in one KV cache, written in
-lock step with holes, equal a from-scratch forward over the compacted conversation."""
+lock step with holes or paged with per-row positions, equal a from-scratch forward over the
+compacted conversation; the paged engine samples the lock-step engine's tokens."""
 
 import dataclasses
 import functools
@@ -22,10 +23,12 @@ KERN = KernelsConfig()
 
 def _episode(params, prompt, pmask, *, turns_n=3, live=(True, True, False, True),
              obs_lens=((3, 1, 0, 4), (2, 5, 0, 1), (4, 4, 0, 2)), stop_seqs=((5, 7), (9,)),
-             max_tokens=6, temperature=1.0, eos=2):
-  """Acts and observes ``turns_n`` times; returns the conversation and each turn's reasons."""
+             max_tokens=6, temperature=1.0, eos=2, page_size=0, kv_pages=0):
+  """Acts and observes ``turns_n`` times; returns the conversation and each turn's reasons
+  (``page_size``: the paged engine)."""
   ro = RolloutConfig(temperature=temperature)
-  conv = jax.jit(functools.partial(turns.start, cfg=CFG, total=P + N, kernels=KERN))(
+  conv = jax.jit(functools.partial(turns.start, cfg=CFG, total=P + N, kernels=KERN,
+                                   page_size=page_size, kv_pages=kv_pages))(
       params, prompt, pmask)
   act = jax.jit(functools.partial(turns.act, cfg=CFG, rollout=ro, eos_id=eos, pad_id=0,
                                   kernels=KERN, max_tokens=max_tokens, stop_seqs=stop_seqs))
@@ -62,8 +65,10 @@ def _compacted(conv):
   return tok, mask, pol[:, P:], lp[:, P:]
 
 
-def test_decoded_logprobs_equal_a_forward_over_the_whole_conversation(params, prompts):
-  conv, _ = _episode(params, *prompts)
+@pytest.mark.parametrize("page_size", [0, 4], ids=["lock_step", "paged"])
+def test_decoded_logprobs_equal_a_forward_over_the_whole_conversation(params, prompts,
+                                                                      page_size):
+  conv, _ = _episode(params, *prompts, page_size=page_size)
   tok, mask, pol, lp = _compacted(conv)
   ref, _ = M.token_logprobs(params, jnp.asarray(tok), jnp.asarray(mask), cfg=CFG, start=P)
   assert pol.sum() > 20  # the policy wrote tokens in every live row
@@ -71,13 +76,14 @@ def test_decoded_logprobs_equal_a_forward_over_the_whole_conversation(params, pr
   np.testing.assert_allclose(np.where(pol, lp, 0), np.where(pol, np.asarray(ref), 0), atol=2e-5)
 
 
-def test_sharded_conversation_equals_unsharded(params, prompts):
-  want, _ = _episode(params, *prompts)
+@pytest.mark.parametrize("page_size", [0, 4], ids=["lock_step", "paged"])
+def test_sharded_conversation_equals_unsharded(params, prompts, page_size):
+  want, _ = _episode(params, *prompts, page_size=page_size)
   m = mesh(dp=2, tp=4)
   with jax.set_mesh(m):
     sp = jax.device_put(params, tree_shardings(m, M.param_axes(CFG), params, PARAM_RULES))
     st = tuple(jax.device_put(x, batch_sharding(m, 2, x.shape)) for x in prompts)
-    got, _ = _episode(sp, *st)
+    got, _ = _episode(sp, *st, page_size=page_size)
   np.testing.assert_array_equal(np.asarray(got.tokens_RS), np.asarray(want.tokens_RS))
   np.testing.assert_array_equal(np.asarray(got.mask_RS), np.asarray(want.mask_RS))
   np.testing.assert_allclose(np.asarray(got.logp_RS), np.asarray(want.logp_RS), atol=1e-5)
@@ -134,3 +140,37 @@ def test_compaction_keeps_order_and_moves_per_slot_data():
   assert tok.tolist() == [[0, 5, 6, 7, 8, 0, 0]]
   assert m.tolist() == [[False, True, True, True, True, False, False]]
   assert ex.tolist() == [[0, 1.0, 2.0, 3.0, 4.0, 0, 0]]
+
+
+def test_paged_episodes_sample_the_lock_step_tokens_without_holes(params, prompts):
+  want, want_reasons = _episode(params, *prompts)
+  got, got_reasons = _episode(params, *prompts, page_size=4)
+  for a, b in zip(want_reasons, got_reasons):
+    np.testing.assert_array_equal(a, b)
+  w_tok, w_mask, w_pol, w_lp = _compacted(want)
+  # Paged, the conversation is written compact: no hole to squeeze out.
+  mask = np.asarray(got.mask_RS)
+  np.testing.assert_array_equal(mask[:, P:], np.sort(mask[:, P:], axis=1)[:, ::-1])
+  np.testing.assert_array_equal(np.asarray(got.tokens_RS)[mask], w_tok[w_mask])
+  np.testing.assert_array_equal(mask, w_mask)
+  np.testing.assert_array_equal(np.asarray(got.policy_RS)[:, P:], w_pol)
+  np.testing.assert_allclose(np.asarray(got.logp_RS)[:, P:], w_lp, atol=2e-5)
+  # Each row's next column is its own: prompt columns + its real response tokens.
+  assert np.asarray(got.write_R).tolist() == (P + mask[:, P:].sum(1)).tolist()
+  # Pages held: what each row's real tokens fill, no more.
+  held = np.asarray(got.cache.held_R())
+  assert held.tolist() == (-(-mask.sum(1) // 4)).tolist()
+  assert int(got.kv_slots()) == 4 * held.sum() < mask.size
+
+
+def test_a_paged_pool_that_runs_out_stops_and_says_so(params, prompts):
+  # Enough pages for the prompts and a few tokens: the first turn starves.
+  conv, _ = _episode(params, *prompts, page_size=4, kv_pages=9, turns_n=1)
+  assert bool(conv.starved)
+  tables = np.asarray(conv.cache.table_RM)
+  used = tables[tables < 9]
+  assert sorted(used.tolist()) == list(range(9))  # every page held once, none twice
+  # No row wrote past the pages it holds.
+  lengths = np.asarray(conv.cache.length_R)
+  assert (lengths <= 4 * np.asarray(conv.cache.held_R())).all()
+  assert (np.asarray(conv.pos_R) == lengths).all()

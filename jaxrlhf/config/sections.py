@@ -232,6 +232,16 @@ class RolloutConfig:
   # softmax over both parts, summed in another order).  Plain generation (RL steps, sampled
   # evaluations); refill and multi-turn episodes keep a whole cache per row.
   prefix_sharing: bool = False
+  # Paged KV cache for multi-turn episodes (env.name; docs/rollout.md, "Paged KV cache"): 0
+  # keeps one contiguous cache of max_prompt_len + max_new_tokens slots a row, written in lock
+  # step (a row idle while others decode leaves holes).  k > 0: pages of k slots from a shared
+  # pool, each row writing its own tokens at its own position (no holes, every column of a row
+  # its own) and holding only the pages they fill.  Same tokens up to float rounding.
+  kv_page_size: int = 0
+  # The pool's pages with kv_page_size > 0: 0 is enough for every row's whole buffer (never
+  # runs out); fewer bound the KV memory by the tokens the episodes really hold, and running
+  # out stops the run with an error naming this setting (env/kv_fill says how full it was).
+  kv_pages: int = 0
   # In-flight refill (RL steps, docs/rollout.md): the step's rows are batch_size groups of
   # num_samples slots; a group whose rows have all stopped takes the next prompt of the step's
   # queue inside the decode loop, and decoding stops once batch_size groups have completed.

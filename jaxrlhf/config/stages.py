@@ -275,6 +275,13 @@ class RLConfig(StageConfig):
       c.problems.append(f"rollout.prefix_sharing=true with {what}: shared prompts are read by "
                         "plain generation only (refill and multi-turn episodes keep a whole "
                         "cache per row); set rollout.prefix_sharing=false")
+    c.need(ro.kv_page_size >= 0, "rollout.kv_page_size", ro.kv_page_size,
+           "must be >= 0 (0: a contiguous cache; e.g. 16)")
+    c.need(ro.kv_pages >= 0, "rollout.kv_pages", ro.kv_pages,
+           "must be >= 0 (0: enough for every row)")
+    if ro.kv_page_size and not cfg.env.name:
+      c.problems.append(f"rollout.kv_page_size={ro.kv_page_size}: the paged KV cache runs "
+                        "multi-turn episodes (env.name) only; set rollout.kv_page_size=0")
     if ro.refill:
       _check_refill(self, name, cfg, c)
     elif ro.refill_leftover != "drop":

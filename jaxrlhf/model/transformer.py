@@ -29,7 +29,9 @@ import numpy as np
 
 from jaxrlhf.config import ModelConfig
 from jaxrlhf.mesh import constrain
+from jaxrlhf.model.paged import PagedKV, write_layer
 from kernels.attention import attention
+from kernels.attention.paged import paged_attention
 from kernels.attention.shared_prefix import shared_prefix_attention
 from kernels.numerics import fixed_order_sum
 
@@ -341,7 +343,7 @@ def _attention_settings(cfg: ModelConfig, sliding, rope_cs, kv_mask):
 
 
 def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offset, cache_kv,
-           prefix=None):
+           prefix=None, paged=None):
   """One decoder layer.  ``rope_cs``: the ``(cos, sin)`` pair of :func:`rope_tables`, or
   ``((cos, sin) global, (cos, sin) local)`` with a local rotary base.
   ``cache_kv`` is None or ``(k_LBKSD, v_LBKSD, layer)``: the *whole* cache and this layer's
@@ -350,7 +352,10 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
   :class:`KVCache`), written and returned the same way.  Without a cache, ``cache_kv`` may be
   ``(None, None, layer)``: the layer index alone, for configs whose layers differ (sliding /
   full).  ``prefix``: this layer's :class:`SharedPrefix` ``(k, v, mask)``, the slots before
-  the cache's, shared by each group of rows."""
+  the cache's, shared by each group of rows.  ``paged``: ``(table_RM, slot_RT, length_R)`` of
+  a :class:`~jaxrlhf.model.paged.PagedKV` whose pools ``cache_kv`` holds: the new tokens are
+  written at their logical slots ``slot_RT`` through the page table, and attend over each
+  row's ``length_R`` slots."""
   cdt, rdt = _dtype(cfg.compute_dtype), _residual_dtype(cfg)
   lp = jax.tree.map(lambda p: p.astype(cdt), lp)
   proj = lambda x, name: _proj(x, lp, name, rdt)
@@ -370,7 +375,19 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
   q = constrain(apply_rope(q, *rope_cs).astype(cdt), ("batch", "seq", "heads", "head_dim"))
   k = constrain(apply_rope(k, *rope_cs).astype(cdt), ("batch", "seq", "kv_heads", "head_dim"))
   v = constrain(v.astype(cdt), ("batch", "seq", "kv_heads", "head_dim"))
-  if cache_kv is not None and cache_kv[0] is not None:
+  if paged is not None:
+    ck, cv, li = cache_kv
+    table_RM, slot_RT, length_R = paged
+    if ck.ndim == 4:  # this layer's own pool
+      k_pool, v_pool = ck, cv = write_layer(ck, cv, table_RM, slot_RT, k, v)
+    else:
+      ck, cv = write_layer(ck, cv, table_RM, slot_RT, k, v, li)
+      k_pool = jax.lax.dynamic_index_in_dim(ck, li, 0, keepdims=False)
+      v_pool = jax.lax.dynamic_index_in_dim(cv, li, 0, keepdims=False)
+    o = paged_attention(q, k_pool, v_pool, table_RM, slot_RT, length_R, impl=attn_impl,
+                        **attn_kw)
+    new_kv = (ck, cv)
+  elif cache_kv is not None and cache_kv[0] is not None:
     ck, cv, li = cache_kv
     if ck.ndim == 4:  # this layer's own buffer
       at = (0, 0, q_offset, 0)
@@ -414,7 +431,8 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
 
 def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT: jax.Array, *,
             cfg: ModelConfig, cache: Optional[KVCache] = None, attn_impl: str = "auto",
-            segment_ids_BT: Optional[jax.Array] = None, prefix: Optional[SharedPrefix] = None):
+            segment_ids_BT: Optional[jax.Array] = None, prefix: Optional[SharedPrefix] = None,
+            paged: Optional[PagedKV] = None):
   """Final hidden states ``[B, T, D]`` (after the final norm) and the updated cache.
 
   tokens_BT, positions_BT: token ids and rotary positions; mask_BT: which tokens are real.
@@ -428,7 +446,14 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
   false); the positions should restart at each sequence (:func:`positions_from_segments`).
   ``prefix`` (with a cache): each group's shared prompt slots before the cache's
   (:class:`SharedPrefix`), read once per group by the attention of its rows.
+  ``paged`` (in place of ``cache``): a :class:`~jaxrlhf.model.paged.PagedKV`; each row's real
+  tokens (``mask_BT``) are written from its own length on, end to end, and attend causally
+  over its slots; returned with the lengths advanced.  The caller reserves the pages first
+  (:meth:`~jaxrlhf.model.paged.PagedKV.reserve`).
   """
+  if paged is not None and (cache is not None or prefix is not None
+                            or segment_ids_BT is not None):
+    raise ValueError("forward: a paged cache replaces the KV cache (no prefix, no packing)")
   if prefix is not None and (cache is None or segment_ids_BT is not None):
     raise ValueError("forward: a shared prefix is read beside a KV cache (decoding)")
   if segment_ids_BT is not None and cache is not None:
@@ -448,6 +473,11 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
   else:
     q_offset = cache.index
     kv_mask = jax.lax.dynamic_update_slice_in_dim(cache.mask, mask_BT.astype(bool), q_offset, 1)
+  view = None
+  if paged is not None:
+    slot_BT = paged.slots(mask_BT)
+    length_B = paged.length_R + jnp.sum(mask_BT, axis=1, dtype=jnp.int32)
+    view = (paged.table_RM, slot_BT, length_B)
 
   rope_cs = rope_tables(positions_BT, rope_frequencies(cfg))
   if cfg.rope_local_theta:
@@ -468,12 +498,13 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
     else:
       layer_kv = (None, None, li) if per_layer else None
     h, kv = layer(h, lp, rope_cs, kv_mask, q_offset, layer_kv,
-                  None if prefix is None else prefix.layer(li))
+                  None if prefix is None else prefix.layer(li), view)
     return (h, kv), None
 
-  kv = None if cache is None else (cache.k, cache.v)
+  store = paged if paged is not None else cache
+  kv = None if store is None else (store.k, store.v)
   unstacked = isinstance(params["layers"], (tuple, list))
-  per_layer_kv = cache is not None and cache.per_layer
+  per_layer_kv = store is not None and store.per_layer
   if cfg.scan_layers and not unstacked and not per_layer_kv:
     (h, kv), _ = jax.lax.scan(step, (h, kv), (params["layers"], jnp.arange(cfg.n_layers)))
   elif per_layer_kv:
@@ -481,7 +512,7 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
     for i in range(cfg.n_layers):
       lp = params["layers"][i] if unstacked else jax.tree.map(lambda p: p[i], params["layers"])
       h, (ks[i], vs[i]) = layer(h, lp, rope_cs, kv_mask, q_offset, (ks[i], vs[i], i),
-                                None if prefix is None else prefix.layer(i))
+                                None if prefix is None else prefix.layer(i), view)
     kv = (tuple(ks), tuple(vs))
   else:
     for i in range(cfg.n_layers):
@@ -489,6 +520,8 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
       (h, kv), _ = step((h, kv), (lp, i))
   h = rms_norm(h, params["final_norm"].astype(cdt), cfg.norm_eps, cfg.norm_offset).astype(cdt)
   new_cache = None
+  if paged is not None:
+    return h, paged.replace(k=kv[0], v=kv[1], length_R=view[2])
   if cache is not None:
     new_cache = KVCache(k=kv[0], v=kv[1], mask=kv_mask,
                         index=cache.index + tokens_BT.shape[1])

@@ -100,8 +100,12 @@ class EpisodeRunner:
 
     self._decode = None if decode is None else jax.jit(
         lambda p: jax.lax.with_sharding_constraint(p, decode))
+    ro = cfg.rollout
+    self.page_size = ro.kv_page_size
+    self.kv_pages = ro.kv_pages
     self._start = jax.jit(functools.partial(turns.start, cfg=model_cfg, total=self.S,
-                                            kernels=kern))
+                                            kernels=kern, page_size=ro.kv_page_size,
+                                            kv_pages=ro.kv_pages))
     self._act = jax.jit(functools.partial(
         turns.act, cfg=model_cfg, rollout=rollout, eos_id=tok.eos_id, pad_id=tok.pad_id,
         kernels=kern, max_tokens=ecfg.max_turn_tokens, stop_seqs=self.stop_seqs))
@@ -132,6 +136,7 @@ class EpisodeRunner:
     first = self.runner.reset(records)
     tally = _Tally.start(first, self.S, self.ecfg.observation_role)
     conv = self._begin(policy, first)
+    self._check_pages(conv, "prompts")
     live = ~tally.failed
     for t in range(self.ecfg.max_turns):
       if not live.any():
@@ -139,6 +144,18 @@ class EpisodeRunner:
       conv, live = self._turn(policy, conv, jax.random.fold_in(key, t), t, live, tally)
     tally.truncated |= live  # still going after the last turn
     return self._episodes(conv, tally)
+
+  def _check_pages(self, conv, what: str):
+    """ConfigError if the paged pool ran out (nothing was overwritten: the rows it could not
+    serve stopped)."""
+    if not conv.paged or not bool(jax.device_get(conv.starved)):
+      return
+    rows = conv.tokens_RS.shape[0]
+    full = turns.pool_pages(rows, self.S, self.page_size)
+    raise ConfigError(
+        f"rollout.kv_pages={self.kv_pages}: the KV page pool ran out during the episodes' "
+        f"{what} ({rows} rows, pages of rollout.kv_page_size={self.page_size} slots); raise "
+        f"rollout.kv_pages ({full} pages never run out), or set rollout.kv_pages=0 for that")
 
   def _begin(self, policy, first) -> turns.Conversation:
     """The conversation after prefilling each episode's first observation (a failed reset:
@@ -167,32 +184,37 @@ class EpisodeRunner:
       conv, reason, start_slot = self._act(policy, conv, key, put_batch(mesh, {"l": live})["l"])
     # Whole buffers to the host and sliced there: a device slice at this turn's slots would
     # compile one program per distinct (start, end).
+    self._check_pages(conv, f"turn {t + 1}")
     reason, i0, i1, toks, pol = jax.device_get(
-        (reason, start_slot, conv.cache.index, conv.tokens_RS, conv.policy_RS))
-    i0, i1 = int(i0), int(i1)
-    toks, pol = toks[:, i0:i1], pol[:, i0:i1]
+        (reason, start_slot, conv.write_R, conv.tokens_RS, conv.policy_RS))
+    # Each row's action: its columns [i0, i1) (the same for every row in lock step).
+    pol = np.stack([np.where((np.arange(self.S) >= a) & (np.arange(self.S) < b), p, False)
+                    for a, b, p in zip(i0, i1, pol)])
     acting = np.nonzero(live)[0]
     actions = [tok.decode(toks[r][pol[r]]) for r in acting]
     results = self.runner.step([int(r) for r in acting], actions)
     last = t + 1 == self.ecfg.max_turns
-    going = tally.record(acting, actions, results, pol, i0, reason, last)
+    going = tally.record(acting, actions, results, pol, reason, last)
     live = np.zeros(len(live), bool)
     room = self.S - i1 - 1  # an observation must leave a slot for the next action
     ids = {}
     for r, obs in going.items():
       got = self.fmt.observation_ids(tally.history[r], obs, bool(reason[r] == turns.EOS))
       tally.history[r].append({"role": self.ecfg.observation_role, "content": obs})
-      if len(got) > room:
+      if len(got) > room[r]:
         tally.truncated[r] = True  # no room left for this observation and an answer
       else:
         ids[r] = got
     if not ids:
       return conv, live
-    width = min(_bucket(max(len(v) for v in ids.values())), room)
+    width = _bucket(max(len(v) for v in ids.values()))
+    if not conv.paged:  # the block takes its width of every row's columns
+      width = min(width, int(room.min()))
     obs, omask = self._left([ids.get(r, []) for r in range(len(live))], width)
     tally.obs_tokens += int(omask.sum())
     with jax.set_mesh(mesh):
       conv = self._observe(policy, conv, *put_batch(mesh, {"o": obs, "m": omask}).values())
+    self._check_pages(conv, f"observations of turn {t + 1}")
     live[list(ids)] = True
     return conv, live
 
@@ -208,6 +230,7 @@ class EpisodeRunner:
         conv.tokens_RS, conv.mask_RS, conv.policy_RS, conv.logp_RS, tally.turn_rewards,
         start=self.P, pad_id=self.tok.pad_id)
     policy_mask = policy_mask[:, self.P:]
+    kv_slots = int(jax.device_get(conv.kv_slots()))
     ok = ~tally.failed
     solved = ok & (returns >= ecfg.success_reward)
     frac = lambda x: float(np.mean(x)) if rows else 0.0  # noqa: E731
@@ -216,6 +239,8 @@ class EpisodeRunner:
                "env/truncated_frac": frac(tally.truncated), "env/ended_frac": frac(tally.ended),
                "env/policy_tokens": float(policy_mask.sum()),
                "env/observation_tokens": float(tally.obs_tokens),
+               # Real tokens (prompts, actions, observations) per KV slot held.
+               "env/kv_fill": float(mask.sum()) / max(kv_slots, 1),
                **self.runner.metrics()}
     return Episodes(tokens=tokens, mask=mask, policy=policy_mask, logp=logp[:, self.P:],
                     turn_rewards=rew[:, self.P:], returns=returns.astype(np.float32),
@@ -246,7 +271,7 @@ class _Tally:
                turn_rewards=np.zeros((rows, slots), np.float32),
                history=[[{"role": observation_role, "content": o or ""}] for o in first])
 
-  def record(self, acting, actions, results, pol, i0: int, reason, last: bool) -> dict:
+  def record(self, acting, actions, results, pol, reason, last: bool) -> dict:
     """The environments' answers to one turn's actions; returns row -> observation of the
     rows that go on (the others ended, failed, or ran out of buffer or turns)."""
     going = {}
@@ -254,7 +279,7 @@ class _Tally:
       self.n_turns[r] += 1
       took = np.nonzero(pol[r])[0]
       if took.size:
-        self.turn_rewards[r, i0 + took[-1]] += reward
+        self.turn_rewards[r, took[-1]] += reward
       self.returns[r] += reward
       self.history[r].append({"role": "assistant", "content": action})
       if bad:

@@ -1,0 +1,174 @@
+"""A paged KV cache with per-row positions (docs/rollout.md, "Paged KV cache").
+
+Keys and values live in a fixed pool of pages of ``page_size`` slots each.  Every row has a
+page table (its pages in slot order) and a length (its next write slot): a row's real tokens
+sit at slots ``[0, length)`` end to end, whatever the other rows do, so rows advance on their
+own (no lock step, no holes) and hold only the pages their tokens fill.  Free pages are a
+stack inside the state; taking and returning them are pure functions, so the whole
+bookkeeping runs inside a jitted loop with static shapes.
+
+Invariants (tested in tests/test_paged.py): a page is on the free stack or in exactly one row's
+table, never both and never twice; a row's table holds ``ceil(length / page_size)`` pages
+(more only between :meth:`PagedKV.reserve` and the write that fills them).  Running out is not
+silent: :meth:`PagedKV.reserve` grants a row all the pages it asked for or none, and says
+which rows it could not serve, so the caller defers them or stops with an error.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf.config import ModelConfig
+from jaxrlhf.mesh import constrain
+
+
+@flax.struct.dataclass
+class PagedKV:
+  """Pools ``k``/``v``: per-layer tuples of ``[K, pages, page_size, Dh]`` (or stacked
+  ``[L, K, pages, page_size, Dh]``; head-major, as the attention's matmuls batch); ``table_RM``: each row's page ids in slot order, ``pages``
+  (one past the last id) where none; ``length_R``: each row's slots written; ``free_F``: the
+  free stack (its first ``n_free`` entries are the free pages)."""
+
+  k: object
+  v: object
+  table_RM: jax.Array  # int32 [R, M]
+  length_R: jax.Array  # int32 [R]
+  free_F: jax.Array  # int32 [pages]
+  n_free: jax.Array  # int32 []
+  page_size: int = flax.struct.field(pytree_node=False, default=16)
+
+  @property
+  def per_layer(self) -> bool:
+    return isinstance(self.k, tuple)
+
+  @property
+  def num_pages(self) -> int:
+    return self.free_F.shape[0]
+
+  @property
+  def rows(self) -> int:
+    return self.table_RM.shape[0]
+
+  @property
+  def max_pages(self) -> int:
+    """Pages a row may hold (``M``): its slot limit is ``M * page_size``."""
+    return self.table_RM.shape[1]
+
+  def held_R(self) -> jax.Array:
+    """Pages in each row's table."""
+    return jnp.sum(self.table_RM < self.num_pages, axis=1, dtype=jnp.int32)
+
+  def in_use(self) -> jax.Array:
+    """Pages held by rows (``pages - n_free``)."""
+    return self.num_pages - self.n_free
+
+  def reserve(self, need_R: jax.Array) -> tuple["PagedKV", jax.Array]:
+    """Pages for ``need_R`` more slots of each row (past its length), from the free stack.
+
+    A row gets every page it lacks or none: rows are served in order while the free pages
+    last (the first row that does not fit, and every row after it that lacks a page, gets
+    none: no part-served row, and no row served out of turn).  Returns ``(cache, ok_R)``: ``ok_R`` is true where the row now has room for its
+    ``need_R`` slots (always where it needed no new page).  Rows past their ``M`` pages are
+    never ok."""
+    ps, m, pages = self.page_size, self.max_pages, self.num_pages
+    held = self.held_R()
+    want = -(-(self.length_R + need_R) // ps)  # pages the row must hold
+    lack = jnp.maximum(want - held, 0)
+    fits = want <= m
+    # Serve in row order while the pages last (a prefix sum: no sequential loop over rows).
+    asked = jnp.where(fits, lack, 0)
+    take_R = fits & (jnp.cumsum(asked) <= self.n_free)
+    got = jnp.where(take_R, lack, 0)
+    rank_R = jnp.cumsum(got) - got  # each served row's first rank on the stack
+    # Pages are popped from the top of the stack: rank k takes free_F[n_free - 1 - k].
+    j = jnp.arange(m, dtype=jnp.int32)
+    valid_RM = j[None, :] < got[:, None]
+    rank_RM = rank_R[:, None] + j[None, :]
+    page_RM = self.free_F[jnp.clip(self.n_free - 1 - rank_RM, 0, pages - 1)]
+    col_RM = jnp.where(valid_RM, held[:, None] + j[None, :], m)  # m: out of range, dropped
+    row_RM = jnp.broadcast_to(jnp.arange(self.rows)[:, None], col_RM.shape)
+    table = self.table_RM.at[row_RM, col_RM].set(page_RM, mode="drop")
+    total = jnp.sum(got, dtype=jnp.int32)
+    ok = fits & ((lack == 0) | take_R)
+    return self.replace(table_RM=table, n_free=self.n_free - total), ok
+
+  def release(self, rows_R: jax.Array) -> "PagedKV":
+    """Every page of the rows ``rows_R`` (bool) back on the free stack; those rows empty."""
+    pages = self.num_pages
+    mine_RM = rows_R[:, None] & (self.table_RM < pages)
+    flat = mine_RM.reshape(-1)
+    rank = jnp.cumsum(flat.astype(jnp.int32)) - flat
+    at = jnp.where(flat, self.n_free + rank, pages)  # pages: out of range, dropped
+    free = self.free_F.at[at].set(self.table_RM.reshape(-1), mode="drop")
+    table = jnp.where(rows_R[:, None], pages, self.table_RM)
+    return self.replace(table_RM=table, free_F=free,
+                        n_free=self.n_free + jnp.sum(flat, dtype=jnp.int32),
+                        length_R=jnp.where(rows_R, 0, self.length_R))
+
+  def slots(self, mask_RT: jax.Array) -> jax.Array:
+    """The logical slot each real token of a ``[R, T]`` block is written at (each row's real
+    tokens, in order, from its length on); -1 where ``mask_RT`` is false."""
+    mask = mask_RT.astype(bool)
+    at = self.length_R[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1
+    return jnp.where(mask, at, -1)
+
+  def kv_mask(self) -> jax.Array:
+    """``[R, M * page_size]``: which logical slots hold a token."""
+    s = jnp.arange(self.max_pages * self.page_size)
+    return s[None, :] < self.length_R[:, None]
+
+
+def init_paged(cfg: ModelConfig, rows: int, num_pages: int, page_size: int, max_len: int,
+               per_layer: bool) -> PagedKV:
+  """An empty paged cache of ``num_pages`` pages for ``rows`` rows of up to ``max_len``
+  slots each, every page free."""
+  shape = (cfg.n_kv_heads, num_pages, page_size, cfg.head_dim)
+  dtype = jnp.dtype(cfg.compute_dtype)
+  if per_layer:
+    k = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
+    v = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
+  else:
+    k = jnp.zeros((cfg.n_layers,) + shape, dtype)
+    v = jnp.zeros((cfg.n_layers,) + shape, dtype)
+  m = -(-max_len // page_size)
+  # The stack's top is its last entry: page 0 is taken first.
+  return PagedKV(k=k, v=v, table_RM=jnp.full((rows, m), num_pages, jnp.int32),
+                 length_R=jnp.zeros((rows,), jnp.int32),
+                 free_F=jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32),
+                 n_free=jnp.asarray(num_pages, jnp.int32), page_size=page_size)
+
+
+def pool_axes(per_layer: bool):
+  """The pools' logical axes: pages are not a batch axis (any row may hold any page), so the
+  pool is sharded over ``tp`` by kv head only, whole on every data shard."""
+  ax = ("kv_heads", None, None, "head_dim")
+  return ax if per_layer else ("layers",) + ax
+
+
+def constrain_paged(cache: PagedKV) -> PagedKV:
+  axes = pool_axes(cache.per_layer)
+  if cache.per_layer:
+    k = tuple(constrain(x, axes) for x in cache.k)
+    v = tuple(constrain(x, axes) for x in cache.v)
+  else:
+    k, v = constrain(cache.k, axes), constrain(cache.v, axes)
+  return cache.replace(k=k, v=v)
+
+
+def write_layer(k_pool, v_pool, table_RM, slot_RT, k_RTKD, v_RTKD, li=None):
+  """Writes a block's keys/values (``[R, T, K, Dh]``) at their logical slots (``slot_RT``,
+  -1: not written) through the page table; ``li``: the layer of a stacked pool."""
+  pages, ps = k_pool.shape[-3], k_pool.shape[-2]
+  m = table_RM.shape[1]
+  page_RT = jnp.take_along_axis(table_RM, jnp.clip(slot_RT // ps, 0, m - 1), axis=1)
+  page_RT = jnp.where(slot_RT >= 0, page_RT, pages)  # out of range: dropped
+  off_RT = jnp.maximum(slot_RT, 0) % ps
+  if li is None:  # [K, pages, page, Dh]: the indexed axes adjacent, the update [K, R, T, Dh]
+    put = lambda pool, x: pool.at[:, page_RT, off_RT, :].set(  # noqa: E731
+        x.transpose(2, 0, 1, 3).astype(pool.dtype), mode="drop")
+  else:  # [L, K, pages, page, Dh]: indexed axes apart, the update [R, T, K, Dh]
+    put = lambda pool, x: pool.at[li, :, page_RT, off_RT, :].set(  # noqa: E731
+        x.astype(pool.dtype), mode="drop")
+  return put(k_pool, k_RTKD), put(v_pool, v_RTKD)

@@ -1,0 +1,131 @@
+"""Attention over a paged KV cache: each row's keys and values live in fixed-size pages of a
+shared pool, listed in order by the row's page table.  XLA path (a gather of the row's pages,
+then the reference's arithmetic), every platform.
+
+Slots are *logical*: slot ``s`` of a row is entry ``s % page`` of page ``table[s // page]``,
+and a row's slots ``[0, length)`` hold its real tokens laid end to end (no padding, no holes).
+So a query needs no key mask beyond its row's length and the causal bound by its own slot."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kernels._backend import resolve_impl, target_platform
+from kernels._sharding import per_shard
+from kernels.attention.reference import _MASKED, softcap_logits
+from kernels.numerics import fixed_order_sum
+
+IMPLS = ("auto", "xla", "pallas", "pallas_interpret", "cudnn")
+# What "auto" runs: jax's own Pallas paged-attention kernels on GPU (Triton) and TPU (Mosaic)
+# for a decode step (one query a row, no sliding window); the XLA gather path otherwise.
+AUTO = {"gpu": "pallas", "tpu": "pallas"}
+# Pages one kernel block reads (at most; the largest divisor of a row's page count).
+PAGES_PER_BLOCK = 8
+
+
+def paged_attention(q_BTHD, k_pool, v_pool, table_BM, q_slot_BT, length_B, *, scale=None,
+                    window=None, softcap=None, impl: str = "auto"):
+  """Causal GQA attention of ``B`` rows' ``T`` queries over their pages.
+
+  q_BTHD: the queries, query ``t`` of row ``b`` at logical slot ``q_slot_BT[b, t]``;
+  k_pool/v_pool: ``[K, pages, page, D]``, the pool every row's pages come from, head-major
+  (a gather of a row's pages is then already in the ``[K, B, S, D]`` order the matmuls
+  batch over: no transpose of the gathered keys); table_BM: each row's page ids in slot
+  order (``M`` pages a row at most; an id out of range is clamped: its slots lie past the
+  row's length and are never seen); length_B: slots ``[0, length)`` of each row hold keys.
+  A query sees slot ``s`` iff ``s < length`` and ``s <= q_slot``, and with a ``window`` iff
+  also ``s > q_slot - window``.  ``scale`` and ``softcap`` as in
+  :func:`kernels.attention.reference.attention_reference`.  Softmax in float32 (its sum in
+  the order :func:`kernels.numerics.fixed_order_sum` fixes by the slot count); output in the
+  dtype of ``q``.
+
+  ``impl`` (``kernels.attention``): on GPU and TPU, "auto" and "pallas" run a decode step
+  (``T = 1``, no window) on jax's Pallas paged-attention kernel for the platform
+  (:func:`paged_decode_pallas`), which reads each row's pages in place; "pallas_interpret"
+  runs the GPU kernel in the Pallas interpreter on any backend (tests); "xla" and every
+  other call use the gather path below.
+  """
+  impl = resolve_impl("attention", impl, IMPLS, AUTO)
+  if impl in ("pallas", "pallas_interpret") and q_BTHD.shape[1] == 1 and window is None:
+    return paged_decode_pallas(q_BTHD, k_pool, v_pool, table_BM, length_B, scale=scale,
+                               softcap=softcap, interpret=impl == "pallas_interpret")
+  return _paged_xla(q_BTHD, k_pool, v_pool, table_BM, q_slot_BT, length_B, scale=scale,
+                    window=window, softcap=softcap)
+
+
+def _paged_xla(q_BTHD, k_pool, v_pool, table_BM, q_slot_BT, length_B, *, scale, window,
+               softcap):
+  b, t, h, d = q_BTHD.shape
+  k_heads, _, page, _ = k_pool.shape
+  m = table_BM.shape[1]
+  g = h // k_heads
+  scale = d ** -0.5 if scale is None else scale
+  # The gather: [K, B, M * page, D], each row's pages in slot order.
+  kp = jnp.take(k_pool, table_BM, axis=1, mode="clip").reshape(k_heads, b, m * page, d)
+  vp = jnp.take(v_pool, table_BM, axis=1, mode="clip").reshape(k_heads, b, m * page, d)
+  q = q_BTHD.reshape(b, t, k_heads, g, d).transpose(2, 0, 1, 3, 4).astype(k_pool.dtype)
+  scores = jnp.einsum("kbtgd,kbsd->kbgts", q, kp, preferred_element_type=jnp.float32) * scale
+  if softcap is not None:
+    scores = softcap_logits(scores, softcap)
+  s = jnp.arange(m * page)
+  q_slot = q_slot_BT[:, :, None]
+  allowed = (s[None, None, :] < length_B[:, None, None]) & (s[None, None, :] <= q_slot)
+  if window is not None:
+    allowed = allowed & (s[None, None, :] > q_slot - window)
+  scores = jnp.where(allowed[None, :, None], scores, _MASKED)  # [K, B, g, T, S]
+  e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+  probs = e / fixed_order_sum(e, keepdims=True)
+  out = jnp.einsum("kbgts,kbsd->kbtgd", probs.astype(v_pool.dtype), vp,
+                   preferred_element_type=jnp.float32)
+  return out.transpose(1, 2, 0, 3, 4).reshape(b, t, h, d).astype(q_BTHD.dtype)
+
+
+def paged_decode_pallas(q_B1HD, k_pool, v_pool, table_BM, length_B, *, scale=None,
+                        softcap=None, interpret: bool = False):
+  """One decode step over the pages with jax's Pallas paged-attention kernel: Mosaic's
+  (``jax.experimental.pallas.ops.tpu.paged_attention``) when the target is a TPU, else
+  Triton's (``...ops.gpu.paged_attention``; ``interpret``: in the Pallas interpreter, on any
+  backend).  Both take the pool in our layout, ``[K, pages, page, D]``, a page table and
+  lengths; the query is pre-scaled (they apply no scale of their own), and the soft-cap is
+  theirs.  Each row attends over its slots ``[0, length)``: for a decode step, its own token
+  included (written before the call).  Under a mesh each device runs its own rows and KV
+  heads (:func:`kernels._sharding.per_shard`)."""
+  b, _, h, d = q_B1HD.shape
+  k_heads = k_pool.shape[0]
+  scale = d ** -0.5 if scale is None else scale
+  q = (q_B1HD.astype(jnp.float32) * scale).astype(k_pool.dtype)
+  q = q.reshape(b, k_heads, h // k_heads, d)
+  platform = "gpu" if interpret else target_platform()
+  out = _paged_op(platform, interpret, softcap)(q, k_pool, v_pool, table_BM,
+                                                length_B.astype(jnp.int32))
+  return out.reshape(b, 1, h, d).astype(q_B1HD.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _paged_op(platform: str, interpret: bool, softcap):
+  return per_shard(functools.partial(_paged_local, platform=platform, interpret=interpret,
+                                     softcap=softcap),
+                   "b k g d, k p s d, k p s d, b m, b -> b k g d",
+                   replicated=("g", "d", "p", "s", "m"))
+
+
+def _pages_per_block(m: int) -> int:
+  return max(c for c in range(1, min(PAGES_PER_BLOCK, m) + 1) if m % c == 0)
+
+
+def _paged_local(q_BKGD, k_pool, v_pool, table_BM, length_B, *, platform, interpret, softcap):
+  b, k_heads, g, d = q_BKGD.shape
+  q = q_BKGD.reshape(b, k_heads * g, d)
+  # Ids past the pool (no page) are clamped: their slots lie past the row's length.
+  table = jnp.clip(table_BM, 0, k_pool.shape[1] - 1).astype(jnp.int32)
+  per_block = _pages_per_block(table.shape[1])
+  if platform == "tpu":
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_op
+    o = tpu_op(q, k_pool, v_pool, length_B, table, attn_logits_soft_cap=softcap,
+               pages_per_compute_block=per_block)
+  else:
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as gpu_op
+    o = gpu_op(q, k_pool, v_pool, table, length_B, attn_logits_soft_cap=softcap,
+               pages_per_compute_block=per_block, k_splits=1, interpret=interpret)
+  return o.reshape(b, k_heads, g, d)
