@@ -1,6 +1,6 @@
 """Compiled by the real accelerators' compilers, on this CPU host (jaxrlhf/targets.py): every
 Pallas kernel for an H200 at production shapes, every TPU kernel (our Mosaic log-prob, jax's
-splash attention) for a TPU v5e and v5p chip, the one-program step of SFT, DPO, GRPO and
+splash attention and paged attention) for a TPU v5e and v5p chip, the one-program step of SFT, DPO, GRPO and
 PPO on 8 compile-only H200s (Pallas on and off) and on a TPU v5e slice (TPU kernels on, and
 off under ``slow``), what the compiled programs hold (the kernels, the collectives) and need
 (``memory_analysis()`` against the device's memory).
@@ -30,6 +30,7 @@ from jaxrlhf.model.transformer import _matmul
 from jaxrlhf.train.spec import build_stage
 from kernels.attention import (BlockSizes, attention, attention_reference, decode_attention,
                                flash_attention)
+from kernels.attention.paged import paged_attention
 from kernels.logprob import (MosaicBlockSizes, logprob_entropy, logprob_entropy_mosaic,
                              logprob_entropy_pallas)
 
@@ -128,7 +129,28 @@ def _kernel_cases():
       ("decode window+soft-cap cache bksd", lambda q, k, v, m, o, wd: decode_attention(
           q, k, v, m, o, kv_layout="bksd", window=wd, softcap=50.0),
        (qd, kv_bksd, kv_bksd, mask16, off, off), ["decode_attention"]),
+      *[(f"paged decode bf16 64/8 heads, 16-slot pages (jax's kernel){name}", fn, _paged_args(),
+         ["paged_attention_block_h_16_pages_per_compute_block_8"])
+        for name, fn in _paged_fns()],
   ]
+
+
+def _paged_args():
+  """A decode step over a paged cache (rollout.kv_page_size): 16 rows of a 70B's 64 query /
+  8 KV heads of 128, up to 128 pages of 16 slots a row, 2,048 pages in the pool."""
+  sds = jax.ShapeDtypeStruct
+  pool = sds((8, 2048, 16, 128), bf16)
+  return (sds((16, 1, 64, 128), bf16), pool, pool, sds((16, 128), jnp.int32),
+          sds((16,), jnp.int32))
+
+
+def _paged_fns():
+  """jax's Pallas paged-attention kernel through our dispatcher (``impl="pallas"``), plain
+  and soft-capped."""
+  def step(softcap=None):
+    return lambda q, k, v, t, n: paged_attention(q, k, v, t, (n - 1)[:, None], n,
+                                                 impl="pallas", softcap=softcap)
+  return [("", step()), (" soft-cap", step(50.0))]
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +283,8 @@ def _tpu_kernel_cases():
       ("splash f32 T 1024 head_dim 64", at_grad(),
        (sds((2, 1024, 8, 64), f32), sds((2, 1024, 2, 64), f32), sds((2, 1024, 2, 64), f32),
         sds((2, 1024), bool)), SPLASH, True),
+      *[(f"paged decode bf16 64/8 heads, 16-slot pages (jax's kernel){name}", fn,
+         _paged_args(), ["paged_attention"], False) for name, fn in _paged_fns()],
   ]
 
 

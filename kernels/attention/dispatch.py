@@ -81,8 +81,9 @@ def attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *, impl: str = "au
 def _tpu_impl(t: int, q_offset, window) -> str:
   """On a TPU target, "pallas" is jax's splash attention (training, prefill from slot 0) where
   it fits the call, and the XLA path where it does not: a decode step (T <= DECODE_MAX_T; jax's
-  paged / ragged paged attention wants a paged cache and one length per row, our cache is
-  contiguous with an arbitrary key mask, kernels/NOTES.md), a traced offset or window."""
+  paged / ragged paged attention wants a paged cache and one length per row, this contiguous
+  cache has an arbitrary key mask, kernels/NOTES.md; the paged cache of multi-turn episodes
+  runs jax's kernel, kernels/attention/paged.py), a traced offset or window."""
   if t <= DECODE_MAX_T or splash_fits(q_offset, window) is not None:
     return "xla"
   return "splash"
