@@ -292,7 +292,8 @@ LONGTAIL_ARMS = {"no_refill": (False, 0, "drop", False),
                  "refill": (True, 0, "drop", False), "refill_buckets": (True, 8, "drop", False),
                  "refill_buckets_pack": (True, 8, "drop", True),
                  "refill_carry_buckets": (True, 8, "carry", False),
-                 "refill_carry_pack": (True, 8, "carry", True)}
+                 "refill_carry_pack": (True, 8, "carry", True),
+                 "refill_continue_pack": (True, 8, "continue", True)}
 
 
 def longtail_config(refill: bool, steps: int = 1000, buckets: int = 0, leftover: str = "drop",
@@ -517,19 +518,25 @@ def worker_spread(name: str, steps: int) -> dict:
   return out
 
 
-def worker_longtail(name: str, steps: int) -> dict:
+def worker_longtail(name: str, steps: int, arms: str = "") -> dict:
   """GRPO steps of the arms of :data:`LONGTAIL_ARMS` (with and without in-flight refill, with
   and without length buckets for the phases after generation) alternating in one process
   (the same starting parameters, :func:`longtail_policy`; each arm its own batches and
   sampled lengths): median step time, useful (trained response) tokens per second,
   and the fraction of the decode loop's row-steps that produced a trained token.  Untimed
   steps first (one, or three for a bucketed arm, whose later programs compile once per
-  width); a timed step that still met a new width is left out of its arm's median."""
+  width); a timed step that still met a new width is left out of its arm's median.
+  ``arms``: a comma-separated subset of the arms (default: all; ``no_refill`` and ``refill``
+  always run, as the ratios' bases)."""
   import jax
   from jaxrlhf.train.common import metrics_to_host, put_batch
   from jaxrlhf.train.loop import prepare_step
   runs = {}
+  chosen = {"no_refill", "refill", *(a for a in arms.split(",") if a)} if arms else set(
+      LONGTAIL_ARMS)
   for arm, (refill, buckets, leftover, pack) in LONGTAIL_ARMS.items():
+    if arm not in chosen:
+      continue
     runs[arm] = _workload_run("grpo", longtail_config(refill, buckets=buckets,
                                                       leftover=leftover, pack=pack))
     longtail_policy(runs[arm])
@@ -581,6 +588,8 @@ def worker_longtail(name: str, steps: int) -> dict:
   out = {"workload": name, "params": PARAM_COUNT, "steps": steps, "limit": LONGTAIL_LIMIT,
          "rows": rows}
   for arm, (refill, buckets, leftover, pack) in LONGTAIL_ARMS.items():
+    if arm not in runs:
+      continue
     clean = [x for x in rec[arm] if not x[2]] or rec[arm]
     times = [t for t, _, _ in clean]
     tokens = [m["rollout/tokens"] for _, m, _ in clean]
@@ -606,32 +615,39 @@ def worker_longtail(name: str, steps: int) -> dict:
       x["pack_rows_mean"] = statistics.mean(m["pack/rows"] for _, m, _ in clean)
       x["update_slot_fraction"] = None  # the rows are packed: see pack_useful_fraction
     if refill:
-      for k in ("started", "completed", "dropped", "carried_in", "carried_out"):
+      for k in ("started", "completed", "dropped", "carried_in", "carried_out",
+                "continued_tokens"):
         if f"rollout/{k}" in clean[0][1]:
           x[k] = statistics.mean(m[f"rollout/{k}"] for _, m, _ in clean)
       x["busy_frac"] = statistics.mean(m["rollout/busy_frac"] for _, m, _ in clean)
     out[arm] = x
   base = out["no_refill"]
   out["speedup"] = base["median_step_s"] / out["refill"]["median_step_s"]
-  out["speedup_buckets"] = base["median_step_s"] / out["refill_buckets"]["median_step_s"]
-  out["speedup_vs_buckets"] = (out["no_refill_buckets"]["median_step_s"]
-                               / out["refill_buckets"]["median_step_s"])
   out["generate_speedup"] = base["generate_s"] / out["refill"]["generate_s"]
   out["useful_tokens_ratio"] = (out["refill"]["useful_tokens_per_s"]
                                 / base["useful_tokens_per_s"])
-  out["useful_tokens_ratio_buckets"] = (out["refill_buckets"]["useful_tokens_per_s"]
-                                        / base["useful_tokens_per_s"])
+  if "refill_buckets" in out:
+    out["speedup_buckets"] = base["median_step_s"] / out["refill_buckets"]["median_step_s"]
+    out["useful_tokens_ratio_buckets"] = (out["refill_buckets"]["useful_tokens_per_s"]
+                                          / base["useful_tokens_per_s"])
+    if "no_refill_buckets" in out:
+      out["speedup_vs_buckets"] = (out["no_refill_buckets"]["median_step_s"]
+                                   / out["refill_buckets"]["median_step_s"])
   for arm, over in (("no_refill_pack", "no_refill"), ("refill_buckets_pack", "refill_buckets")):
-    out[f"speedup_{arm}"] = out[over]["median_step_s"] / out[arm]["median_step_s"]
-  out["speedup_pack_vs_no_refill"] = (base["median_step_s"]
-                                      / out["refill_buckets_pack"]["median_step_s"])
-  carry = out["refill_carry_buckets"]
-  out["speedup_carry"] = base["median_step_s"] / carry["median_step_s"]
-  out["useful_tokens_ratio_carry"] = carry["useful_tokens_per_s"] / base["useful_tokens_per_s"]
-  carry = out["refill_carry_pack"]
-  out["speedup_carry_pack"] = base["median_step_s"] / carry["median_step_s"]
-  out["useful_tokens_ratio_carry_pack"] = (carry["useful_tokens_per_s"]
+    if arm in out and over in out:
+      out[f"speedup_{arm}"] = out[over]["median_step_s"] / out[arm]["median_step_s"]
+  if "refill_buckets_pack" in out:
+    out["speedup_pack_vs_no_refill"] = (base["median_step_s"]
+                                        / out["refill_buckets_pack"]["median_step_s"])
+  for arm, key in (("refill_carry_buckets", "carry"), ("refill_carry_pack", "carry_pack"),
+                   ("refill_continue_pack", "continue_pack")):
+    if arm in out:
+      out[f"speedup_{key}"] = base["median_step_s"] / out[arm]["median_step_s"]
+      out[f"useful_tokens_ratio_{key}"] = (out[arm]["useful_tokens_per_s"]
                                            / base["useful_tokens_per_s"])
+  if "refill_continue_pack" in out and "refill_carry_pack" in out:
+    out["speedup_continue_vs_carry_pack"] = (out["refill_carry_pack"]["median_step_s"]
+                                             / out["refill_continue_pack"]["median_step_s"])
   out["loadavg_1min"] = os.getloadavg()[0]
   return out
 
@@ -664,6 +680,15 @@ def report_longtail(r: dict) -> str:
   lines.append(f"  refill: step {r['speedup']:.2f}x faster (generation alone "
                f"{r['generate_speedup']:.2f}x), useful tokens/s "
                f"{r['useful_tokens_ratio']:.2f}x (load {r['loadavg_1min']:.1f})")
+  if "speedup_continue_pack" in r:
+    base = r["no_refill"]["response_length_mean"]
+    cont = r["refill_continue_pack"]["response_length_mean"]
+    lines.append(f"  partial rollouts (continue) + buckets + packed forwards: step "
+                 f"{r['speedup_continue_pack']:.2f}x faster than no refill"
+                 + (f", {r['speedup_continue_vs_carry_pack']:.2f}x than carry-over + pack"
+                    if "speedup_continue_vs_carry_pack" in r else "")
+                 + f"; trained mean length {cont:.1f} against no refill's {base:.1f} "
+                 f"({100 * (cont / base - 1):+.0f}%)")
   if "speedup_buckets" in r:
     lines.append(f"  refill + length buckets: step {r['speedup_buckets']:.2f}x faster than no "
                  f"refill ({r['speedup_vs_buckets']:.2f}x than no refill with buckets), useful "
@@ -871,6 +896,7 @@ def run_worker(mode: str, name: str, args, cache_dir: str) -> dict:
          f"--spread_steps={getattr(args, 'spread_steps', 4)}",
          f"--turn_steps={getattr(args, 'turn_steps', 6)}",
          f"--longtail_steps={getattr(args, 'longtail_steps', 4)}",
+         f"--longtail_arms={getattr(args, 'longtail_arms', '')}",
          f"--turn_page_size={getattr(args, 'turn_page_size', 0)}",
          f"--_result={path}"]
   env = {**os.environ, "JAXRLHF_COMPILATION_CACHE": cache_dir}
@@ -939,6 +965,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--workloads",
                       default=",".join(WORKLOADS + SPREAD_WORKLOADS + TURN_WORKLOADS
                                        + LONGTAIL_WORKLOADS))
+  parser.add_argument("--longtail_arms", default="",
+                      help="the long-tail workload's arms to run, comma-separated (default: "
+                           "all; no_refill and refill always run)")
   parser.add_argument("--longtail_steps", type=int, default=4,
                       help="timed steps of each arm (refill, none) of the long-tail workload")
   parser.add_argument("--spread_steps", type=int, default=4,
@@ -973,7 +1002,8 @@ def main(argv=None) -> dict:
            "spread": lambda: worker_spread(name, args.spread_steps),
            "turns": lambda: worker_turns(name, args.turn_steps,
                                          page_size=args.turn_page_size),
-           "longtail": lambda: worker_longtail(name, args.longtail_steps),
+           "longtail": lambda: worker_longtail(name, args.longtail_steps,
+                                               args.longtail_arms),
            "smol": lambda: worker_smol(name, args.smol_steps)}[mode]()
     with open(args._result, "w") as f:
       json.dump(out, f)

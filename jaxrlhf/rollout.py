@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jaxrlhf.config import ConfigError, KernelsConfig, ModelConfig, RolloutConfig
 from jaxrlhf.mesh import constrain
+from jaxrlhf.model.paged import PagedKV, constrain_paged, init_paged, write_layer
 from jaxrlhf.model.transformer import (KVCache, SharedPrefix, forward, init_cache,
                                        last_valid_index, lm_logits, positions_from_mask,
                                        unstack_layers)
@@ -88,6 +89,25 @@ class Refill:
   # Carry-over only (``num_carried`` given): the queue index of each group started but not
   # trained, in queue order (the first ``stats["carried_out"]`` are valid, 0 after).
   leftover_index_G: Optional[jax.Array] = None
+  # Partial rollouts only (``partial`` given): those groups' rows as the loop left them, in
+  # the same order (``[G * n, ...]``; :data:`PARTIAL_FIELDS`), for the next step to continue.
+  partial: Optional[dict] = None
+
+
+# A partial response's state (rollout.refill_leftover=continue): its tokens so far
+# ("resp", int32 [rows, N]), which are real ("rmask"), their behaviour and sampling log-probs
+# under the policy that sampled each ("lp", "slp", f32), whether it has ended ("done") and by
+# a stop token ("stopped") (bool [rows]).
+PARTIAL_FIELDS = ("resp", "rmask", "lp", "slp", "done", "stopped")
+
+
+def empty_partial(rows: int, n_new: int, pad_id: int = 0) -> dict:
+  """No partial responses: the buffers :func:`generate_refill` takes, all empty."""
+  return {"resp": jnp.full((rows, n_new), pad_id, jnp.int32),
+          "rmask": jnp.zeros((rows, n_new), bool),
+          "lp": jnp.zeros((rows, n_new), jnp.float32),
+          "slp": jnp.zeros((rows, n_new), jnp.float32),
+          "done": jnp.zeros((rows,), bool), "stopped": jnp.zeros((rows,), bool)}
 
 
 # -------------------------------------------------------------------------------- sampling
@@ -436,7 +456,8 @@ def _check_refill(prompt_tokens_QP, num_groups: int):
                       f"queue's prompts); queue at least as many prompts as groups train")
 
 
-def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, num_carried=None, *, cfg: ModelConfig, rollout: RolloutConfig, eos_id: int,
+def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, num_carried=None,
+                     partial=None, *, cfg: ModelConfig, rollout: RolloutConfig, eos_id: int,
                      pad_id: int, num_samples: int, num_groups: int,
                      kernels: KernelsConfig) -> tuple[Rollout, Refill]:
   """:func:`generate_refill` (docs/rollout.md, "In-flight refill").
@@ -457,21 +478,31 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, num_carried=
   (still by step ``N``: the carried groups and the first ``G - c`` others started at step 0).
   ``leftover_index_G`` names the started groups not harvested (at most ``G``: each held a slot
   when the last prompt started).
+
+  Partial rollouts (``partial``): the cache is a :class:`~jaxrlhf.model.paged.PagedKV` with
+  per-row positions, one page of ``P + N`` slots owned by each row for good.  A row writes
+  its prompt's real tokens from slot 0 (a carried row then its response so far) and each
+  decoded token at its own length, so a continued response needs no more slots than a fresh
+  one.  A started group keeps its slot until it is harvested and trained: a group finished
+  past the quota stops the refills, so every leftover group's rows are still in their slots
+  when the loop ends (``owner`` maps slots to queue prompts).
   """
+  if partial is not None and num_carried is None:
+    raise ValueError("generate_refill: partial responses are carried over (num_carried)")
   _check(prompt_tokens_QP, prompt_mask_QP, cfg, rollout, eos_id, pad_id, num_samples)
   _check_refill(prompt_tokens_QP, num_groups)
-  loop = _RefillLoop(params, prompt_tokens_QP, prompt_mask_QP, key, num_carried,
+  loop = _RefillLoop(params, prompt_tokens_QP, prompt_mask_QP, key, num_carried, partial,
                      cfg=cfg, rollout=rollout, eos_id=eos_id, pad_id=pad_id, n=num_samples,
                      g_n=num_groups, kernels=kernels)
-  steps, _, _, _, _, out, group = jax.lax.while_loop(loop.cond, loop.body, loop.init())
-  return loop.result(steps, out, group)
+  steps, _, slots, _, _, out, group = jax.lax.while_loop(loop.cond, loop.body, loop.init())
+  return loop.result(steps, out, group, slots)
 
 
 class _RefillLoop:
   """The pieces of :func:`_generate_refill`'s decode loop over one trace: the queue, the
   settings, and the per-row slot, per-group and output state the loop carries."""
 
-  def __init__(self, params, prompt_tokens_QP, prompt_mask_QP, key, num_carried, *,
+  def __init__(self, params, prompt_tokens_QP, prompt_mask_QP, key, num_carried, partial, *,
                cfg, rollout, eos_id, pad_id, n, g_n, kernels):
     self.cfg, self.rollout, self.kernels, self.key = cfg, rollout, kernels, key
     self.eos_id, self.pad_id = eos_id, pad_id
@@ -489,10 +520,69 @@ class _RefillLoop:
     if self.carry:
       self.n_carried = jnp.clip(jnp.asarray(num_carried, jnp.int32), 0, g_n)
     # The first G prompts, prefilled together as generate does, then the slots decoding writes.
-    self.first_logits, cache = self.prefill(_rows(self.tokens_QP[:g_n]),
-                                            _rows(self.mask_QP[:g_n]))
-    self.cache = _grow(cache, n, self.n_new - 1, per_layer=unrolled_decode(kernels))
+    first_logits, cache = self.prefill(_rows(self.tokens_QP[:g_n]), _rows(self.mask_QP[:g_n]))
+    self.first_logits_R = jnp.repeat(first_logits, n, axis=0)
+    self.partial = partial
+    self.paged = partial is not None
+    if self.paged:
+      self.cache = self._paged_start(params, cache)
+    else:
+      self.cache = _grow(cache, n, self.n_new - 1, per_layer=unrolled_decode(kernels))
     self.dparams = decode_params(params, cfg, kernels)
+
+  # --------------------------------------------------------- partial rollouts (paged)
+  def _paged_start(self, params, cache: KVCache) -> PagedKV:
+    """The loop's cache for partial rollouts: one page of ``P + N`` slots a row, the first
+    G prompts written from slot 0 of their rows, then each carried row's response so far
+    (one forward over them, under the current weights: their next-token logits replace the
+    prompt's)."""
+    n, rows, total = self.n, self.rows, self.p + self.n_new
+    pg = init_paged(self.cfg, rows, rows, total, total,
+                    per_layer=unrolled_decode(self.kernels))
+    pg, _ = pg.reserve(jnp.full((rows,), total, jnp.int32))  # each row owns its page for good
+    pg = self._write_prompts(pg, cache, self.mask_QP[:self.g_n], 0)
+    carried_R = self.row_R < self.n_carried * n
+    rmask = self.partial["rmask"] & carried_R[:, None]
+    resp = jnp.where(rmask, self.partial["resp"], 0)
+    start_R = jnp.repeat(self.plen_Q[:self.g_n], n)
+
+    def go_on(pg):
+      pos = start_R[:, None] + jnp.maximum(jnp.cumsum(rmask, axis=1, dtype=jnp.int32) - 1, 0)
+      h, pg = forward(params, resp, pos, rmask, cfg=self.cfg, paged=pg,
+                      attn_impl=self.kernels.attention)
+      h = jnp.take_along_axis(h, last_valid_index(rmask)[:, None, None], axis=1)
+      return constrain_paged(pg), lm_logits(params, h, self.cfg)[:, 0]
+
+    pg, logits_R = jax.lax.cond(jnp.any(rmask), go_on,
+                                lambda pg: (pg, jnp.zeros_like(self.first_logits_R)), pg)
+    self.first_logits_R = jnp.where(jnp.any(rmask, axis=1)[:, None], logits_R,
+                                    self.first_logits_R)
+    return pg
+
+  def _write_prompts(self, pg: PagedKV, small: KVCache, mask_XP, r0) -> PagedKV:
+    """``X`` prefilled prompts (``small``: ``[L, X, K, P, Dh]``) written into the pages of
+    rows ``r0 .. r0 + X * n`` (``n`` rows a prompt), each prompt's real tokens from slot 0;
+    those rows' lengths are the prompts'."""
+    n, cfg = self.n, self.cfg
+    x = mask_XP.shape[0]
+    slot = jnp.where(mask_XP, jnp.cumsum(mask_XP, axis=1, dtype=jnp.int32) - 1, -1)
+    slot_RP = jnp.repeat(slot, n, axis=0)
+    table = jax.lax.dynamic_slice_in_dim(pg.table_RM, r0, x * n, axis=0)
+    rows_kv = lambda a: jnp.repeat(a, n, axis=0).transpose(0, 2, 1, 3)  # noqa: E731 [R,P,K,D]
+    if pg.per_layer:
+      ks, vs = list(pg.k), list(pg.v)
+      for li in range(cfg.n_layers):
+        ks[li], vs[li] = write_layer(ks[li], vs[li], table, slot_RP, rows_kv(small.k[li]),
+                                     rows_kv(small.v[li]))
+      k, v = tuple(ks), tuple(vs)
+    else:
+      k, v = pg.k, pg.v
+      for li in range(cfg.n_layers):
+        k, v = write_layer(k, v, table, slot_RP, rows_kv(small.k[li]), rows_kv(small.v[li]),
+                           li)
+    length = jax.lax.dynamic_update_slice_in_dim(
+        pg.length_R, jnp.repeat(jnp.sum(mask_XP, axis=1, dtype=jnp.int32), n), r0, 0)
+    return constrain_paged(pg.replace(k=k, v=v, length_R=length))
 
   def init(self):
     """The loop's first state: token 0 of the first G groups sampled, any of them harvested."""
@@ -508,13 +598,21 @@ class _RefillLoop:
         rid=self.row_R)  # response id: prompt index x n + sample
     out = dict(resp=slots["resp"], rmask=slots["rmask"], lp=slots["lp"], slp=slots["slp"],
                stopped=slots["stopped"], prompt=jnp.zeros((g_n,), jnp.int32))
+    if self.paged:  # carried rows go on from their partial responses
+      carried_R = self.row_R < self.n_carried * n
+      for k in PARTIAL_FIELDS:
+        x = self.partial[k]
+        sel = carried_R.reshape((rows,) + (1,) * (x.ndim - 1))
+        slots[k] = jnp.where(sel, x.astype(slots[k].dtype), slots[k])
+      slots["rmask"] = slots["rmask"] & carried_R[:, None]
+      slots["j"] = jnp.sum(slots["rmask"], axis=1, dtype=jnp.int32)
     group = dict(prompt=jnp.arange(g_n, dtype=jnp.int32),  # -1: idle (harvested)
+                 owner=jnp.arange(g_n, dtype=jnp.int32),  # the prompt a slot holds or held
                  next=jnp.int32(g_n), completed=jnp.int32(0), busy=jnp.int32(0))
     if self.carry:  # groups harvested: all, and those not carried; which queue prompts trained
       group.update(kept=jnp.int32(0), others=jnp.int32(0),
                    trained=jnp.zeros((self.q_len,), bool))
-    slots, tok_R, live_R = self.record(slots, _rows(jnp.repeat(self.first_logits, n, axis=0)),
-                                       jnp.ones((rows,), bool))
+    slots, tok_R, live_R = self.record(slots, _rows(self.first_logits_R), ~slots["done"])
     out, group = self.harvest(slots, out, group)
     return (jnp.ones((), jnp.int32), self.cache, slots, tok_R, live_R, out, group)
 
@@ -587,12 +685,16 @@ class _RefillLoop:
 
   def _fill(self, idle_G, args):
     cache, slots, tok_R, live_R, group = args
-    n, rows, row_R = self.n, self.rows, self.row_R
+    n = self.n
     g, q = jnp.argmax(idle_G).astype(jnp.int32), group["next"]
     tok_1P = jax.lax.dynamic_slice_in_dim(self.tokens_QP, q, 1, axis=0)
     mask_1P = jax.lax.dynamic_slice_in_dim(self.mask_QP, q, 1, axis=0)
     logits_1V, small = self.prefill(tok_1P, mask_1P)
-    at, r0 = cache.index - self.p, g * n
+    r0 = g * n
+    if self.paged:
+      return self._filled(self._write_prompts(cache, small, mask_1P, r0), slots, tok_R, live_R,
+                          group, g, q, logits_1V)
+    at = cache.index - self.p
     if cache.per_layer:
       kv = lambda big, new: tuple(  # noqa: E731
           jax.lax.dynamic_update_slice(b, jnp.repeat(new[i], n, axis=0), (r0, 0, at, 0))
@@ -606,6 +708,13 @@ class _RefillLoop:
         k=kv(cache.k, small.k), v=kv(cache.v, small.v),
         mask=jax.lax.dynamic_update_slice_in_dim(cache.mask, rmask_nS, r0, 0),
         index=cache.index))
+    return self._filled(cache, slots, tok_R, live_R, group, g, q, logits_1V)
+
+  def _filled(self, cache, slots, tok_R, live_R, group, g, q, logits_1V):
+    """Group ``g``'s rows reset for queue prompt ``q`` (its cache written) and its token 0
+    sampled."""
+    n, rows, row_R = self.n, self.rows, self.row_R
+    r0 = g * n
     mine_R = (row_R >= r0) & (row_R < r0 + n)
     fresh = lambda x, v: jnp.where(mine_R.reshape((rows,) + (1,) * (x.ndim - 1)), v, x)  # noqa
     slots = {**slots, "resp": fresh(slots["resp"], self.pad_id),
@@ -620,7 +729,8 @@ class _RefillLoop:
     new, tok0, _ = self.record(slots, logits_RV, mine_R)
     slots = {k: jnp.where(mine_R.reshape((rows,) + (1,) * (v.ndim - 1)), new[k], v)
              for k, v in slots.items()}
-    group = {**group, "prompt": group["prompt"].at[g].set(q), "next": q + 1}
+    group = {**group, "prompt": group["prompt"].at[g].set(q),
+             "owner": group["owner"].at[g].set(q), "next": q + 1}
     return (cache, slots, jnp.where(mine_R, tok0, tok_R), live_R | mine_R, group)
 
   def cond(self, state):
@@ -631,9 +741,14 @@ class _RefillLoop:
     i, cache, slots, tok_R, live_R, out, group = state
     cfg = self.cfg
     pos_R1 = (slots["start"] + slots["j"] - 1)[:, None]
-    h, cache = forward(self.dparams, tok_R[:, None], pos_R1, live_R[:, None], cfg=cfg,
-                       cache=cache, attn_impl=self.kernels.attention)
-    cache = _constrain_cache(cache)
+    if self.paged:  # each row writes at its own length
+      h, cache = forward(self.dparams, tok_R[:, None], pos_R1, live_R[:, None], cfg=cfg,
+                         paged=cache, attn_impl=self.kernels.attention)
+      cache = constrain_paged(cache)
+    else:
+      h, cache = forward(self.dparams, tok_R[:, None], pos_R1, live_R[:, None], cfg=cfg,
+                         cache=cache, attn_impl=self.kernels.attention)
+      cache = _constrain_cache(cache)
     group = {**group, "busy": group["busy"] + jnp.sum(live_R, dtype=jnp.int32)}
     slots, tok_R, live_R = self.record(slots, _rows(lm_logits(self.dparams, h, cfg)[:, 0]),
                                        ~slots["done"])
@@ -642,7 +757,7 @@ class _RefillLoop:
     out, group = self.harvest(slots, out, group)
     return i + 1, cache, slots, tok_R, live_R, out, group
 
-  def result(self, steps, out, group) -> tuple[Rollout, "Refill"]:
+  def result(self, steps, out, group, slots) -> tuple[Rollout, "Refill"]:
     """The harvested groups as the rollout, and the refill's report."""
     n, g_n, q_len = self.n, self.g_n, self.q_len
     prompt_G = out["prompt"]
@@ -651,7 +766,7 @@ class _RefillLoop:
     rmask = out["rmask"]
     stats = {"started": group["next"], "completed": group["completed"], "steps": steps,
              "busy": group["busy"]}
-    leftover_G = None
+    leftover_G = partial = None
     if self.carry:
       # Started, not trained: in queue order into the first places (at most G of them).
       left_Q = (jnp.arange(q_len) < group["next"]) & ~group["trained"]
@@ -660,16 +775,30 @@ class _RefillLoop:
           jnp.arange(q_len, dtype=jnp.int32), mode="drop")
       stats.update(carried_in=self.n_carried, trained=group["kept"],
                    carried_out=jnp.minimum(jnp.sum(left_Q, dtype=jnp.int32), g_n))
+    if self.paged:  # each leftover group's rows, from the slot it still holds
+      valid_G = jnp.arange(g_n) < stats["carried_out"]
+      slot_G = jnp.argmax(group["owner"][None, :] == leftover_G[:, None], axis=1)
+      rows_R = (slot_G[:, None] * n + self.sample_n[None, :]).reshape(self.rows)
+      valid_R = jnp.repeat(valid_G, n)
+      partial = {k: jnp.where(valid_R.reshape((self.rows,) + (1,) * (slots[k].ndim - 1)),
+                              slots[k][rows_R], jnp.zeros((), slots[k].dtype))
+                 for k in PARTIAL_FIELDS}
+      partial["resp"] = jnp.where(partial["rmask"], partial["resp"], self.pad_id)
+      stats.update(continued=jnp.sum(self.partial["rmask"]
+                                     & (self.row_R < self.n_carried * n)[:, None],
+                                     dtype=jnp.int32))
     rollout = Rollout(tokens_BT=jnp.concatenate([prompt, out["resp"]], axis=1),
                       mask_BT=jnp.concatenate([pmask, rmask], axis=1), response_mask_BN=rmask,
                       behaviour_logp_BN=out["lp"], sample_logp_BN=out["slp"],
                       lengths_B=jnp.sum(rmask, axis=1, dtype=jnp.int32),
                       finished_B=out["stopped"], prompt_index_B=jnp.repeat(prompt_G, n))
-    return rollout, Refill(prompt_index_G=prompt_G, stats=stats, leftover_index_G=leftover_G)
+    return rollout, Refill(prompt_index_G=prompt_G, stats=stats, leftover_index_G=leftover_G,
+                           partial=partial)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("num_groups",))
-def generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, num_carried=None, *, cfg: ModelConfig, rollout: RolloutConfig, eos_id: int,
+def generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, num_carried=None,
+                    partial=None, *, cfg: ModelConfig, rollout: RolloutConfig, eos_id: int,
                     pad_id: int = 0, num_samples: int = 1, num_groups: int = 1,
                     kernels: KernelsConfig = KernelsConfig()) -> tuple[Rollout, Refill]:
   """Continuous batching on fixed shapes: ``num_groups`` groups of ``num_samples`` rows
@@ -688,8 +817,17 @@ def generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, num_carried=N
   puts them there); they are trained this step, whatever their length, beside the first
   ``num_groups - num_carried`` others to complete.  ``refill.leftover_index_G`` and
   ``stats["carried_out"]`` then name the groups started but not trained, for
-  :func:`carry_take`; ``stats`` also holds ``carried_in`` and ``trained``."""
-  return _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, num_carried, cfg=cfg, rollout=rollout, eos_id=eos_id, pad_id=pad_id,
+  :func:`carry_take`; ``stats`` also holds ``carried_in`` and ``trained``.
+
+  ``partial`` (with ``num_carried``; :data:`PARTIAL_FIELDS`, ``[num_groups * n, ...]``):
+  partial rollouts (``rollout.refill_leftover=continue``).  The carried groups' rows go on
+  from where the previous step left them instead of restarting: their tokens so far are
+  prefilled after their prompts under the current weights, and decoding continues at their
+  next token; the tokens keep the log-probs of the policy that sampled them.
+  ``refill.partial`` holds the leftover groups' rows in the same form, in the order of
+  ``refill.leftover_index_G``."""
+  return _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, num_carried, partial,
+                          cfg=cfg, rollout=rollout, eos_id=eos_id, pad_id=pad_id,
                           num_samples=num_samples, num_groups=num_groups, kernels=kernels)
 
 

@@ -323,10 +323,15 @@ def test_answers_and_host_examples_follow_their_groups(tmp_path, monkeypatch):
                              rtol=1e-6)
 
 
-def test_grpo_steps_with_carry_over_count_every_started_group():
+@pytest.mark.parametrize("leftover", ["carry", "continue"])
+def test_grpo_steps_with_carry_over_count_every_started_group(leftover):
   """Every prompt started is trained this step or carried to the next: started = trained +
-  carried_out (+ dropped, 0), and what one step carries out the next carries in."""
-  _, state, _, ms = run_steps(config(leftover="carry"), mesh(), steps=3)
+  carried_out (+ dropped, 0), and what one step carries out the next carries in; with
+  ``continue`` the next step goes on from the carried responses' tokens."""
+  _, state, _, ms = run_steps(config(leftover=leftover), mesh(), steps=3)
+  if leftover == "continue":
+    assert ms[0]["rollout/continued_tokens"] == 0
+    assert any(m["rollout/continued_tokens"] > 0 for m in ms[1:])
   assert ms[0]["rollout/carried_in"] == 0 and ms[0]["rollout/carried_out"] > 0
   for k, m in enumerate(ms):
     assert m["rollout/dropped"] == 0, (k, m)
@@ -408,3 +413,70 @@ def test_tiny_grpo_with_refill_still_learns(tmp_path):
             for metric, value, needed, rule, ok in results.check_claims("tiny_grpo", m)
             if not ok]
   assert not failed, failed
+
+
+# ------------------------------------------------------------------ partial rollouts
+
+
+def _refill_continue(params, queue, count, partial, key):
+  return R.generate_refill(params, queue["prompt"], queue["prompt_mask"], key, count, partial,
+                           cfg=CFG, rollout=_ro(), eos_id=EOS, num_samples=n, num_groups=G)
+
+
+def test_with_nothing_carried_continue_decodes_what_carry_decodes(params, prompts):
+  """The paged, per-row cache of partial rollouts decodes the same tokens as the shared-index
+  cache of carry-over, log-probs within 2e-5, and reports the leftovers' rows."""
+  queue = {"prompt": prompts[0], "prompt_mask": prompts[1]}
+  want, want_info = _refill_carry(params, queue, jnp.int32(0), jax.random.key(3))
+  got, info = _refill_continue(params, queue, jnp.int32(0), R.empty_partial(G * n, N),
+                               jax.random.key(3))
+  np.testing.assert_array_equal(info.prompt_index_G, want_info.prompt_index_G)
+  np.testing.assert_array_equal(got.tokens_BT, want.tokens_BT)
+  np.testing.assert_array_equal(got.response_mask_BN, want.response_mask_BN)
+  np.testing.assert_allclose(got.behaviour_logp_BN, want.behaviour_logp_BN, atol=2e-5)
+  assert int(info.stats["carried_out"]) == int(want_info.stats["carried_out"])
+  assert int(info.stats["continued"]) == 0
+
+
+def test_a_continued_response_equals_one_decoded_in_one_go(params):
+  """Step 1 stops at the quota with prompt 0's group unfinished; step 2 continues its rows
+  from their last token instead of restarting them.  With the same weights in both steps,
+  each continued response keeps step 1's tokens and log-probs, runs to its end, and every
+  token's recorded log-prob is what a forward pass over the whole response gives (the KV of
+  the carried part recomputed, the rest decoded): one response, decoded in two steps."""
+  q1 = _queue(jax.random.key(1), LONG_TAIL)
+  empty = R.empty_partial(G * n, N)
+  ro1, info1 = _refill_continue(params, q1, jnp.int32(0), empty, jax.random.key(3))
+  count = info1.stats["carried_out"]
+  c = int(count)
+  left = np.asarray(info1.leftover_index_G)[:c].tolist()
+  assert 0 in left
+  part = jax.device_get(info1.partial)
+  g0 = left.index(0)
+  rows0 = slice(g0 * n, (g0 + 1) * n)
+  k0 = part["rmask"][rows0].sum(1)
+  assert (k0 > 0).all() and (k0 < N).all() and not part["done"][rows0].any()
+  assert int(part["rmask"][c * n:].sum()) == 0  # nothing past the leftovers
+
+  carried = R.carry_take(q1, info1.leftover_index_G, count)
+  q2 = R.carry_queue(carried, count, _queue(jax.random.key(7), (2, 1, 3, 2, 1, 2, 1, 3)))
+  ro2, info2 = _refill_continue(params, q2, count, info1.partial, jax.random.key(4))
+  assert int(info2.stats["continued"]) == int(part["rmask"].sum())
+  index2 = np.asarray(info2.prompt_index_G).tolist()
+  g = index2.index(g0)  # prompt 0's group in step 2's batch
+  rows = slice(g * n, (g + 1) * n)
+  resp = np.asarray(ro2.tokens_BT)[rows, P:]
+  lp = np.asarray(ro2.behaviour_logp_BN)[rows]
+  for r in range(n):  # step 1's tokens and log-probs kept, then decoded to the limit
+    k = int(k0[r])
+    np.testing.assert_array_equal(resp[r, :k], part["resp"][g0 * n + r, :k])
+    np.testing.assert_array_equal(lp[r, :k], part["lp"][g0 * n + r, :k])
+  assert (np.asarray(ro2.lengths_B)[rows] == N).all()  # prompt 0 runs to the limit
+  ref, _ = M.token_logprobs(params, ro2.tokens_BT, ro2.mask_BT, cfg=CFG, start=P)
+  rm = np.asarray(ro2.response_mask_BN)
+  np.testing.assert_allclose(np.where(rm, np.asarray(ro2.behaviour_logp_BN), 0),
+                             np.where(rm, np.asarray(ref), 0), atol=2e-5)
+  # Nothing lost, nothing twice: each of step 1's started prompts trained in step 1 or 2.
+  st1 = {k: int(v) for k, v in info1.stats.items()}
+  assert st1["started"] == st1["trained"] + c
+  assert set(range(c)) <= set(index2)

@@ -256,9 +256,13 @@ class RolloutConfig:
   # state) to the front of the next step's queue, where they restart from scratch under the
   # current policy and are trained first (the next step's loop runs until every carried
   # group has finished).  Every started prompt is then trained within two steps, at the
-  # price of the discarded partial decodes (docs/rollout.md, "Carry-over").  GRPO with
-  # device rewards only (no host: reward sources).
-  refill_leftover: Literal["drop", "carry"] = "drop"
+  # price of the discarded partial decodes (docs/rollout.md, "Carry-over"); or "continue":
+  # carry their partial responses too (tokens and the log-probs of the policy that sampled
+  # them, in the checkpointed state), which the next step prefills after their prompts under
+  # the new weights and decodes on from where they stopped (partial rollouts: no decode is
+  # thrown away; a response spans at most two policies, docs/rollout.md, "Partial
+  # rollouts").  GRPO with device rewards only (no host: reward sources).
+  refill_leftover: Literal["drop", "carry", "continue"] = "drop"
   # Length buckets for the phases after generation (RL steps, docs/rollout.md): 0 (off) runs
   # the reference, reward, values and update on all max_new_tokens response slots; k > 0 cuts
   # the rollout after the batch's longest response, rounded up to one of k widths

@@ -306,10 +306,11 @@ def _check_refill(scfg, name, cfg, c):
     c.problems.append(f"rollout.refill=true with {name}.dynamic_sampling=true: both choose "
                       f"which groups of an over-sized queue train; set one of them to false")
   host = [s for s in scfg.reward.sources if s.partition(":")[0] == "host"]
-  if ro.refill_leftover == "carry" and host:
+  if ro.refill_leftover != "drop" and host:
     # A host reward's examples follow the queue on the host (HostInputs.take); carried
     # prompts live in the device state (and its checkpoint), which has no place for them.
-    c.problems.append(f"rollout.refill_leftover=carry with host reward sources {host} "
+    c.problems.append(f"rollout.refill_leftover={ro.refill_leftover} with host reward sources "
+                      f"{host} "
                       f"({name}.reward.sources): the examples a host reward reads cannot be "
                       f"carried to the next step (nor through a checkpoint); set "
                       f"rollout.refill_leftover=drop, or use device rewards (rule:NAME, model)")

@@ -23,7 +23,7 @@ from jaxrlhf.algorithms import (POLICY_LOSSES, aggregate, entropy_bonus, kl_esti
                                 overlong_penalty,
                                 select_groups, update_kl_controller)
 from jaxrlhf.config import KLConfig
-from jaxrlhf.rollout import carry_queue, carry_take
+from jaxrlhf.rollout import carry_queue, carry_take, empty_partial
 from jaxrlhf.rollout import generate as sample
 from jaxrlhf.rollout import generate_refill as sample_refill
 from jaxrlhf.train import packed as PK
@@ -66,7 +66,7 @@ def generate(statics, frozen, batch, c: StepCarry) -> StepCarry:
     policy = jax.lax.with_sharding_constraint(policy, statics.decode_shardings)
   kw = dict(cfg=statics.model_cfg("policy"), rollout=statics.cfg.rollout, eos_id=statics.eos_id,
             pad_id=statics.pad_id, num_samples=statics.n, kernels=statics.cfg.kernels)
-  if statics.cfg.rollout.refill and statics.cfg.rollout.refill_leftover == "carry":
+  if statics.cfg.rollout.refill and statics.cfg.rollout.refill_leftover != "drop":
     return _refill_carry(statics, batch, c.replace(state=c.state.replace(rng=rng)), policy, k,
                          kw)
   if statics.cfg.rollout.refill:
@@ -104,19 +104,24 @@ def _refill(statics, batch, c: StepCarry, ro: Rollout, refill) -> StepCarry:
   return c.replace(rollout=rollout, metrics={**c.metrics, **metrics})
 
 
-def initial_carry(batch_size: int, prompt_len: int, answer_len: int) -> Carried:
-  """The empty carry-over buffers kept in ``state.extras.carry`` (and so checkpointed)."""
+def initial_carry(batch_size: int, prompt_len: int, answer_len: int, *, rows: int = 0,
+                  n_new: int = 0, pad_id: int = 0) -> Carried:
+  """The empty carry-over buffers kept in ``state.extras.carry`` (and so checkpointed);
+  ``rows`` > 0: with the partial responses of that many rows of ``n_new`` slots
+  (``rollout.refill_leftover=continue``)."""
   b = batch_size
   return Carried(prompt=jnp.zeros((b, prompt_len), jnp.int32),
                  prompt_mask=jnp.zeros((b, prompt_len), bool),
                  answer=jnp.zeros((b, answer_len), jnp.int32),
-                 answer_mask=jnp.zeros((b, answer_len), bool), count=jnp.zeros((), jnp.int32))
+                 answer_mask=jnp.zeros((b, answer_len), bool), count=jnp.zeros((), jnp.int32),
+                 partial=empty_partial(rows, n_new, pad_id) if rows else None)
 
 
 def _refill_carry(statics, batch, c: StepCarry, policy, key, kw) -> StepCarry:
-  """Refill with carry-over (``rollout.refill_leftover=carry``): the queue is last step's
-  carried prompts, then this batch's; the groups started but not trained go into
-  ``state.extras.carry`` for the next step.  :func:`_refill` takes each row's answer from
+  """Refill with carry-over (``rollout.refill_leftover=carry`` or ``continue``): the queue is
+  last step's carried prompts, then this batch's; the groups started but not trained go into
+  ``state.extras.carry`` for the next step (with ``continue``, their rows' partial responses
+  too, which this step's loop went on from).  :func:`_refill` takes each row's answer from
   the queue."""
   carried = c.state.extras.carry
   new = {"prompt": batch["prompt"].astype(jnp.int32),
@@ -125,13 +130,17 @@ def _refill_carry(statics, batch, c: StepCarry, policy, key, kw) -> StepCarry:
          "answer_mask": batch["answer_mask"].astype(bool)}
   queue = carry_queue(carried.queue(), carried.count, new)
   ro, refill = sample_refill(policy, queue["prompt"], queue["prompt_mask"], key,
-                             carried.count, num_groups=statics.scfg.batch_size, **kw)
+                             carried.count, carried.partial,
+                             num_groups=statics.scfg.batch_size, **kw)
   left = carry_take(queue, refill.leftover_index_G, refill.stats["carried_out"])
-  extras = c.state.extras.replace(carry=Carried(**left, count=refill.stats["carried_out"]))
+  extras = c.state.extras.replace(carry=Carried(**left, count=refill.stats["carried_out"],
+                                                partial=refill.partial))
   c = _refill(statics, queue, c.replace(state=c.state.replace(extras=extras)), ro, refill)
   st = {k: v.astype(jnp.float32) for k, v in refill.stats.items()}
   metrics = {"rollout/carried_in": st["carried_in"], "rollout/carried_out": st["carried_out"],
              "rollout/dropped": st["started"] - st["trained"] - st["carried_out"]}
+  if "continued" in st:  # tokens carried in and gone on from, not decoded again
+    metrics["rollout/continued_tokens"] = st["continued"]
   return c.replace(metrics={**c.metrics, **metrics})
 
 

@@ -103,9 +103,14 @@ class RLStage(Stage):
   # ----------------------------------------------------------------------------- set-up
   def initial_extras(self):
     carry = None
-    if self.cfg.rollout.refill and self.cfg.rollout.refill_leftover == "carry":
-      # The prompts started but not trained, for the next step's queue (docs/rollout.md).
-      carry = initial_carry(self.scfg.batch_size, self.P, self.R)
+    ro = self.cfg.rollout
+    if ro.refill and ro.refill_leftover != "drop":
+      # The prompts started but not trained, for the next step's queue (docs/rollout.md),
+      # and with "continue" their partial responses.
+      carry = initial_carry(self.scfg.batch_size, self.P, self.R,
+                            rows=self.scfg.batch_size * self.n if
+                            ro.refill_leftover == "continue" else 0,
+                            n_new=self.N, pad_id=self.tok.pad_id)
     return Extras(skips=Skips.zeros(), kl=init_kl_controller(self.scfg.kl.coef),
                   reward_stats=RW.init_running_stats(), carry=carry)
 

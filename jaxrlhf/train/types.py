@@ -47,6 +47,9 @@ class Carried:
   answer: jax.Array  # int32 [G, R]
   answer_mask: jax.Array  # bool [G, R]
   count: jax.Array  # int32 scalar
+  # rollout.refill_leftover=continue: those groups' rows as the loop left them
+  # (jaxrlhf.rollout.PARTIAL_FIELDS, [G * n, ...]), to go on from.
+  partial: Optional[dict] = None
 
   def queue(self) -> dict:
     """The buffers as a queue's fields (:func:`jaxrlhf.rollout.carry_queue`)."""

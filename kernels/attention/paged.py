@@ -8,7 +8,6 @@ So a query needs no key mask beyond its row's length and the causal bound by its
 
 import functools
 
-import jax
 import jax.numpy as jnp
 
 from kernels._backend import resolve_impl, target_platform
