@@ -540,21 +540,41 @@ class _RefillLoop:
     pg = init_paged(self.cfg, rows, rows, total, total,
                     per_layer=unrolled_decode(self.kernels))
     pg, _ = pg.reserve(jnp.full((rows,), total, jnp.int32))  # each row owns its page for good
+    pg = pg.contiguous_view()  # row r's page is page r: read without a gather
     pg = self._write_prompts(pg, cache, self.mask_QP[:self.g_n], 0)
     carried_R = self.row_R < self.n_carried * n
     rmask = self.partial["rmask"] & carried_R[:, None]
     resp = jnp.where(rmask, self.partial["resp"], 0)
     start_R = jnp.repeat(self.plen_Q[:self.g_n], n)
 
-    def go_on(pg):
-      pos = start_R[:, None] + jnp.maximum(jnp.cumsum(rmask, axis=1, dtype=jnp.int32) - 1, 0)
-      h, pg = forward(params, resp, pos, rmask, cfg=self.cfg, paged=pg,
-                      attn_impl=self.kernels.attention)
-      h = jnp.take_along_axis(h, last_valid_index(rmask)[:, None, None], axis=1)
-      return constrain_paged(pg), lm_logits(params, h, self.cfg)[:, 0]
+    pos = start_R[:, None] + jnp.maximum(jnp.cumsum(rmask, axis=1, dtype=jnp.int32) - 1, 0)
+    last = last_valid_index(rmask)
 
-    pg, logits_R = jax.lax.cond(jnp.any(rmask), go_on,
-                                lambda pg: (pg, jnp.zeros_like(self.first_logits_R)), pg)
+    def go_on(b, w):
+      """The forward over the first ``b`` rows (the carried ones are rows ``[0, c * n)``) and
+      the first ``w`` response columns (their tokens are left-aligned)."""
+      def run(pg):
+        sub = pg.replace(table_RM=pg.table_RM[:b], length_R=pg.length_R[:b], contiguous=False)
+        h, sub = forward(params, resp[:b, :w], pos[:b, :w], rmask[:b, :w], cfg=self.cfg,
+                         paged=sub, attn_impl=self.kernels.attention)
+        h = jnp.take_along_axis(h, jnp.minimum(last[:b], w - 1)[:, None, None], axis=1)
+        logits = jnp.zeros_like(self.first_logits_R).at[:b].set(
+            lm_logits(params, h, self.cfg)[:, 0])
+        pg = pg.replace(k=sub.k, v=sub.v, length_R=pg.length_R.at[:b].set(sub.length_R))
+        return constrain_paged(pg), logits
+      return run
+
+    # The block: half the rows or all (a whole number of groups), a quarter, half or all of
+    # the columns; the smallest that holds every carried token.  None when nothing is carried.
+    shapes = sorted({(-(-self.g_n * i // 2) * n, -(-self.n_new * j // 4))
+                     for i in (1, 2) for j in (1, 2, 4)}, key=lambda s: (s[0] * s[1], s))
+    rows_need = jnp.where(jnp.any(rmask), self.n_carried * n, 0)
+    cols_need = jnp.max(jnp.sum(rmask, axis=1, dtype=jnp.int32))
+    fits = jnp.asarray([(rows_need <= b) & (cols_need <= w) for b, w in shapes])
+    which = jnp.where(rows_need == 0, 0, 1 + jnp.argmax(fits))
+    pg, logits_R = jax.lax.switch(
+        which, [lambda pg: (pg, jnp.zeros_like(self.first_logits_R))]
+        + [go_on(b, w) for b, w in shapes], pg)
     self.first_logits_R = jnp.where(jnp.any(rmask, axis=1)[:, None], logits_R,
                                     self.first_logits_R)
     return pg

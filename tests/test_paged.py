@@ -137,3 +137,22 @@ def test_jax_s_pallas_paged_kernel_equals_the_gather_path(softcap):
   want = paged_attention(q, kp, vp, table, slot, length, impl="xla", **kw)
   got = paged_attention(q, kp, vp, table, slot, length, impl="pallas_interpret", **kw)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+
+
+def test_a_contiguous_pool_is_read_as_it_lies_with_the_gather_s_result():
+  """Every row's pages reserved up front, in order (what partial rollouts do): the attention
+  reads the pool without the table and computes what the gather path does."""
+  params = M.init_params(CFG, jax.random.key(0))
+  rows, ps, max_len = 3, 4, 12
+  pg = init_paged(CFG, rows, rows * 3, ps, max_len, per_layer=True)
+  pg, ok = pg.reserve(jnp.full((rows,), max_len, jnp.int32))
+  assert np.asarray(ok).all()
+  assert np.asarray(pg.table_RM).tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+  toks = jnp.asarray(np.random.default_rng(1).integers(3, 60, (rows, 9)), jnp.int32)
+  mask = jnp.asarray(np.arange(9)[None, :] < np.array([9, 4, 6])[:, None])
+  out = []
+  for view in (pg, pg.contiguous_view()):
+    h, got = forward(params, toks, positions_from_mask(mask), mask, cfg=CFG, paged=view)
+    out.append(np.asarray(h))
+    assert np.asarray(got.length_R).tolist() == [9, 4, 6]
+  np.testing.assert_allclose(out[1], out[0], atol=1e-6)

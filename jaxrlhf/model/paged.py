@@ -38,6 +38,16 @@ class PagedKV:
   free_F: jax.Array  # int32 [pages]
   n_free: jax.Array  # int32 []
   page_size: int = flax.struct.field(pytree_node=False, default=16)
+  # Row r holds pages r*M .. r*M + M - 1, in order, for good (the table is the identity; the
+  # caller reserved every row's M pages up front): attention reads the pool as
+  # [K, rows, M * page_size, Dh] as it lies, with no gather (:meth:`contiguous_view`).
+  contiguous: bool = flax.struct.field(pytree_node=False, default=False)
+
+  def contiguous_view(self) -> "PagedKV":
+    """This cache marked :attr:`contiguous`: call it on a fresh cache right after reserving
+    every row's ``M`` pages in one :meth:`reserve` (rows are served in order from the bottom
+    of the pool, so row r gets pages r*M .. r*M + M - 1)."""
+    return self.replace(contiguous=True)
 
   @property
   def per_layer(self) -> bool:

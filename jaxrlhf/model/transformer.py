@@ -352,8 +352,9 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
   :class:`KVCache`), written and returned the same way.  Without a cache, ``cache_kv`` may be
   ``(None, None, layer)``: the layer index alone, for configs whose layers differ (sliding /
   full).  ``prefix``: this layer's :class:`SharedPrefix` ``(k, v, mask)``, the slots before
-  the cache's, shared by each group of rows.  ``paged``: ``(table_RM, slot_RT, length_R)`` of
-  a :class:`~jaxrlhf.model.paged.PagedKV` whose pools ``cache_kv`` holds: the new tokens are
+  the cache's, shared by each group of rows.  ``paged``: ``(read_table, slot_RT, length_R, table_RM)``
+  of a :class:`~jaxrlhf.model.paged.PagedKV` whose pools ``cache_kv`` holds (``read_table``:
+  None for a contiguous pool, read without a gather): the new tokens are
   written at their logical slots ``slot_RT`` through the page table, and attend over each
   row's ``length_R`` slots."""
   cdt, rdt = _dtype(cfg.compute_dtype), _residual_dtype(cfg)
@@ -377,14 +378,14 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
   v = constrain(v.astype(cdt), ("batch", "seq", "kv_heads", "head_dim"))
   if paged is not None:
     ck, cv, li = cache_kv
-    table_RM, slot_RT, length_R = paged
+    read_table, slot_RT, length_R, table_RM = paged
     if ck.ndim == 4:  # this layer's own pool
       k_pool, v_pool = ck, cv = write_layer(ck, cv, table_RM, slot_RT, k, v)
     else:
       ck, cv = write_layer(ck, cv, table_RM, slot_RT, k, v, li)
       k_pool = jax.lax.dynamic_index_in_dim(ck, li, 0, keepdims=False)
       v_pool = jax.lax.dynamic_index_in_dim(cv, li, 0, keepdims=False)
-    o = paged_attention(q, k_pool, v_pool, table_RM, slot_RT, length_R, impl=attn_impl,
+    o = paged_attention(q, k_pool, v_pool, read_table, slot_RT, length_R, impl=attn_impl,
                         **attn_kw)
     new_kv = (ck, cv)
   elif cache_kv is not None and cache_kv[0] is not None:
@@ -477,7 +478,8 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
   if paged is not None:
     slot_BT = paged.slots(mask_BT)
     length_B = paged.length_R + jnp.sum(mask_BT, axis=1, dtype=jnp.int32)
-    view = (paged.table_RM, slot_BT, length_B)
+    # A contiguous pool (each row its own pages, in order) is read without the table.
+    view = (None if paged.contiguous else paged.table_RM, slot_BT, length_B, paged.table_RM)
 
   rope_cs = rope_tables(positions_BT, rope_frequencies(cfg))
   if cfg.rope_local_theta:

@@ -32,7 +32,9 @@ def paged_attention(q_BTHD, k_pool, v_pool, table_BM, q_slot_BT, length_B, *, sc
   (a gather of a row's pages is then already in the ``[K, B, S, D]`` order the matmuls
   batch over: no transpose of the gathered keys); table_BM: each row's page ids in slot
   order (``M`` pages a row at most; an id out of range is clamped: its slots lie past the
-  row's length and are never seen); length_B: slots ``[0, length)`` of each row hold keys.
+  row's length and are never seen; None: row ``b`` holds pages ``b*M .. b*M + M - 1`` in
+  order, ``M = pages / B``, read as they lie, without a gather); length_B: slots
+  ``[0, length)`` of each row hold keys.
   A query sees slot ``s`` iff ``s < length`` and ``s <= q_slot``, and with a ``window`` iff
   also ``s > q_slot - window``.  ``scale`` and ``softcap`` as in
   :func:`kernels.attention.reference.attention_reference`.  Softmax in float32 (its sum in
@@ -47,6 +49,9 @@ def paged_attention(q_BTHD, k_pool, v_pool, table_BM, q_slot_BT, length_B, *, sc
   """
   impl = resolve_impl("attention", impl, IMPLS, AUTO)
   if impl in ("pallas", "pallas_interpret") and q_BTHD.shape[1] == 1 and window is None:
+    if table_BM is None:
+      b, m = q_BTHD.shape[0], k_pool.shape[1] // q_BTHD.shape[0]
+      table_BM = jnp.arange(b * m, dtype=jnp.int32).reshape(b, m)
     return paged_decode_pallas(q_BTHD, k_pool, v_pool, table_BM, length_B, scale=scale,
                                softcap=softcap, interpret=impl == "pallas_interpret")
   return _paged_xla(q_BTHD, k_pool, v_pool, table_BM, q_slot_BT, length_B, scale=scale,
@@ -56,13 +61,16 @@ def paged_attention(q_BTHD, k_pool, v_pool, table_BM, q_slot_BT, length_B, *, sc
 def _paged_xla(q_BTHD, k_pool, v_pool, table_BM, q_slot_BT, length_B, *, scale, window,
                softcap):
   b, t, h, d = q_BTHD.shape
-  k_heads, _, page, _ = k_pool.shape
-  m = table_BM.shape[1]
+  k_heads, pages, page, _ = k_pool.shape
   g = h // k_heads
   scale = d ** -0.5 if scale is None else scale
-  # The gather: [K, B, M * page, D], each row's pages in slot order.
-  kp = jnp.take(k_pool, table_BM, axis=1, mode="clip").reshape(k_heads, b, m * page, d)
-  vp = jnp.take(v_pool, table_BM, axis=1, mode="clip").reshape(k_heads, b, m * page, d)
+  if table_BM is None:  # each row's pages in order: the pool as it lies
+    m = pages // b
+    kp, vp = (x.reshape(k_heads, b, m * page, d) for x in (k_pool, v_pool))
+  else:  # the gather: [K, B, M * page, D], each row's pages in slot order
+    m = table_BM.shape[1]
+    kp = jnp.take(k_pool, table_BM, axis=1, mode="clip").reshape(k_heads, b, m * page, d)
+    vp = jnp.take(v_pool, table_BM, axis=1, mode="clip").reshape(k_heads, b, m * page, d)
   q = q_BTHD.reshape(b, t, k_heads, g, d).transpose(2, 0, 1, 3, 4).astype(k_pool.dtype)
   scores = jnp.einsum("kbtgd,kbsd->kbgts", q, kp, preferred_element_type=jnp.float32) * scale
   if softcap is not None:
