@@ -296,8 +296,8 @@ def _check_refill(scfg, name, cfg, c):
   c.need(math.isfinite(ro.refill_queue) and ro.refill_queue >= 1.0, "rollout.refill_queue",
          ro.refill_queue, "must be a number >= 1 (prompts queued per trained prompt, e.g. 2)")
   if not scfg.supports_refill:
-    c.problems.append(f"rollout.refill=true is supported for grpo only, not {name} (nor the "
-                      f"pools, which run ppo); set rollout.refill=false")
+    c.problems.append(f"rollout.refill=true is supported for grpo only, not {name}; set "
+                      f"rollout.refill=false")
   if cfg.env.name:
     c.problems.append(f"rollout.refill=true with env.name={cfg.env.name!r}: multi-turn "
                       "episodes run their own host loop and cannot refill; set "
