@@ -720,6 +720,11 @@ def report_spread(r: dict) -> str:
   return "\n".join(lines)
 
 
+def rows_of(cfg) -> int:
+  """A GRPO experiment's rows a step (prompts x samples)."""
+  return cfg.grpo.batch_size * cfg.grpo.num_samples
+
+
 def worker_turns(name: str, steps: int, sft_steps: int = 150, page_size: int = 0) -> dict:
   """``tiny_grpo_calc`` (the 0.8M-parameter tiny model over char_tools) after ``sft_steps`` of
   SFT on the calculator demonstrations, then ``steps`` timed GRPO steps against the calculator
@@ -740,7 +745,11 @@ def worker_turns(name: str, steps: int, sft_steps: int = 150, page_size: int = 0
       grpo=dc.replace(cfg.grpo, steps=steps + 1, eval_every=0),
       logging=dc.replace(cfg.logging, phase_timing=True, console_every_s=0.0),
       checkpoint=dc.replace(cfg.checkpoint, enabled=False),
-      rollout=dc.replace(cfg.rollout, kv_page_size=page_size),
+      # Pages handed out as tokens need them (a pool that never runs out), so that env/kv_fill
+      # is the fill of the pages in use.
+      rollout=dc.replace(cfg.rollout, kv_page_size=page_size, kv_pages=0 if not page_size else
+                         rows_of(cfg) * -(-(cfg.data.max_prompt_len
+                                            + cfg.rollout.max_new_tokens) // page_size)),
       data=dc.replace(cfg.data, eval_size=16))  # the stages' start/end evaluations: not timed
   with tempfile.TemporaryDirectory(prefix="bench_turns_") as d:
     if pipeline.run(cfg, d) != 0:

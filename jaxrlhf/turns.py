@@ -84,11 +84,13 @@ def pool_pages(rows: int, total: int, page_size: int, kv_pages: int = 0) -> int:
   return kv_pages or rows * -(-total // page_size)
 
 
+
 def start(params, prompt_RP, pmask_RP, *, cfg: ModelConfig, total: int,
           kernels: KernelsConfig, page_size: int = 0, kv_pages: int = 0) -> Conversation:
   """Prefills ``[R, P]`` left-padded prompts into a cache of ``total`` slots (``P + N``) a
   row: a contiguous lock-step cache, or with ``page_size`` a paged one of ``kv_pages`` pages
-  (:func:`pool_pages`)."""
+  (:func:`pool_pages`; 0: every row's pages reserved up front and read without a gather,
+  ``PagedKV.contiguous``; k > 0: pages handed out as tokens need them)."""
   r, p = prompt_RP.shape
   tokens = _rows(prompt_RP.astype(jnp.int32))
   mask = _rows(pmask_RP.astype(bool))
@@ -96,7 +98,11 @@ def start(params, prompt_RP, pmask_RP, *, cfg: ModelConfig, total: int,
   if page_size:
     cache = init_paged(cfg, r, pool_pages(r, total, page_size, kv_pages), page_size, total,
                        per_layer=unrolled_decode(kernels))
-    cache, ok = cache.reserve(jnp.sum(mask, axis=1, dtype=jnp.int32))
+    if not kv_pages:  # the whole buffer: every row's pages now, in order, read as they lie
+      cache, ok = cache.reserve(jnp.full((r,), total, jnp.int32))
+      cache = cache.contiguous_view()
+    else:
+      cache, ok = cache.reserve(jnp.sum(mask, axis=1, dtype=jnp.int32))
     starved = ~jnp.all(ok)
     h, cache = forward(params, tokens, positions_from_mask(mask), mask & ok[:, None], cfg=cfg,
                        paged=constrain_paged(cache), attn_impl=kernels.attention)

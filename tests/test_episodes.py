@@ -415,16 +415,17 @@ def test_paged_episodes_equal_lock_step_in_less_kv_and_running_out_is_an_error(t
       base, rollout=dataclasses.replace(base.rollout, kv_page_size=8, **kw))
   m = mesh()
   eps = []
-  for cfg in (base, paged()):
+  for cfg in (base, paged(kv_pages=48), paged()):
     stage, state, frozen = _stage(cfg, m)
     ep = EpisodeRunner(stage).run(stage.view(state.params, frozen, "policy"),
                                   stage.data.examples("prompts", 0, 4), jax.random.key(3), n=2)
     eps.append(ep)
-  lock, pg = eps
+  lock, pg, whole = eps  # lock step; pages as needed (48: never runs out); all up front
   assert lock.metrics["env/turns_mean"] > 1
-  for f in ("tokens", "mask", "policy", "turns", "returns", "truncated"):
-    np.testing.assert_array_equal(getattr(pg, f), getattr(lock, f), err_msg=f)
-  np.testing.assert_allclose(pg.logp, lock.logp, atol=2e-5)
+  for ep in (pg, whole):
+    for f in ("tokens", "mask", "policy", "turns", "returns", "truncated"):
+      np.testing.assert_array_equal(getattr(ep, f), getattr(lock, f), err_msg=f)
+    np.testing.assert_allclose(ep.logp, lock.logp, atol=2e-5)
   # Real tokens per KV slot held: the whole buffer in lock step, the filled pages when paged.
   real = lock.mask.sum()
   assert lock.metrics["env/kv_fill"] == pytest.approx(real / lock.mask.size)

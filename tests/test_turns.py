@@ -142,9 +142,11 @@ def test_compaction_keeps_order_and_moves_per_slot_data():
   assert ex.tolist() == [[0, 1.0, 2.0, 3.0, 4.0, 0, 0]]
 
 
-def test_paged_episodes_sample_the_lock_step_tokens_without_holes(params, prompts):
+@pytest.mark.parametrize("kv_pages", [0, turns.pool_pages(ROWS, P + N, 4)],
+                         ids=["contiguous", "lazy"])
+def test_paged_episodes_sample_the_lock_step_tokens_without_holes(params, prompts, kv_pages):
   want, want_reasons = _episode(params, *prompts)
-  got, got_reasons = _episode(params, *prompts, page_size=4)
+  got, got_reasons = _episode(params, *prompts, page_size=4, kv_pages=kv_pages)
   for a, b in zip(want_reasons, got_reasons):
     np.testing.assert_array_equal(a, b)
   w_tok, w_mask, w_pol, w_lp = _compacted(want)
@@ -157,10 +159,12 @@ def test_paged_episodes_sample_the_lock_step_tokens_without_holes(params, prompt
   np.testing.assert_allclose(np.asarray(got.logp_RS)[:, P:], w_lp, atol=2e-5)
   # Each row's next column is its own: prompt columns + its real response tokens.
   assert np.asarray(got.write_R).tolist() == (P + mask[:, P:].sum(1)).tolist()
-  # Pages held: what each row's real tokens fill, no more.
   held = np.asarray(got.cache.held_R())
-  assert held.tolist() == (-(-mask.sum(1) // 4)).tolist()
-  assert int(got.kv_slots()) == 4 * held.sum() < mask.size
+  if kv_pages:  # pages handed out as tokens need them: what each row's tokens fill, no more
+    assert held.tolist() == (-(-mask.sum(1) // 4)).tolist()
+    assert int(got.kv_slots()) == 4 * held.sum() < mask.size
+  else:  # every row's whole buffer, reserved up front
+    assert got.cache.contiguous and (held == -(-(P + N) // 4)).all()
 
 
 def test_a_paged_pool_that_runs_out_stops_and_says_so(params, prompts):

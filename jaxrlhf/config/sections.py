@@ -238,9 +238,11 @@ class RolloutConfig:
   # pool, each row writing its own tokens at its own position (no holes, every column of a row
   # its own) and holding only the pages they fill.  Same tokens up to float rounding.
   kv_page_size: int = 0
-  # The pool's pages with kv_page_size > 0: 0 is enough for every row's whole buffer (never
-  # runs out); fewer bound the KV memory by the tokens the episodes really hold, and running
-  # out stops the run with an error naming this setting (env/kv_fill says how full it was).
+  # The pool's pages with kv_page_size > 0: 0 holds every row's whole buffer, reserved up
+  # front and read as it lies (per-row positions at lock step's memory, no gather); k > 0
+  # hands pages out as tokens need them, so k below that bounds the KV memory by the tokens
+  # the episodes really hold (env/kv_fill: real tokens per slot of the pages in use), and
+  # running out stops the run with an error naming this setting.
   kv_pages: int = 0
   # In-flight refill (RL steps, docs/rollout.md): the step's rows are batch_size groups of
   # num_samples slots; a group whose rows have all stopped takes the next prompt of the step's
