@@ -9,11 +9,12 @@ A conversation lives in a fixed buffer of ``S = P + N`` columns per row: the pro
   Attention is masked by slot and rotary positions count real tokens only, so a hole changes
   nothing: a row's logits are those of its real tokens laid end to end.
 - **Paged** (``rollout.kv_page_size > 0``, :mod:`jaxrlhf.model.paged`): each row has its own
-  write position and takes pages of the shared pool as its tokens fill them, so a row writes
-  only its real tokens, end to end, and holds only the pages they fill.  No holes: the response
-  columns are already compact, and a row's ``N`` columns are all its own.  When the pool
-  (``rollout.kv_pages``) runs out, the segment stops and :attr:`Conversation.starved` says so;
-  the host raises an error naming the setting (nothing written is lost or overwritten).
+  write position and writes only its real tokens, end to end.  No holes: the response columns
+  are already compact, and a row's ``N`` columns are all its own.  With ``rollout.kv_pages=0``
+  every row's pages are reserved up front and read without a gather; with ``kv_pages=k`` a
+  row takes pages of a pool of ``k`` as its tokens fill them, and when the pool runs out the
+  segment stops and :attr:`Conversation.starved` says so; the host raises an error naming the
+  setting (nothing written is lost or overwritten).
 
 Both are tested against a from-scratch forward over the compacted conversation.
 
@@ -82,7 +83,6 @@ def pool_pages(rows: int, total: int, page_size: int, kv_pages: int = 0) -> int:
   """The paged pool's size: ``kv_pages``, or with 0 enough for every row to fill its
   ``total`` slots (it never runs out)."""
   return kv_pages or rows * -(-total // page_size)
-
 
 
 def start(params, prompt_RP, pmask_RP, *, cfg: ModelConfig, total: int,
