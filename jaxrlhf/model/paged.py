@@ -124,11 +124,6 @@ class PagedKV:
     at = self.length_R[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1
     return jnp.where(mask, at, -1)
 
-  def kv_mask(self) -> jax.Array:
-    """``[R, M * page_size]``: which logical slots hold a token."""
-    s = jnp.arange(self.max_pages * self.page_size)
-    return s[None, :] < self.length_R[:, None]
-
 
 def init_paged(cfg: ModelConfig, rows: int, num_pages: int, page_size: int, max_len: int,
                per_layer: bool) -> PagedKV:
