@@ -8,7 +8,6 @@ Tolerances, as a fraction of the reference's largest magnitude: float32 1e-5 (va
 (2^-8) of the outputs, or of the probabilities / logit gradients before the second matmul.
 """
 
-import re
 import typing
 
 import jax

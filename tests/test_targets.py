@@ -1,9 +1,9 @@
 """Compiled by the real accelerators' compilers, on this CPU host (jaxrlhf/targets.py): every
 Pallas kernel for an H200 at production shapes, every TPU kernel (our Mosaic log-prob, jax's
-splash attention and paged attention) for a TPU v5e and v5p chip, the one-program step of SFT, DPO, GRPO and
-PPO on 8 compile-only H200s (Pallas on and off) and on a TPU v5e slice (TPU kernels on, and
-off under ``slow``), what the compiled programs hold (the kernels, the collectives) and need
-(``memory_analysis()`` against the device's memory).
+splash attention and paged attention) for a TPU v5e and v5p chip, the one-program step of
+SFT, DPO, GRPO and PPO on 8 compile-only H200s (Pallas on and off) and on a TPU v5e slice
+(TPU kernels on, and off under ``slow``), what the compiled programs hold (the kernels, the
+collectives) and need (``memory_analysis()`` against the device's memory).
 
 Skipped only where the ``aot`` extra is not installed (``pip install -e '.[aot]'``).  The
 tests set JAX_PLATFORMS=cpu (tests/conftest.py), which the CUDA plugin needs to load without

@@ -27,9 +27,10 @@ from jaxrlhf.mesh import constrain
 @flax.struct.dataclass
 class PagedKV:
   """Pools ``k``/``v``: per-layer tuples of ``[K, pages, page_size, Dh]`` (or stacked
-  ``[L, K, pages, page_size, Dh]``; head-major, as the attention's matmuls batch); ``table_RM``: each row's page ids in slot order, ``pages``
-  (one past the last id) where none; ``length_R``: each row's slots written; ``free_F``: the
-  free stack (its first ``n_free`` entries are the free pages)."""
+  ``[L, K, pages, page_size, Dh]``; head-major, as the attention's matmuls batch);
+  ``table_RM``: each row's page ids in slot order, ``pages`` (one past the last id) where
+  none; ``length_R``: each row's slots written; ``free_F``: the free stack (its first
+  ``n_free`` entries are the free pages)."""
 
   k: object
   v: object
@@ -79,10 +80,13 @@ class PagedKV:
 
     A row gets every page it lacks or none: rows are served in order while the free pages
     last (the first row that does not fit, and every row after it that lacks a page, gets
-    none: no part-served row, and no row served out of turn).  Returns ``(cache, ok_R)``: ``ok_R`` is true where the row now has room for its
-    ``need_R`` slots (always where it needed no new page).  Rows past their ``M`` pages are
-    never ok."""
+    none: no part-served row, and no row served out of turn).  Returns ``(cache, ok_R)``:
+    ``ok_R`` is true where the row now has room for its ``need_R`` slots (always where it
+    needed no new page).  Rows past their ``M`` pages are never ok.  A :attr:`contiguous`
+    cache holds every row's pages already: nothing to do."""
     ps, m, pages = self.page_size, self.max_pages, self.num_pages
+    if self.contiguous:
+      return self, self.length_R + need_R <= m * ps
     held = self.held_R()
     want = -(-(self.length_R + need_R) // ps)  # pages the row must hold
     lack = jnp.maximum(want - held, 0)

@@ -352,9 +352,9 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
   :class:`KVCache`), written and returned the same way.  Without a cache, ``cache_kv`` may be
   ``(None, None, layer)``: the layer index alone, for configs whose layers differ (sliding /
   full).  ``prefix``: this layer's :class:`SharedPrefix` ``(k, v, mask)``, the slots before
-  the cache's, shared by each group of rows.  ``paged``: ``(read_table, slot_RT, length_R, table_RM)``
-  of a :class:`~jaxrlhf.model.paged.PagedKV` whose pools ``cache_kv`` holds (``read_table``:
-  None for a contiguous pool, read without a gather): the new tokens are
+  the cache's, shared by each group of rows.  ``paged``: ``(read_table, slot_RT, length_R,
+  table_RM)`` of a :class:`~jaxrlhf.model.paged.PagedKV` whose pools ``cache_kv`` holds
+  (``read_table``: None for a contiguous pool, read without a gather): the new tokens are
   written at their logical slots ``slot_RT`` through the page table, and attend over each
   row's ``length_R`` slots."""
   cdt, rdt = _dtype(cfg.compute_dtype), _residual_dtype(cfg)

@@ -148,8 +148,8 @@ class EpisodeRunner:
   def _check_pages(self, conv, what: str):
     """ConfigError if the paged pool ran out (nothing was overwritten: the rows it could not
     serve stopped)."""
-    if not conv.paged or not bool(jax.device_get(conv.starved)):
-      return
+    if not conv.paged or conv.cache.contiguous or not bool(jax.device_get(conv.starved)):
+      return  # (a contiguous pool holds every row's whole buffer: it cannot run out)
     rows = conv.tokens_RS.shape[0]
     full = turns.pool_pages(rows, self.S, self.page_size)
     raise ConfigError(
@@ -188,8 +188,8 @@ class EpisodeRunner:
     reason, i0, i1, toks, pol = jax.device_get(
         (reason, start_slot, conv.write_R, conv.tokens_RS, conv.policy_RS))
     # Each row's action: its columns [i0, i1) (the same for every row in lock step).
-    pol = np.stack([np.where((np.arange(self.S) >= a) & (np.arange(self.S) < b), p, False)
-                    for a, b, p in zip(i0, i1, pol)])
+    col = np.arange(self.S)[None, :]
+    pol = pol & (col >= i0[:, None]) & (col < i1[:, None])
     acting = np.nonzero(live)[0]
     actions = [tok.decode(toks[r][pol[r]]) for r in acting]
     results = self.runner.step([int(r) for r in acting], actions)
