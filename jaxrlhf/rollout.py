@@ -391,6 +391,39 @@ def _share(cache: KVCache, n: int, slots: int, per_layer: bool):
   return prefix, _constrain_cache(own)
 
 
+def _compact_prompts(cache: KVCache, mask_XP):
+  """A prefilled cache's keys/values ``[L, X, K, P, Dh]`` with each prompt's real tokens moved
+  to its slots ``[0, plen)``, in order, and the mask of those slots ``[X, P]``."""
+  src_XP = jnp.argsort(~mask_XP.astype(bool), axis=1, stable=True)  # real slots first
+  take = lambda x: jnp.take_along_axis(x, src_XP[None, :, None, :, None], axis=3)  # noqa: E731
+  plen_X = jnp.sum(mask_XP, axis=1, dtype=jnp.int32)
+  return take(cache.k), take(cache.v), jnp.arange(mask_XP.shape[1])[None, :] < plen_X[:, None]
+
+
+def _constrain_prefix(prefix: SharedPrefix) -> SharedPrefix:
+  axes = KVCache.axes()
+  kv = lambda x: constrain(x, axes.k[1:] if prefix.per_layer else axes.k)  # noqa: E731
+  k = tuple(kv(x) for x in prefix.k) if prefix.per_layer else kv(prefix.k)
+  v = tuple(kv(x) for x in prefix.v) if prefix.per_layer else kv(prefix.v)
+  return prefix.replace(k=k, v=v, mask=constrain(prefix.mask, axes.mask))
+
+
+def _shared_prefix(k_LGKPD, v_LGKPD, mask_GP, per_layer: bool) -> SharedPrefix:
+  if per_layer:
+    k_LGKPD = tuple(k_LGKPD[i] for i in range(k_LGKPD.shape[0]))
+    v_LGKPD = tuple(v_LGKPD[i] for i in range(v_LGKPD.shape[0]))
+  return _constrain_prefix(SharedPrefix(k=k_LGKPD, v=v_LGKPD, mask=mask_GP))
+
+
+def _prefix_groups(prefix: SharedPrefix, count: int) -> SharedPrefix:
+  """The first ``count`` groups of a shared prefix."""
+  if prefix.per_layer:
+    k, v = tuple(x[:count] for x in prefix.k), tuple(x[:count] for x in prefix.v)
+  else:
+    k, v = prefix.k[:, :count], prefix.v[:, :count]
+  return prefix.replace(k=k, v=v, mask=prefix.mask[:count])
+
+
 def _generate(params, prompt_tokens_BP, prompt_mask_BP, key, *,
               cfg: ModelConfig, rollout: RolloutConfig, eos_id: int, pad_id: int,
               num_samples: int, kernels: KernelsConfig):
@@ -523,25 +556,45 @@ class _RefillLoop:
     first_logits, cache = self.prefill(_rows(self.tokens_QP[:g_n]), _rows(self.mask_QP[:g_n]))
     self.first_logits_R = jnp.repeat(first_logits, n, axis=0)
     self.partial = partial
-    self.paged = partial is not None
+    self.continuing = partial is not None
+    # Per-row positions (a PagedKV of one page a row) for partial rollouts and for shared
+    # prompts: with rollout.prefix_sharing each group's prompt is written once, in its own
+    # buffer (a SharedPrefix, slot g for group g), and a row's page holds its response only.
+    self.shared = rollout.prefix_sharing
+    self.paged = self.continuing or self.shared
     if self.paged:
       self.cache = self._paged_start(params, cache)
     else:
       self.cache = _grow(cache, n, self.n_new - 1, per_layer=unrolled_decode(kernels))
     self.dparams = decode_params(params, cfg, kernels)
 
-  # --------------------------------------------------------- partial rollouts (paged)
-  def _paged_start(self, params, cache: KVCache) -> PagedKV:
-    """The loop's cache for partial rollouts: one page of ``P + N`` slots a row, the first
-    G prompts written from slot 0 of their rows, then each carried row's response so far
-    (one forward over them, under the current weights: their next-token logits replace the
-    prompt's)."""
-    n, rows, total = self.n, self.rows, self.p + self.n_new
+  # ----------------------------------------- per-row positions: partial rollouts, sharing
+  def _split(self, cache):
+    """The loop cache's ``(PagedKV, SharedPrefix or None)``."""
+    return cache if self.shared else (cache, None)
+
+  def _join(self, pg: PagedKV, prefix):
+    return (constrain_paged(pg), prefix) if self.shared else constrain_paged(pg)
+
+  def _paged_start(self, params, cache: KVCache):
+    """The loop's cache with per-row positions: one page a row, of ``P + N`` slots with the
+    first G prompts written from slot 0 of their rows, or with shared prompts of ``N`` slots
+    beside the prompts' own buffer; then each carried row's response so far (one forward over
+    them, under the current weights: their next-token logits replace the prompt's)."""
+    n, rows = self.n, self.rows
+    total = self.n_new if self.shared else self.p + self.n_new
     pg = init_paged(self.cfg, rows, rows, total, total,
                     per_layer=unrolled_decode(self.kernels))
     pg, _ = pg.reserve(jnp.full((rows,), total, jnp.int32))  # each row owns its page for good
     pg = pg.contiguous_view()  # row r's page is page r: read without a gather
-    pg = self._write_prompts(pg, cache, self.mask_QP[:self.g_n], 0)
+    prefix = None
+    if self.shared:
+      k, v, mask = _compact_prompts(cache, self.mask_QP[:self.g_n])
+      prefix = _shared_prefix(k, v, mask, pg.per_layer)
+    else:
+      pg = self._write_prompts(pg, cache, self.mask_QP[:self.g_n], 0)
+    if not self.continuing:
+      return self._join(pg, prefix)
     carried_R = self.row_R < self.n_carried * n
     rmask = self.partial["rmask"] & carried_R[:, None]
     resp = jnp.where(rmask, self.partial["resp"], 0)
@@ -555,8 +608,9 @@ class _RefillLoop:
       the first ``w`` response columns (their tokens are left-aligned)."""
       def run(pg):
         sub = pg.replace(table_RM=pg.table_RM[:b], length_R=pg.length_R[:b], contiguous=False)
+        pre = None if prefix is None else _prefix_groups(prefix, b // n)
         h, sub = forward(params, resp[:b, :w], pos[:b, :w], rmask[:b, :w], cfg=self.cfg,
-                         paged=sub, attn_impl=self.kernels.attention)
+                         paged=sub, prefix=pre, attn_impl=self.kernels.attention)
         h = jnp.take_along_axis(h, jnp.minimum(last[:b], w - 1)[:, None, None], axis=1)
         logits = jnp.zeros_like(self.first_logits_R).at[:b].set(
             lm_logits(params, h, self.cfg)[:, 0])
@@ -577,7 +631,7 @@ class _RefillLoop:
         + [go_on(b, w) for b, w in shapes], pg)
     self.first_logits_R = jnp.where(jnp.any(rmask, axis=1)[:, None], logits_R,
                                     self.first_logits_R)
-    return pg
+    return self._join(pg, prefix)
 
   def _write_prompts(self, pg: PagedKV, small: KVCache, mask_XP, r0) -> PagedKV:
     """``X`` prefilled prompts (``small``: ``[L, X, K, P, Dh]``) written into the pages of
@@ -618,7 +672,7 @@ class _RefillLoop:
         rid=self.row_R)  # response id: prompt index x n + sample
     out = dict(resp=slots["resp"], rmask=slots["rmask"], lp=slots["lp"], slp=slots["slp"],
                stopped=slots["stopped"], prompt=jnp.zeros((g_n,), jnp.int32))
-    if self.paged:  # carried rows go on from their partial responses
+    if self.continuing:  # carried rows go on from their partial responses
       carried_R = self.row_R < self.n_carried * n
       for k in PARTIAL_FIELDS:
         x = self.partial[k]
@@ -711,6 +765,20 @@ class _RefillLoop:
     mask_1P = jax.lax.dynamic_slice_in_dim(self.mask_QP, q, 1, axis=0)
     logits_1V, small = self.prefill(tok_1P, mask_1P)
     r0 = g * n
+    if self.shared:  # the prompt into the group's prefix slot; its rows' pages emptied
+      pg, prefix = cache
+      k1, v1, m1 = _compact_prompts(small, mask_1P)
+      put = lambda buf, new, at: jax.lax.dynamic_update_slice(  # noqa: E731
+          buf, new.astype(buf.dtype), at)
+      if prefix.per_layer:
+        k = tuple(put(b, k1[i], (g, 0, 0, 0)) for i, b in enumerate(prefix.k))
+        v = tuple(put(b, v1[i], (g, 0, 0, 0)) for i, b in enumerate(prefix.v))
+      else:
+        k, v = put(prefix.k, k1, (0, g, 0, 0, 0)), put(prefix.v, v1, (0, g, 0, 0, 0))
+      prefix = _constrain_prefix(prefix.replace(k=k, v=v, mask=put(prefix.mask, m1, (g, 0))))
+      mine_R = (self.row_R >= r0) & (self.row_R < r0 + n)
+      pg = pg.replace(length_R=jnp.where(mine_R, 0, pg.length_R))
+      return self._filled((pg, prefix), slots, tok_R, live_R, group, g, q, logits_1V)
     if self.paged:
       return self._filled(self._write_prompts(cache, small, mask_1P, r0), slots, tok_R, live_R,
                           group, g, q, logits_1V)
@@ -762,9 +830,10 @@ class _RefillLoop:
     cfg = self.cfg
     pos_R1 = (slots["start"] + slots["j"] - 1)[:, None]
     if self.paged:  # each row writes at its own length
-      h, cache = forward(self.dparams, tok_R[:, None], pos_R1, live_R[:, None], cfg=cfg,
-                         paged=cache, attn_impl=self.kernels.attention)
-      cache = constrain_paged(cache)
+      pg, prefix = self._split(cache)
+      h, pg = forward(self.dparams, tok_R[:, None], pos_R1, live_R[:, None], cfg=cfg,
+                      paged=pg, prefix=prefix, attn_impl=self.kernels.attention)
+      cache = self._join(pg, prefix)
     else:
       h, cache = forward(self.dparams, tok_R[:, None], pos_R1, live_R[:, None], cfg=cfg,
                          cache=cache, attn_impl=self.kernels.attention)
@@ -795,7 +864,7 @@ class _RefillLoop:
           jnp.arange(q_len, dtype=jnp.int32), mode="drop")
       stats.update(carried_in=self.n_carried, trained=group["kept"],
                    carried_out=jnp.minimum(jnp.sum(left_Q, dtype=jnp.int32), g_n))
-    if self.paged:  # each leftover group's rows, from the slot it still holds
+    if self.continuing:  # each leftover group's rows, from the slot it still holds
       valid_G = jnp.arange(g_n) < stats["carried_out"]
       slot_G = jnp.argmax(group["owner"][None, :] == leftover_G[:, None], axis=1)
       rows_R = (slot_G[:, None] * n + self.sample_n[None, :]).reshape(self.rows)

@@ -480,3 +480,91 @@ def test_a_continued_response_equals_one_decoded_in_one_go(params):
   st1 = {k: int(v) for k, v in info1.stats.items()}
   assert st1["started"] == st1["trained"] + c
   assert set(range(c)) <= set(index2)
+
+
+# ------------------------------------------------------------ shared prompts with refill
+
+
+def _same(got, want, info, want_info):
+  np.testing.assert_array_equal(info.prompt_index_G, want_info.prompt_index_G)
+  np.testing.assert_array_equal(got.tokens_BT, want.tokens_BT)
+  np.testing.assert_array_equal(got.response_mask_BN, want.response_mask_BN)
+  np.testing.assert_array_equal(got.finished_B, want.finished_B)
+  np.testing.assert_allclose(got.behaviour_logp_BN, want.behaviour_logp_BN, atol=2e-5)
+  np.testing.assert_allclose(got.sample_logp_BN, want.sample_logp_BN, atol=2e-5)
+  for k in ("started", "completed", "steps"):
+    assert int(info.stats[k]) == int(want_info.stats[k]), k
+
+
+def _refill_modes(params, queue, key, count=None, partial=None, cfg=CFG, **ro):
+  return R.generate_refill(params, queue["prompt"], queue["prompt_mask"], key, count, partial,
+                           cfg=cfg, rollout=_ro(**ro), eos_id=EOS, num_samples=n,
+                           num_groups=G)
+
+
+@pytest.mark.parametrize("mode", ["drop", "carry", "continue"])
+def test_shared_prompts_with_refill_decode_todays_tokens(params, mode):
+  """rollout.prefix_sharing with refill: each group's prompt written once (refilled groups'
+  too), its rows' own pages holding their responses; the same groups, tokens and counts as
+  the whole cache per row, log-probs within 2e-5.  With ``continue``, over two steps: the
+  carried partial responses go on to the same ends."""
+  q1 = _queue(jax.random.key(1), LONG_TAIL)
+  count = None if mode == "drop" else jnp.int32(0)
+  partial = R.empty_partial(G * n, N) if mode == "continue" else None
+  outs = [_refill_modes(params, q1, jax.random.key(3), count, partial, prefix_sharing=s)
+          for s in (False, True)]
+  (want, want_info), (got, info) = outs
+  _same(got, want, info, want_info)
+  assert int(want_info.stats["started"]) > G  # refilled groups
+  if mode == "drop":
+    return
+  c = want_info.stats["carried_out"]
+  assert int(c) > 0
+  q2 = R.carry_queue(R.carry_take(q1, want_info.leftover_index_G, c), c,
+                     _queue(jax.random.key(7), (2, 1, 3, 2, 1, 2, 1, 3)))
+  outs = [_refill_modes(params, q2, jax.random.key(4), c,
+                        None if partial is None else i.partial, prefix_sharing=s)
+          for s, (_, i) in zip((False, True), outs)]
+  (want, want_info), (got, info) = outs
+  _same(got, want, info, want_info)
+  if mode == "continue":
+    assert int(info.stats["continued"]) == int(want_info.stats["continued"]) > 0
+
+
+def test_shared_prompts_with_refill_on_sliding_window_layers_and_dp2_tp2():
+  """Ragged prompts, a sliding window shorter than prompt + response (counted in tokens, the
+  prompt's included) and soft-capping, on one device and on dp=2 x tp=2.  (A vocabulary of 8
+  with two stop tokens: groups end at mixed steps and are refilled.)"""
+  cfg = dataclasses.replace(TINY, vocab_size=8, sliding_window=6, layer_types=("sliding", "full"),
+                            attn_softcap=20.0, max_seq_len=32)
+  prm = M.init_params(cfg, jax.random.key(5))
+  tokens, mask = ragged_batch(jax.random.key(6), Q, P, cfg.vocab_size)
+  queue = {"prompt": tokens, "prompt_mask": mask}
+  got = {}
+  for name, m in (("one", mesh()), ("dp2tp2", mesh(dp=2, tp=2))):
+    for s in (False, True):
+      with jax.set_mesh(m):
+        got[name, s] = jax.device_get(_refill_modes(prm, queue, jax.random.key(3), cfg=cfg,
+                                                    prefix_sharing=s))
+  want, want_info = got["one", False]
+  assert int(want_info.stats["started"]) > G and want.response_mask_BN.sum() > G * n * 3
+  for key in (("one", True), ("dp2tp2", True), ("dp2tp2", False)):
+    _same(*got[key][:1], want, got[key][1], want_info)
+
+
+def test_grpo_steps_with_shared_prompts_and_partial_rollouts_equal_without():
+  """The trainer with refill, partial rollouts and rollout.prefix_sharing takes the same
+  steps as without sharing (metrics and weights to float rounding) over three steps, the
+  carried responses continued on top of shared prompts."""
+  cfg = config(leftover="continue")
+  shared = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout,
+                                                                prefix_sharing=True))
+  _, s1, _, m1 = run_steps(cfg, mesh(), steps=3)
+  _, s2, _, m2 = run_steps(shared, mesh(), steps=3)
+  assert any(m["rollout/continued_tokens"] > 0 for m in m2[1:])
+  for a, b in zip(m1, m2):
+    for k in a:
+      if not k.startswith(("time/", "memory/", "perf/")):
+        np.testing.assert_allclose(b[k], a[k], rtol=2e-4, atol=2e-5, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5),
+               jax.device_get(s2.params), jax.device_get(s1.params))

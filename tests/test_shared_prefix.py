@@ -1,7 +1,8 @@
 """Group-shared prompts (``rollout.prefix_sharing``): attention over one copy of each prompt's
 keys/values, merged with each sample's own slots in one softmax, equals dense attention over
 the prompt repeated per sample; generation with it gives today's tokens and log-probs to float
-rounding, on one device and on dp2 x tp2."""
+rounding, on one device and on dp2 x tp2.  The same over a paged cache (per-row positions, as
+refill runs it: tests/test_refill.py runs the loop)."""
 
 import dataclasses
 
@@ -15,7 +16,8 @@ from jaxrlhf import model as M
 from jaxrlhf.config import ConfigError, ModelConfig, RolloutConfig, validate
 from jaxrlhf.rollout import generate
 from kernels.attention.reference import attention_reference
-from kernels.attention.shared_prefix import shared_prefix_attention
+from kernels.attention.paged import paged_attention
+from kernels.attention.shared_prefix import shared_prefix_attention, shared_prefix_paged_attention
 
 
 def _dense(q, pk, pv, pmask, k, v, kmask, q_offset, n, **kw):
@@ -84,14 +86,57 @@ def test_generation_with_shared_prompts_on_dp2_tp2():
   np.testing.assert_allclose(shared.behaviour_logp_BN, dense.behaviour_logp_BN, atol=2e-5)
 
 
-def test_prefix_sharing_with_refill_or_episodes_is_refused():
+def test_prefix_sharing_with_episodes_is_refused():
   from test_train import config
   cfg = config()
-  for ro, env in ((dict(refill=True), ""), ({}, "calculator")):
-    bad = dataclasses.replace(cfg, stages=("grpo",), rollout=dataclasses.replace(
-        cfg.rollout, prefix_sharing=True, **ro), env=dataclasses.replace(cfg.env, name=env))
-    with pytest.raises(ConfigError, match="rollout.prefix_sharing=false"):
-      validate(bad)
+  bad = dataclasses.replace(cfg, stages=("grpo",), rollout=dataclasses.replace(
+      cfg.rollout, prefix_sharing=True), env=dataclasses.replace(cfg.env, name="calculator"))
+  with pytest.raises(ConfigError, match="rollout.prefix_sharing=false"):
+    validate(bad)
+
+
+def _paged_reference(q, pk, pv, plen, own_k, own_v, q_slot, length, n, page, **kw):
+  """Each row's prompt then its own tokens end to end in one row of pages: the paged cache
+  without sharing (the prompt copied into every row)."""
+  kh, b, s, d = own_k.shape
+  p = pk.shape[2]
+  plen_B = jnp.repeat(plen, n)
+  slot = jnp.arange(-(-(p + s) // page) * page)
+  from_prompt = slot[None, :, None] < plen_B[:, None, None]  # [B, S', 1]
+
+  def row(pre, own):
+    pre_B = jnp.repeat(pre, n, axis=0).transpose(1, 0, 2, 3)  # [K, B, P, D]
+    a = jnp.take(pre_B, jnp.clip(slot, 0, p - 1), axis=2)
+    o = jnp.take_along_axis(own, jnp.clip(slot[None] - plen_B[:, None], 0, s - 1)[None, :, :,
+                                                                                     None],
+                            axis=2)
+    return jnp.where(from_prompt[None], a, o).reshape(kh, -1, page, d)
+
+  return paged_attention(q, row(pk, own_k), row(pv, own_v), None, q_slot + plen_B[:, None],
+                         length + plen_B, impl="xla", **kw)
+
+
+@pytest.mark.parametrize("n", [1, 4, 16])
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("kw", [{}, {"window": 5}, {"softcap": 3.0, "scale": 0.3}])
+def test_shared_prefix_over_pages_equals_the_prompt_in_every_row(n, t, kw):
+  """Per-row positions (refill with shared prompts): a group's prompt read once, each row's
+  own slots from a pool of pages, equals each row holding the prompt then its own tokens;
+  ragged prompts (9, 6 and 3 tokens), ragged own lengths, decode and block queries."""
+  g, h, kh, d, p, s, page = 3, 4, 2, 8, 9, 8, 4
+  keys = jax.random.split(jax.random.key(n + t), 6)
+  q = jax.random.normal(keys[0], (g * n, t, h, d))
+  pk, pv = (jax.random.normal(k, (g, kh, p, d)) for k in keys[1:3])
+  plen = jnp.array([9, 6, 3])
+  pmask = jnp.arange(p)[None] < plen[:, None]
+  own_k, own_v = (jax.random.normal(k, (kh, g * n, s, d)) for k in keys[3:5])
+  length = jnp.maximum(1 + (jnp.arange(g * n) * 3) % s, t)
+  q_slot = length[:, None] - t + jnp.arange(t)[None]
+  pool = lambda x: x.reshape(kh, g * n * s // page, page, d)  # noqa: E731 row b: its pages
+  got = shared_prefix_paged_attention(q, pk, pv, pmask, pool(own_k), pool(own_v), None, q_slot,
+                                      length, **kw)
+  want = _paged_reference(q, pk, pv, plen, own_k, own_v, q_slot, length, n, page, **kw)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
 def test_decode_bytes_count_the_prompt_once_per_group():

@@ -32,7 +32,8 @@ from jaxrlhf.mesh import constrain
 from jaxrlhf.model.paged import PagedKV, write_layer
 from kernels.attention import attention
 from kernels.attention.paged import paged_attention
-from kernels.attention.shared_prefix import shared_prefix_attention
+from kernels.attention.shared_prefix import (shared_prefix_attention,
+                                             shared_prefix_paged_attention)
 from kernels.numerics import fixed_order_sum
 
 HEADS = ("lm", "scalar", "lm+scalar")
@@ -385,8 +386,13 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
       ck, cv = write_layer(ck, cv, table_RM, slot_RT, k, v, li)
       k_pool = jax.lax.dynamic_index_in_dim(ck, li, 0, keepdims=False)
       v_pool = jax.lax.dynamic_index_in_dim(cv, li, 0, keepdims=False)
-    o = paged_attention(q, k_pool, v_pool, read_table, slot_RT, length_R, impl=attn_impl,
-                        **attn_kw)
+    if prefix is not None:  # the group's prompt, then the row's own pages
+      pk, pv, pmask = prefix
+      o = shared_prefix_paged_attention(q, pk, pv, pmask, k_pool, v_pool, read_table, slot_RT,
+                                        length_R, **attn_kw)
+    else:
+      o = paged_attention(q, k_pool, v_pool, read_table, slot_RT, length_R, impl=attn_impl,
+                          **attn_kw)
     new_kv = (ck, cv)
   elif cache_kv is not None and cache_kv[0] is not None:
     ck, cv, li = cache_kv
@@ -450,12 +456,13 @@ def forward(params: dict, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BT
   ``paged`` (in place of ``cache``): a :class:`~jaxrlhf.model.paged.PagedKV`; each row's real
   tokens (``mask_BT``) are written from its own length on, end to end, and attend causally
   over its slots; returned with the lengths advanced.  The caller reserves the pages first
-  (:meth:`~jaxrlhf.model.paged.PagedKV.reserve`).
+  (:meth:`~jaxrlhf.model.paged.PagedKV.reserve`).  With a ``prefix`` too, its prompts' real
+  tokens lie end to end from slot 0 and each row's own slots continue them
+  (:func:`~kernels.attention.shared_prefix.shared_prefix_paged_attention`).
   """
-  if paged is not None and (cache is not None or prefix is not None
-                            or segment_ids_BT is not None):
-    raise ValueError("forward: a paged cache replaces the KV cache (no prefix, no packing)")
-  if prefix is not None and (cache is None or segment_ids_BT is not None):
+  if paged is not None and (cache is not None or segment_ids_BT is not None):
+    raise ValueError("forward: a paged cache replaces the KV cache (no packing)")
+  if prefix is not None and ((cache is None and paged is None) or segment_ids_BT is not None):
     raise ValueError("forward: a shared prefix is read beside a KV cache (decoding)")
   if segment_ids_BT is not None and cache is not None:
     raise ValueError("forward: segment_ids_BT (packed rows) is for teacher-forced passes "

@@ -61,21 +61,15 @@ def paged_attention(q_BTHD, k_pool, v_pool, table_BM, q_slot_BT, length_B, *, sc
 def _paged_xla(q_BTHD, k_pool, v_pool, table_BM, q_slot_BT, length_B, *, scale, window,
                softcap):
   b, t, h, d = q_BTHD.shape
-  k_heads, pages, page, _ = k_pool.shape
+  k_heads = k_pool.shape[0]
   g = h // k_heads
   scale = d ** -0.5 if scale is None else scale
-  if table_BM is None:  # each row's pages in order: the pool as it lies
-    m = pages // b
-    kp, vp = (x.reshape(k_heads, b, m * page, d) for x in (k_pool, v_pool))
-  else:  # the gather: [K, B, M * page, D], each row's pages in slot order
-    m = table_BM.shape[1]
-    kp = jnp.take(k_pool, table_BM, axis=1, mode="clip").reshape(k_heads, b, m * page, d)
-    vp = jnp.take(v_pool, table_BM, axis=1, mode="clip").reshape(k_heads, b, m * page, d)
+  kp, vp = row_slots(k_pool, v_pool, table_BM, b)
   q = q_BTHD.reshape(b, t, k_heads, g, d).transpose(2, 0, 1, 3, 4).astype(k_pool.dtype)
   scores = jnp.einsum("kbtgd,kbsd->kbgts", q, kp, preferred_element_type=jnp.float32) * scale
   if softcap is not None:
     scores = softcap_logits(scores, softcap)
-  s = jnp.arange(m * page)
+  s = jnp.arange(kp.shape[2])
   q_slot = q_slot_BT[:, :, None]
   allowed = (s[None, None, :] < length_B[:, None, None]) & (s[None, None, :] <= q_slot)
   if window is not None:
@@ -86,6 +80,19 @@ def _paged_xla(q_BTHD, k_pool, v_pool, table_BM, q_slot_BT, length_B, *, scale, 
   out = jnp.einsum("kbgts,kbsd->kbtgd", probs.astype(v_pool.dtype), vp,
                    preferred_element_type=jnp.float32)
   return out.transpose(1, 2, 0, 3, 4).reshape(b, t, h, d).astype(q_BTHD.dtype)
+
+
+def row_slots(k_pool, v_pool, table_BM, rows: int):
+  """Each row's keys and values in slot order, ``[K, B, M * page, D]``: the pool as it lies
+  (``table_BM`` None: row ``b`` holds pages ``b*M .. b*M + M - 1``), or gathered through the
+  table (ids past the pool clamped: their slots lie past the row's length)."""
+  k_heads, pages, page, d = k_pool.shape
+  if table_BM is None:
+    m = pages // rows
+    return tuple(x.reshape(k_heads, rows, m * page, d) for x in (k_pool, v_pool))
+  m = table_BM.shape[1]
+  return tuple(jnp.take(x, table_BM, axis=1, mode="clip").reshape(k_heads, rows, m * page, d)
+               for x in (k_pool, v_pool))
 
 
 def paged_decode_pallas(q_B1HD, k_pool, v_pool, table_BM, length_B, *, scale=None,
