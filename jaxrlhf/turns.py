@@ -15,6 +15,10 @@ A conversation lives in a fixed buffer of ``S = P + N`` columns per row: the pro
   row takes pages of a pool of ``k`` as its tokens fill them, and when the pool runs out the
   segment stops and :attr:`Conversation.starved` says so; the host raises an error naming the
   setting (nothing written is lost or overwritten).
+- **Shared prompts** (``rollout.prefix_sharing``, paged): the ``n`` episodes of an example
+  start from the same first observation; it is prefilled once per group into a
+  :class:`~jaxrlhf.model.transformer.SharedPrefix` and each row's pages hold only what
+  follows it (actions and observations), the attention reading the prompt once per group.
 
 Both are tested against a from-scratch forward over the compacted conversation.
 
@@ -42,10 +46,11 @@ import numpy as np
 
 from jaxrlhf.config import KernelsConfig, ModelConfig, RolloutConfig
 from jaxrlhf.model.paged import PagedKV, constrain_paged, init_paged
-from jaxrlhf.model.transformer import (KVCache, forward, last_valid_index, lm_logits,
-                                       positions_from_mask)
-from jaxrlhf.rollout import (_constrain_cache, _grow, _prefill, _real_vocab, _rows,
-                             decode_params, sample_logits, unrolled_decode)
+from jaxrlhf.model.transformer import (KVCache, SharedPrefix, forward, last_valid_index,
+                                       lm_logits, positions_from_mask)
+from jaxrlhf.rollout import (_compact_prompts, _constrain_cache, _grow, _prefill, _real_vocab,
+                             _rows, _shared_prefix, decode_params, sample_logits,
+                             unrolled_decode)
 
 # Why an action ended (``act``'s ``reason_R``).
 NOT_LIVE, EOS, STOP, TURN_LIMIT, BUFFER_FULL = 0, 1, 2, 3, 4
@@ -66,17 +71,27 @@ class Conversation:
   logits_RV: jax.Array  # f32: each row's next-token logits (after its last real token)
   write_R: jax.Array  # int32: the column each row writes next (lock step: cache.index for all)
   starved: jax.Array  # bool: the page pool ran out (paged; never true in lock step)
+  # Shared prompts (paged): each group's first observation, once; the pages hold the rest.
+  prefix: SharedPrefix | None = None
 
   @property
   def paged(self) -> bool:
     return isinstance(self.cache, PagedKV)
 
   def kv_slots(self) -> jax.Array:
-    """KV slots held: the pages in use times their size (paged), the whole buffer (lock
-    step)."""
+    """KV slots held: the pages in use times their size (paged, and the shared prompts'
+    buffer), the whole buffer (lock step)."""
     if self.paged:
-      return self.cache.in_use() * self.cache.page_size
+      held = self.cache.in_use() * self.cache.page_size
+      return held if self.prefix is None else held + self.prefix.mask.size
     return jnp.asarray(self.tokens_RS.size, jnp.int32)
+
+  def kv_tokens(self, prompt_len: int) -> jax.Array:
+    """Real tokens the cache holds (a shared prompt once per group)."""
+    if self.prefix is None:
+      return jnp.sum(self.mask_RS, dtype=jnp.int32)
+    return (jnp.sum(self.mask_RS[:, prompt_len:], dtype=jnp.int32)
+            + jnp.sum(self.prefix.mask, dtype=jnp.int32))
 
 
 def pool_pages(rows: int, total: int, page_size: int, kv_pages: int = 0) -> int:
@@ -86,16 +101,34 @@ def pool_pages(rows: int, total: int, page_size: int, kv_pages: int = 0) -> int:
 
 
 def start(params, prompt_RP, pmask_RP, *, cfg: ModelConfig, total: int,
-          kernels: KernelsConfig, page_size: int = 0, kv_pages: int = 0) -> Conversation:
+          kernels: KernelsConfig, page_size: int = 0, kv_pages: int = 0,
+          group: int = 0) -> Conversation:
   """Prefills ``[R, P]`` left-padded prompts into a cache of ``total`` slots (``P + N``) a
   row: a contiguous lock-step cache, or with ``page_size`` a paged one of ``kv_pages`` pages
   (:func:`pool_pages`; 0: every row's pages reserved up front and read without a gather,
-  ``PagedKV.contiguous``; k > 0: pages handed out as tokens need them)."""
+  ``PagedKV.contiguous``; k > 0: pages handed out as tokens need them).  ``group`` = n > 0:
+  shared prompts (rows ``[g n, g n + n)`` hold the same prompt, the caller's promise): each
+  prompt prefilled once into the conversation's :attr:`Conversation.prefix`, and the pages
+  (of ``page_size``, or with 0 one page of ``N`` a row) hold only what follows it."""
   r, p = prompt_RP.shape
   tokens = _rows(prompt_RP.astype(jnp.int32))
   mask = _rows(pmask_RP.astype(bool))
   starved = jnp.zeros((), bool)
-  if page_size:
+  prefix = None
+  if group:
+    own = total - p
+    page_size = page_size or own
+    cache = init_paged(cfg, r, pool_pages(r, own, page_size, kv_pages), page_size, own,
+                       per_layer=unrolled_decode(kernels))
+    if not kv_pages:
+      cache, _ = cache.reserve(jnp.full((r,), own, jnp.int32))
+      cache = cache.contiguous_view()
+    logits, small = _prefill(params, tokens[::group], mask[::group], cfg=cfg, kernels=kernels)
+    k, v, pmask = _compact_prompts(small, mask[::group])
+    prefix = _shared_prefix(k, v, pmask, cache.per_layer)
+    cache = constrain_paged(cache)
+    logits = jnp.repeat(logits, group, axis=0)
+  elif page_size:
     cache = init_paged(cfg, r, pool_pages(r, total, page_size, kv_pages), page_size, total,
                        per_layer=unrolled_decode(kernels))
     if not kv_pages:  # the whole buffer: every row's pages now, in order, read as they lie
@@ -118,7 +151,7 @@ def start(params, prompt_RP, pmask_RP, *, cfg: ModelConfig, total: int,
                       policy_RS=_rows(jnp.zeros((r, total), bool)),
                       logp_RS=_rows(jnp.zeros((r, total), jnp.float32)),
                       pos_R=jnp.sum(mask, axis=1, dtype=jnp.int32), logits_RV=_rows(logits),
-                      write_R=jnp.full((r,), p, jnp.int32), starved=starved)
+                      write_R=jnp.full((r,), p, jnp.int32), starved=starved, prefix=prefix)
 
 
 def _stop_table(stop_seqs: Sequence[Sequence[int]]):
@@ -168,7 +201,7 @@ def act(params, conv: Conversation, key, live_R, *, cfg: ModelConfig, rollout: R
     tok = jnp.where(active, tok, pad_id)
     if c.paged:
       h, cache = forward(dparams, tok[:, None], c.pos_R[:, None], active[:, None], cfg=cfg,
-                         paged=cache, attn_impl=kernels.attention)
+                         paged=cache, prefix=c.prefix, attn_impl=kernels.attention)
       cache = constrain_paged(cache)
       step_R = active.astype(jnp.int32)  # each row advances by its own token
     else:
@@ -214,7 +247,7 @@ def observe(params, conv: Conversation, obs_RW, obs_mask_RW, *, cfg: ModelConfig
     cache, ok = conv.cache.reserve(count_R)
     starved = conv.starved | ~jnp.all(ok)
     mask = mask & ok[:, None]
-    h, cache = forward(params, tokens, pos, mask, cfg=cfg, paged=cache,
+    h, cache = forward(params, tokens, pos, mask, cfg=cfg, paged=cache, prefix=conv.prefix,
                        attn_impl=kernels.attention)
     cache = constrain_paged(cache)
     count_R = jnp.sum(mask, axis=1, dtype=jnp.int32)

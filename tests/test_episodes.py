@@ -439,6 +439,40 @@ def test_paged_episodes_equal_lock_step_in_less_kv_and_running_out_is_an_error(t
                              stage.data.examples("prompts", 0, 4), jax.random.key(3), n=2)
 
 
+def test_episodes_with_shared_prompts_equal_lock_step(tmp_path):
+  """rollout.prefix_sharing: an example's episodes read its first observation from one copy
+  (prefilled once), the rows' pages holding the rest: the same episodes as lock step, on one
+  device and dp2 x tp2, with pages as needed or all up front; a row whose reset failed shares
+  its group's prompt and never acts; different first observations in a group are refused."""
+  base = _cfg(tmp_path, ECHO, "Echo")
+  shared = lambda **kw: dataclasses.replace(  # noqa: E731
+      base, rollout=dataclasses.replace(base.rollout, prefix_sharing=True, **kw))
+  got = []
+  for cfg, m in ((base, mesh()), (shared(), mesh()), (shared(kv_page_size=8, kv_pages=40),
+                                                      mesh()), (shared(), mesh(dp=2, tp=2))):
+    stage, state, frozen = _stage(cfg, m)
+    got.append(EpisodeRunner(stage).run(stage.view(state.params, frozen, "policy"),
+                                        stage.data.examples("prompts", 0, 4),
+                                        jax.random.key(3), n=2))
+  lock = got[0]
+  assert lock.metrics["env/turns_mean"] > 1
+  for ep in got[1:]:
+    for f in ("tokens", "mask", "policy", "turns", "returns", "truncated"):
+      np.testing.assert_array_equal(getattr(ep, f), getattr(lock, f), err_msg=f)
+    np.testing.assert_allclose(ep.logp, lock.logp, atol=2e-5)
+  # The prompt held once per group: more real tokens per slot than each row's own copy.
+  assert got[2].metrics["env/kv_fill"] > 0.7
+
+  stage, state, frozen = _stage(shared(), mesh())
+  runner = EpisodeRunner(stage)
+  ex = stage.data.examples("prompts", 0, 2)
+  with pytest.raises(ConfigError, match=r"rollout.prefix_sharing=true: env .* gave the 2 "
+                                        r"episodes of example 0 different first observations"):
+    runner._begin(stage.view(state.params, frozen, "policy"), ["12+3=", "45+6="], n=2)
+  conv = runner._begin(stage.view(state.params, frozen, "policy"), [None, "12+3="], n=2)
+  assert conv.prefix is not None and ex
+
+
 def test_the_paged_cache_is_refused_without_an_environment():
   cfg = ExperimentConfig(stages=("grpo",), rollout=RolloutConfig(kv_page_size=16))
   with pytest.raises(ConfigError, match=r"rollout.kv_page_size=16: the paged KV cache runs "

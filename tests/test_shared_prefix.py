@@ -86,15 +86,6 @@ def test_generation_with_shared_prompts_on_dp2_tp2():
   np.testing.assert_allclose(shared.behaviour_logp_BN, dense.behaviour_logp_BN, atol=2e-5)
 
 
-def test_prefix_sharing_with_episodes_is_refused():
-  from test_train import config
-  cfg = config()
-  bad = dataclasses.replace(cfg, stages=("grpo",), rollout=dataclasses.replace(
-      cfg.rollout, prefix_sharing=True), env=dataclasses.replace(cfg.env, name="calculator"))
-  with pytest.raises(ConfigError, match="rollout.prefix_sharing=false"):
-    validate(bad)
-
-
 def _paged_reference(q, pk, pv, plen, own_k, own_v, q_slot, length, n, page, **kw):
   """Each row's prompt then its own tokens end to end in one row of pages: the paged cache
   without sharing (the prompt copied into every row)."""

@@ -230,8 +230,9 @@ class RolloutConfig:
   # against it (one prompt read per group and decoded token, not num_samples), and keep only
   # their own response slots apart.  The same tokens; log-probs to float rounding (one
   # softmax over both parts, summed in another order).  Plain generation (RL steps, sampled
-  # evaluations) and refill (every refill_leftover mode: each group's prompt in its own slot,
-  # rewritten when the group is refilled); multi-turn episodes keep a whole cache per row.
+  # evaluations), refill (every refill_leftover mode: each group's prompt in its own slot,
+  # rewritten when the group is refilled) and multi-turn episodes (an example's first
+  # observation once per group; the rows' pages hold the rest).
   prefix_sharing: bool = False
   # Paged KV cache for multi-turn episodes (env.name; docs/rollout.md, "Paged KV cache"): 0
   # keeps one contiguous cache of max_prompt_len + max_new_tokens slots a row, written in lock

@@ -270,11 +270,6 @@ class RLConfig(StageConfig):
       c.problems.append("rollout.pack=true with kernels.attention=cudnn: cuDNN's attention "
                         "takes no segment ids (packed rows); set kernels.attention=auto (or "
                         "xla, pallas), or rollout.pack=false")
-    if ro.prefix_sharing and cfg.env.name:
-      c.problems.append(f"rollout.prefix_sharing=true with env.name={cfg.env.name!r}: shared "
-                        "prompts are read by generation with or without refill, not by "
-                        "multi-turn episodes (a whole cache per row); set "
-                        "rollout.prefix_sharing=false")
     c.need(ro.kv_page_size >= 0, "rollout.kv_page_size", ro.kv_page_size,
            "must be >= 0 (0: a contiguous cache; e.g. 16)")
     c.need(ro.kv_pages >= 0, "rollout.kv_pages", ro.kv_pages,

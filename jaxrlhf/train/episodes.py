@@ -103,9 +103,10 @@ class EpisodeRunner:
     ro = cfg.rollout
     self.page_size = ro.kv_page_size
     self.kv_pages = ro.kv_pages
+    self.shared = ro.prefix_sharing
     self._start = jax.jit(functools.partial(turns.start, cfg=model_cfg, total=self.S,
                                             kernels=kern, page_size=ro.kv_page_size,
-                                            kv_pages=ro.kv_pages))
+                                            kv_pages=ro.kv_pages), static_argnames="group")
     self._act = jax.jit(functools.partial(
         turns.act, cfg=model_cfg, rollout=rollout, eos_id=tok.eos_id, pad_id=tok.pad_id,
         kernels=kern, max_tokens=ecfg.max_turn_tokens, stop_seqs=self.stop_seqs))
@@ -135,7 +136,7 @@ class EpisodeRunner:
     records = [ex.record() for ex in examples for _ in range(n)]
     first = self.runner.reset(records)
     tally = _Tally.start(first, self.S, self.ecfg.observation_role)
-    conv = self._begin(policy, first)
+    conv = self._begin(policy, first, n)
     self._check_pages(conv, "prompts")
     live = ~tally.failed
     for t in range(self.ecfg.max_turns):
@@ -157,9 +158,10 @@ class EpisodeRunner:
         f"{what} ({rows} rows, pages of rollout.kv_page_size={self.page_size} slots); raise "
         f"rollout.kv_pages ({full} pages never run out), or set rollout.kv_pages=0 for that")
 
-  def _begin(self, policy, first) -> turns.Conversation:
+  def _begin(self, policy, first, n: int = 1) -> turns.Conversation:
     """The conversation after prefilling each episode's first observation (a failed reset:
-    a masked placeholder row)."""
+    a masked placeholder row); with ``rollout.prefix_sharing``, once per example's ``n``
+    episodes."""
     prompts = []
     for obs in first:
       if obs is None:
@@ -171,10 +173,23 @@ class EpisodeRunner:
                           f"{len(ids)} tokens, longer than data.max_prompt_len={self.P}; raise "
                           f"data.max_prompt_len (observation: {obs[:60]!r})")
       prompts.append(ids)
+    group = n if self.shared else 0
+    if group:
+      for g in range(0, len(prompts), n):
+        ok = [r for r in range(g, g + n) if first[r] is not None]
+        for r in range(g, g + n):  # a failed reset's row (never live) reads its group's prompt
+          if first[r] is None and ok:
+            prompts[r] = prompts[ok[0]]
+        if any(prompts[r] != prompts[g] for r in range(g, g + n)):
+          raise ConfigError(
+              f"rollout.prefix_sharing=true: env {self.spec.where} gave the {n} episodes of "
+              f"example {g // n} different first observations, so they share no prompt; "
+              f"set rollout.prefix_sharing=false")
     prompt, pmask = self._left(prompts, self.P)
     mesh = self.stage.mesh
     with jax.set_mesh(mesh):
-      return self._start(policy, *put_batch(mesh, {"p": prompt, "m": pmask}).values())
+      return self._start(policy, *put_batch(mesh, {"p": prompt, "m": pmask}).values(),
+                         group=group)
 
   def _turn(self, policy, conv, key, t: int, live, tally: "_Tally"):
     """One turn: the live rows act, the environments step, and the rows that go on get their
@@ -230,7 +245,7 @@ class EpisodeRunner:
         conv.tokens_RS, conv.mask_RS, conv.policy_RS, conv.logp_RS, tally.turn_rewards,
         start=self.P, pad_id=self.tok.pad_id)
     policy_mask = policy_mask[:, self.P:]
-    kv_slots = int(jax.device_get(conv.kv_slots()))
+    kv_slots, kv_tokens = map(int, jax.device_get((conv.kv_slots(), conv.kv_tokens(self.P))))
     ok = ~tally.failed
     solved = ok & (returns >= ecfg.success_reward)
     frac = lambda x: float(np.mean(x)) if rows else 0.0  # noqa: E731
@@ -240,7 +255,7 @@ class EpisodeRunner:
                "env/policy_tokens": float(policy_mask.sum()),
                "env/observation_tokens": float(tally.obs_tokens),
                # Real tokens (prompts, actions, observations) per KV slot held.
-               "env/kv_fill": float(mask.sum()) / max(kv_slots, 1),
+               "env/kv_fill": kv_tokens / max(kv_slots, 1),
                **self.runner.metrics()}
     return Episodes(tokens=tokens, mask=mask, policy=policy_mask, logp=logp[:, self.P:],
                     turn_rewards=rew[:, self.P:], returns=returns.astype(np.float32),
