@@ -31,6 +31,7 @@ from jaxrlhf.train.spec import build_stage
 from kernels.attention import (BlockSizes, attention, attention_reference, decode_attention,
                                flash_attention)
 from kernels.attention.paged import paged_attention
+from kernels.attention.shared_prefix import shared_prefix_paged_attention
 from kernels.logprob import (MosaicBlockSizes, logprob_entropy, logprob_entropy_mosaic,
                              logprob_entropy_pallas)
 
@@ -226,6 +227,30 @@ def test_the_wo_projection_after_xla_attention_compiles_for_gpu():
   _compile(mesh, jax.grad(lambda *a: layer(*a).sum(), argnums=(0, 1, 2, 3)), *args)
 
 
+def _shared_prefix_decode_args(rep):
+  """One decode step of 16 samples of one 2,048-token prompt (rollout.prefix_sharing with
+  refill): a 70B's 64 query / 8 KV heads of 128, the prompt once, each row's own page of 512
+  slots."""
+  sds = lambda s, d=bf16: jax.ShapeDtypeStruct(s, d, sharding=rep)  # noqa: E731
+  pre, pool = sds((1, 8, 2048, 128)), sds((8, 16, 512, 128))
+  return (sds((16, 1, 64, 128)), pre, pre, sds((1, 2048), jnp.bool_), pool, pool,
+          sds((16, 1), jnp.int32), sds((16,), jnp.int32))
+
+
+def _shared_prefix_decode(q, pk, pv, pm, k, v, slot, length):
+  return shared_prefix_paged_attention(q, pk, pv, pm, k, v, None, slot, length, window=None)
+
+
+@needs_gpu_compiler
+def test_shared_prefix_decode_over_pages_compiles_for_h200():
+  """The shared-prompt split over a row's page (XLA ops, every platform) compiles for an
+  H200 and fits its memory."""
+  mesh = _one_h200()
+  compiled = _compile(mesh, _shared_prefix_decode,
+                      *_shared_prefix_decode_args(NamedSharding(mesh, P())))
+  assert targets.check_fits(compiled, "h200") < targets.memory_bytes("h200")
+
+
 # ------------------------------------------------------------------- kernels, TPU (Mosaic)
 
 
@@ -328,6 +353,15 @@ def test_the_tpu_kernels_compile_for_v5p(case):
   compiled, _, want = compile_tpu_kernel("tpu-v5p", case)
   assert sorted(set(_tpu_kernels_in(compiled))) == sorted(want)
   assert targets.check_fits(compiled, "tpu-v5p") < targets.memory_bytes("tpu-v5p")
+
+
+@needs_tpu_compiler
+def test_shared_prefix_decode_over_pages_compiles_for_v5e():
+  """The same split compiles for a TPU v5e chip (XLA:TPU, no Mosaic kernel) and fits."""
+  mesh = _one_tpu("tpu-v5e")
+  compiled = _compile(mesh, _shared_prefix_decode,
+                      *_shared_prefix_decode_args(NamedSharding(mesh, P())))
+  assert targets.check_fits(compiled, "tpu-v5e") < targets.memory_bytes("tpu-v5e")
 
 
 @needs_tpu_compiler
