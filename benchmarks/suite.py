@@ -293,7 +293,9 @@ LONGTAIL_ARMS = {"no_refill": (False, 0, "drop", False),
                  "refill_buckets_pack": (True, 8, "drop", True),
                  "refill_carry_buckets": (True, 8, "carry", False),
                  "refill_carry_pack": (True, 8, "carry", True),
-                 "refill_continue_pack": (True, 8, "continue", True)}
+                 "refill_continue_pack": (True, 8, "continue", True),
+                 # partial rollouts keeping the carried rows' keys and values (no re-prefill)
+                 "refill_continue_keep_pack": (True, 8, "continue_keep", True)}
 
 
 def longtail_config(refill: bool, steps: int = 1000, buckets: int = 0, leftover: str = "drop",
@@ -301,7 +303,8 @@ def longtail_config(refill: bool, steps: int = 1000, buckets: int = 0, leftover:
   """GRPO on the 4,458,752-parameter policy: 16 prompts x 4 samples trained per step, up to
   :data:`LONGTAIL_LIMIT` new tokens; with refill, 32 prompts queued for 16 groups; with
   ``buckets``, the phases after generation cut to the batch's longest response; with
-  ``pack``, their model passes on packed rows (``rollout.pack``)."""
+  ``pack``, their model passes on packed rows (``rollout.pack``); ``leftover`` =
+  ``continue_keep``: ``continue`` with ``rollout.continue_kv=keep``."""
   from jaxrlhf.config import DataConfig, RolloutConfig
   cfg = workload_config("grpo", model=model_config(max_seq_len=8 + LONGTAIL_LIMIT),
                         steps=steps)
@@ -311,7 +314,8 @@ def longtail_config(refill: bool, steps: int = 1000, buckets: int = 0, leftover:
                       max_response_len=32),
       rollout=RolloutConfig(max_new_tokens=LONGTAIL_LIMIT, temperature=1.0, refill=refill,
                             refill_queue=2.0, length_buckets=buckets,
-                            refill_leftover=leftover, pack=pack),
+                            refill_leftover=leftover.split("_")[0], pack=pack,
+                            continue_kv="keep" if leftover == "continue_keep" else "recompute"),
       grpo=dataclasses.replace(cfg.grpo, batch_size=16, num_samples=4))
 
 
@@ -640,14 +644,17 @@ def worker_longtail(name: str, steps: int, arms: str = "") -> dict:
     out["speedup_pack_vs_no_refill"] = (base["median_step_s"]
                                         / out["refill_buckets_pack"]["median_step_s"])
   for arm, key in (("refill_carry_buckets", "carry"), ("refill_carry_pack", "carry_pack"),
-                   ("refill_continue_pack", "continue_pack")):
+                   ("refill_continue_pack", "continue_pack"),
+                   ("refill_continue_keep_pack", "continue_keep_pack")):
     if arm in out:
       out[f"speedup_{key}"] = base["median_step_s"] / out[arm]["median_step_s"]
       out[f"useful_tokens_ratio_{key}"] = (out[arm]["useful_tokens_per_s"]
                                            / base["useful_tokens_per_s"])
-  if "refill_continue_pack" in out and "refill_carry_pack" in out:
-    out["speedup_continue_vs_carry_pack"] = (out["refill_carry_pack"]["median_step_s"]
-                                             / out["refill_continue_pack"]["median_step_s"])
+  for arm, key in (("refill_continue_pack", "continue"),
+                   ("refill_continue_keep_pack", "continue_keep")):
+    if arm in out and "refill_carry_pack" in out:
+      out[f"speedup_{key}_vs_carry_pack"] = (out["refill_carry_pack"]["median_step_s"]
+                                             / out[arm]["median_step_s"])
   out["loadavg_1min"] = os.getloadavg()[0]
   return out
 
@@ -680,13 +687,17 @@ def report_longtail(r: dict) -> str:
   lines.append(f"  refill: step {r['speedup']:.2f}x faster (generation alone "
                f"{r['generate_speedup']:.2f}x), useful tokens/s "
                f"{r['useful_tokens_ratio']:.2f}x (load {r['loadavg_1min']:.1f})")
-  if "speedup_continue_pack" in r:
+  for arm, key, what in (("refill_continue_pack", "continue", "continue"),
+                        ("refill_continue_keep_pack", "continue_keep",
+                         "continue, keys and values kept")):
+    if f"speedup_{key}_pack" not in r:
+      continue
     base = r["no_refill"]["response_length_mean"]
-    cont = r["refill_continue_pack"]["response_length_mean"]
-    lines.append(f"  partial rollouts (continue) + buckets + packed forwards: step "
-                 f"{r['speedup_continue_pack']:.2f}x faster than no refill"
-                 + (f", {r['speedup_continue_vs_carry_pack']:.2f}x than carry-over + pack"
-                    if "speedup_continue_vs_carry_pack" in r else "")
+    cont = r[arm]["response_length_mean"]
+    lines.append(f"  partial rollouts ({what}) + buckets + packed forwards: step "
+                 f"{r[f'speedup_{key}_pack']:.2f}x faster than no refill"
+                 + (f", {r[f'speedup_{key}_vs_carry_pack']:.2f}x than carry-over + pack"
+                    if f"speedup_{key}_vs_carry_pack" in r else "")
                  + f"; trained mean length {cont:.1f} against no refill's {base:.1f} "
                  f"({100 * (cont / base - 1):+.0f}%)")
   if "speedup_buckets" in r:

@@ -99,15 +99,34 @@ class Refill:
 # under the policy that sampled each ("lp", "slp", f32), whether it has ended ("done") and by
 # a stop token ("stopped") (bool [rows]).
 PARTIAL_FIELDS = ("resp", "rmask", "lp", "slp", "done", "stopped")
+# With rollout.continue_kv=keep, also each row's keys and values as its page held them
+# ("k", "v": [L, K, rows, S, Dh], S its slots) and how many slots hold keys ("kv_len", int32
+# [rows]): the row's prompt (unless shared) and its response but the last token, which the
+# next step feeds first.
+KV_FIELDS = ("k", "v", "kv_len")
 
 
-def empty_partial(rows: int, n_new: int, pad_id: int = 0) -> dict:
-  """No partial responses: the buffers :func:`generate_refill` takes, all empty."""
-  return {"resp": jnp.full((rows, n_new), pad_id, jnp.int32),
-          "rmask": jnp.zeros((rows, n_new), bool),
-          "lp": jnp.zeros((rows, n_new), jnp.float32),
-          "slp": jnp.zeros((rows, n_new), jnp.float32),
-          "done": jnp.zeros((rows,), bool), "stopped": jnp.zeros((rows,), bool)}
+def partial_kv_slots(cfg: RolloutConfig, prompt_len: int) -> int:
+  """The slots of a kept row's page: its response, after its prompt unless the prompt is
+  shared (``rollout.prefix_sharing``)."""
+  return cfg.max_new_tokens + (0 if cfg.prefix_sharing else prompt_len)
+
+
+def empty_partial(rows: int, n_new: int, pad_id: int = 0, kv=None) -> dict:
+  """No partial responses: the buffers :func:`generate_refill` takes, all empty; ``kv`` =
+  ``(model_cfg, slots)``: with a row's keys and values (:data:`KV_FIELDS`)."""
+  out = {"resp": jnp.full((rows, n_new), pad_id, jnp.int32),
+         "rmask": jnp.zeros((rows, n_new), bool),
+         "lp": jnp.zeros((rows, n_new), jnp.float32),
+         "slp": jnp.zeros((rows, n_new), jnp.float32),
+         "done": jnp.zeros((rows,), bool), "stopped": jnp.zeros((rows,), bool)}
+  if kv is not None:
+    mc, slots = kv
+    shape = (mc.n_layers, mc.n_kv_heads, rows, slots, mc.head_dim)
+    out.update(k=jnp.zeros(shape, jnp.dtype(mc.compute_dtype)),
+               v=jnp.zeros(shape, jnp.dtype(mc.compute_dtype)),
+               kv_len=jnp.zeros((rows,), jnp.int32))
+  return out
 
 
 # -------------------------------------------------------------------------------- sampling
@@ -391,6 +410,16 @@ def _share(cache: KVCache, n: int, slots: int, per_layer: bool):
   return prefix, _constrain_cache(own)
 
 
+def _fit_slots(x_LKRSD, slots: int):
+  """Kept pages ``[L, K, rows, S, Dh]`` cut or zero-padded to ``slots`` slots: a step's page is
+  its queue's prompt width plus ``N``, which prompt buckets change from step to step (a
+  carried row's keys never reach past the narrower one: its prompt is in both queues)."""
+  s = x_LKRSD.shape[3]
+  if s >= slots:
+    return x_LKRSD[:, :, :, :slots]
+  return jnp.pad(x_LKRSD, ((0, 0),) * 3 + ((0, slots - s), (0, 0)))
+
+
 def _compact_prompts(cache: KVCache, mask_XP):
   """A prefilled cache's keys/values ``[L, X, K, P, Dh]`` with each prompt's real tokens moved
   to its slots ``[0, plen)``, in order, and the mask of those slots ``[X, P]``."""
@@ -527,8 +556,9 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, num_carried=
   loop = _RefillLoop(params, prompt_tokens_QP, prompt_mask_QP, key, num_carried, partial,
                      cfg=cfg, rollout=rollout, eos_id=eos_id, pad_id=pad_id, n=num_samples,
                      g_n=num_groups, kernels=kernels)
-  steps, _, slots, _, _, out, group = jax.lax.while_loop(loop.cond, loop.body, loop.init())
-  return loop.result(steps, out, group, slots)
+  steps, cache, slots, _, _, out, group = jax.lax.while_loop(loop.cond, loop.body,
+                                                             loop.init())
+  return loop.result(steps, out, group, slots, cache)
 
 
 class _RefillLoop:
@@ -562,6 +592,8 @@ class _RefillLoop:
     # buffer (a SharedPrefix, slot g for group g), and a row's page holds its response only.
     self.shared = rollout.prefix_sharing
     self.paged = self.continuing or self.shared
+    # rollout.continue_kv=keep: the carried rows' pages come from the previous step.
+    self.keep = self.continuing and "k" in partial
     if self.paged:
       self.cache = self._paged_start(params, cache)
     else:
@@ -595,6 +627,8 @@ class _RefillLoop:
       pg = self._write_prompts(pg, cache, self.mask_QP[:self.g_n], 0)
     if not self.continuing:
       return self._join(pg, prefix)
+    if self.keep:
+      return self._join(self._kept_pages(pg), prefix)
     carried_R = self.row_R < self.n_carried * n
     rmask = self.partial["rmask"] & carried_R[:, None]
     resp = jnp.where(rmask, self.partial["resp"], 0)
@@ -632,6 +666,21 @@ class _RefillLoop:
     self.first_logits_R = jnp.where(jnp.any(rmask, axis=1)[:, None], logits_R,
                                     self.first_logits_R)
     return self._join(pg, prefix)
+
+  def _kept_pages(self, pg: PagedKV) -> PagedKV:
+    """The carried rows' pages as the previous step left them (``rollout.continue_kv=keep``):
+    keys and values and their lengths, no forward pass."""
+    carried_R = self.row_R < self.n_carried * self.n
+    sel = carried_R[None, :, None, None]
+    k_old, v_old = (_fit_slots(self.partial[x], pg.page_size) for x in ("k", "v"))
+    if pg.per_layer:
+      k = tuple(jnp.where(sel, k_old[i].astype(x.dtype), x) for i, x in enumerate(pg.k))
+      v = tuple(jnp.where(sel, v_old[i].astype(x.dtype), x) for i, x in enumerate(pg.v))
+    else:
+      k = jnp.where(sel[None], k_old.astype(pg.k.dtype), pg.k)
+      v = jnp.where(sel[None], v_old.astype(pg.v.dtype), pg.v)
+    return pg.replace(k=k, v=v,
+                      length_R=jnp.where(carried_R, self.partial["kv_len"], pg.length_R))
 
   def _write_prompts(self, pg: PagedKV, small: KVCache, mask_XP, r0) -> PagedKV:
     """``X`` prefilled prompts (``small``: ``[L, X, K, P, Dh]``) written into the pages of
@@ -686,7 +735,15 @@ class _RefillLoop:
     if self.carry:  # groups harvested: all, and those not carried; which queue prompts trained
       group.update(kept=jnp.int32(0), others=jnp.int32(0),
                    trained=jnp.zeros((self.q_len,), bool))
-    slots, tok_R, live_R = self.record(slots, _rows(self.first_logits_R), ~slots["done"])
+    pending_R = jnp.zeros((rows,), bool)
+    if self.keep:  # carried rows mid-response: their last token, sampled, not yet fed
+      pending_R = (self.row_R < self.n_carried * n) & ~slots["done"] & (slots["j"] > 0)
+    slots, tok_R, live_R = self.record(slots, _rows(self.first_logits_R),
+                                       ~slots["done"] & ~pending_R)
+    if self.keep:
+      last_R = jnp.take_along_axis(slots["resp"], jnp.maximum(slots["j"] - 1, 0)[:, None],
+                                   axis=1)[:, 0]
+      tok_R, live_R = jnp.where(pending_R, last_R, tok_R), live_R | pending_R
     out, group = self.harvest(slots, out, group)
     return (jnp.ones((), jnp.int32), self.cache, slots, tok_R, live_R, out, group)
 
@@ -846,7 +903,7 @@ class _RefillLoop:
     out, group = self.harvest(slots, out, group)
     return i + 1, cache, slots, tok_R, live_R, out, group
 
-  def result(self, steps, out, group, slots) -> tuple[Rollout, "Refill"]:
+  def result(self, steps, out, group, slots, cache=None) -> tuple[Rollout, "Refill"]:
     """The harvested groups as the rollout, and the refill's report."""
     n, g_n, q_len = self.n, self.g_n, self.q_len
     prompt_G = out["prompt"]
@@ -873,6 +930,17 @@ class _RefillLoop:
                               slots[k][rows_R], jnp.zeros((), slots[k].dtype))
                  for k in PARTIAL_FIELDS}
       partial["resp"] = jnp.where(partial["rmask"], partial["resp"], self.pad_id)
+      if self.keep:  # and their pages, to decode on from next step
+        pg, _ = self._split(cache)
+        stack = lambda x: jnp.stack(x) if pg.per_layer else x  # noqa: E731 [L, K, rows, S, D]
+
+        def keep(x):
+          x = _fit_slots(jnp.take(stack(x), rows_R, axis=2), self.partial["k"].shape[3])
+          return jnp.where(valid_R[None, None, :, None, None], x, 0).astype(
+              self.partial["k"].dtype)
+
+        partial.update(k=keep(pg.k), v=keep(pg.v),
+                       kv_len=jnp.where(valid_R, pg.length_R[rows_R], 0))
       stats.update(continued=jnp.sum(self.partial["rmask"]
                                      & (self.row_R < self.n_carried * n)[:, None],
                                      dtype=jnp.int32))

@@ -323,13 +323,21 @@ def test_answers_and_host_examples_follow_their_groups(tmp_path, monkeypatch):
                              rtol=1e-6)
 
 
-@pytest.mark.parametrize("leftover", ["carry", "continue"])
+@pytest.mark.parametrize("leftover", ["carry", "continue", "continue_keep"])
 def test_grpo_steps_with_carry_over_count_every_started_group(leftover):
   """Every prompt started is trained this step or carried to the next: started = trained +
   carried_out (+ dropped, 0), and what one step carries out the next carries in; with
-  ``continue`` the next step goes on from the carried responses' tokens."""
-  _, state, _, ms = run_steps(config(leftover=leftover), mesh(), steps=3)
-  if leftover == "continue":
+  ``continue`` the next step goes on from the carried responses' tokens (with
+  ``continue_kv=keep``, from their keys and values, kept in the state)."""
+  cfg = config(leftover=leftover.split("_")[0])
+  if leftover == "continue_keep":
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout,
+                                                               continue_kv="keep"))
+  _, state, _, ms = run_steps(cfg, mesh(), steps=3)
+  if leftover == "continue_keep":
+    assert state.extras.carry.partial["k"].shape[2] == 4 * 4  # batch x samples rows
+    assert int(state.extras.carry.partial["kv_len"].max()) > 0
+  if leftover.startswith("continue"):
     assert ms[0]["rollout/continued_tokens"] == 0
     assert any(m["rollout/continued_tokens"] > 0 for m in ms[1:])
   assert ms[0]["rollout/carried_in"] == 0 and ms[0]["rollout/carried_out"] > 0
@@ -388,6 +396,10 @@ def test_carried_prompts_bring_their_answers(monkeypatch):
      r"refill_leftover=drop"),
     (dict(rollout=RolloutConfig(max_new_tokens=4, refill_leftover="carry")),
      "refill_leftover='carry' applies to in-flight refill only"),
+    (dict(rollout=RolloutConfig(max_new_tokens=4, refill=True, refill_leftover="carry",
+                                continue_kv="keep")),
+     r"rollout.continue_kv='keep' applies to partial rollouts only; set .*"
+     r"rollout.refill_leftover=continue"),
 ])
 def test_settings_refill_cannot_honour_are_refused_with_the_fix(change, match):
   cfg = dataclasses.replace(config(), stages=("grpo",))
@@ -438,20 +450,28 @@ def test_with_nothing_carried_continue_decodes_what_carry_decodes(params, prompt
   assert int(info.stats["continued"]) == 0
 
 
-def test_a_continued_response_equals_one_decoded_in_one_go(params):
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+def test_a_continued_response_equals_one_decoded_in_one_go(params, kv):
   """Step 1 stops at the quota with prompt 0's group unfinished; step 2 continues its rows
   from their last token instead of restarting them.  With the same weights in both steps,
   each continued response keeps step 1's tokens and log-probs, runs to its end, and every
   token's recorded log-prob is what a forward pass over the whole response gives (the KV of
-  the carried part recomputed, the rest decoded): one response, decoded in two steps."""
+  the carried part recomputed, or with ``keep`` kept from step 1 and its last token fed
+  first, the rest decoded): one response, decoded in two steps."""
   q1 = _queue(jax.random.key(1), LONG_TAIL)
-  empty = R.empty_partial(G * n, N)
+  keep = (CFG, R.partial_kv_slots(_ro(), P)) if kv == "keep" else None
+  empty = R.empty_partial(G * n, N, kv=keep)
   ro1, info1 = _refill_continue(params, q1, jnp.int32(0), empty, jax.random.key(3))
   count = info1.stats["carried_out"]
   c = int(count)
   left = np.asarray(info1.leftover_index_G)[:c].tolist()
   assert 0 in left
   part = jax.device_get(info1.partial)
+  if keep:  # each leftover row's page: its prompt and all its tokens but the last
+    plen = np.asarray(q1["prompt_mask"]).sum(1)[np.asarray(left)]
+    want = np.repeat(plen, n) + part["rmask"][:c * n].sum(1) - 1
+    np.testing.assert_array_equal(part["kv_len"][:c * n], want)
+    assert (part["kv_len"][c * n:] == 0).all()
   g0 = left.index(0)
   rows0 = slice(g0 * n, (g0 + 1) * n)
   k0 = part["rmask"][rows0].sum(1)
@@ -568,3 +588,33 @@ def test_grpo_steps_with_shared_prompts_and_partial_rollouts_equal_without():
         np.testing.assert_allclose(b[k], a[k], rtol=2e-4, atol=2e-5, err_msg=k)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5),
                jax.device_get(s2.params), jax.device_get(s1.params))
+
+
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+@pytest.mark.parametrize("shared", [False, True], ids=["own", "shared"])
+def test_continued_responses_of_a_random_model_keep_their_context(kv, shared):
+  """A random model reads every token of its context (the length model above reads few), so
+  a carried row whose keys and values were misplaced, cut or fed twice would change the
+  log-probs.  Two steps with the same weights: every response of step 2, continued or not,
+  has the log-probs of a teacher-forced forward over its prompt and whole response."""
+  cfg = dataclasses.replace(TINY, vocab_size=8, max_seq_len=32)
+  prm = M.init_params(cfg, jax.random.key(5))
+  ro = _ro(prefix_sharing=shared)
+  keep = (cfg, R.partial_kv_slots(ro, P)) if kv == "keep" else None
+  tokens, mask = ragged_batch(jax.random.key(6), Q, P, cfg.vocab_size)
+  q1 = {"prompt": tokens, "prompt_mask": mask}
+
+  def step(queue, count, partial, key):
+    return R.generate_refill(prm, queue["prompt"], queue["prompt_mask"], key, count, partial,
+                             cfg=cfg, rollout=ro, eos_id=EOS, num_samples=n, num_groups=G)
+
+  _, info1 = step(q1, jnp.int32(0), R.empty_partial(G * n, N, kv=keep), jax.random.key(3))
+  c = info1.stats["carried_out"]
+  q2 = R.carry_queue(R.carry_take(q1, info1.leftover_index_G, c), c, _queue(
+      jax.random.key(7), (2, 1, 3, 2, 1, 2, 1, 3)))
+  ro2, info2 = step(q2, c, info1.partial, jax.random.key(4))
+  assert int(info2.stats["continued"]) > 0
+  ref, _ = M.token_logprobs(prm, ro2.tokens_BT, ro2.mask_BT, cfg=cfg, start=P)
+  rm = np.asarray(ro2.response_mask_BN)
+  np.testing.assert_allclose(np.where(rm, np.asarray(ro2.behaviour_logp_BN), 0),
+                             np.where(rm, np.asarray(ref), 0), atol=2e-5)

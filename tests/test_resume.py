@@ -315,21 +315,30 @@ CARRY_SETS = ("--set=rollout.refill=true", "--set=rollout.refill_leftover=carry"
               "--set=rollout.stop_token_ids=3,4,5,6,7,8,9,10,11,12")
 
 
-@pytest.mark.parametrize("leftover", ["carry", pytest.param("continue", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("leftover", ["carry", pytest.param("continue", marks=pytest.mark.slow),
+                                      pytest.param("continue_keep", marks=pytest.mark.slow)])
 def test_grpo_with_refill_carry_over_resumes_bit_identically(tmp_path, jit_cache, leftover):
   """The prompts carried over from step 4 are in checkpoint 4 (with ``continue``, their
-  partial responses too): killed there and resumed, the run trains them in step 5 and ends
-  bit for bit where an uninterrupted one does."""
-  sets = tuple(s.replace("=carry", f"={leftover}") for s in CARRY_SETS)
+  partial responses too, and with ``continue_kv=keep`` their keys and values): killed there
+  and resumed, the run trains them in step 5 and ends bit for bit where an uninterrupted one
+  does."""
+  mode = leftover.split("_")[0]
+  sets = tuple(s.replace("=carry", f"={mode}") for s in CARRY_SETS)
+  if leftover == "continue_keep":
+    sets += ("--set=rollout.continue_kv=keep",)
   straight_dir, wd, cfg, got = _killed_and_resumed_grpo(tmp_path, jit_cache, sets)
   at_kill, _ = _state(wd, cfg, "grpo", 4)
   count = int(at_kill[".extras.carry.count"])
   assert count > 0  # the checkpoint really carries prompts over
   assert np.any(at_kill[".extras.carry.prompt_mask"][:count])
-  if leftover == "continue":  # and the responses begun
+  if mode == "continue":  # and the responses begun
     rmask = next(v for k, v in at_kill.items() if k.startswith(".extras.carry.partial")
                  and "rmask" in k)
     assert rmask.any()
+  if leftover == "continue_keep":  # and their pages
+    kv_len = next(v for k, v in at_kill.items() if k.startswith(".extras.carry.partial")
+                  and "kv_len" in k)
+    assert kv_len.any()
   steps = range(4, 9)
   unbroken = _metrics(straight_dir, "grpo", steps)
   assert unbroken[4]["rollout/carried_out"] == count

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import mesh
 from jaxrlhf import model as M
-from jaxrlhf.config import ConfigError, ModelConfig, RolloutConfig, validate
+from jaxrlhf.config import ModelConfig, RolloutConfig
 from jaxrlhf.rollout import generate
 from kernels.attention.reference import attention_reference
 from kernels.attention.paged import paged_attention

@@ -267,6 +267,16 @@ class RolloutConfig:
   # thrown away; a response spans at most two policies, docs/rollout.md, "Partial
   # rollouts").  GRPO with device rewards only (no host: reward sources).
   refill_leftover: Literal["drop", "carry", "continue"] = "drop"
+  # With refill_leftover=continue, what the next step does with a carried response's tokens
+  # (docs/rollout.md, "Partial rollouts"): "recompute" prefills them again after their
+  # prompts under the new weights (the continuation is sampled from the current policy given
+  # its context: the sampler's log-probs stay the trainer's); "keep" keeps their keys and
+  # values from the step that wrote them (in the checkpointed state, replicated on every
+  # device: rows x (max_prompt_len + max_new_tokens) slots of KV) and decodes on with no
+  # forward over them: the first tokens after the carry are sampled against the old
+  # policy's keys and values, which the per-token off-policy corrections (TIS/MIS) see as
+  # any other sampler mismatch.
+  continue_kv: Literal["recompute", "keep"] = "recompute"
   # Length buckets for the phases after generation (RL steps, docs/rollout.md): 0 (off) runs
   # the reference, reward, values and update on all max_new_tokens response slots; k > 0 cuts
   # the rollout after the batch's longest response, rounded up to one of k widths

@@ -279,7 +279,11 @@ class RLConfig(StageConfig):
                         "multi-turn episodes (env.name) only; set rollout.kv_page_size=0")
     if ro.refill:
       _check_refill(self, name, cfg, c)
-    elif ro.refill_leftover != "drop":
+    if ro.continue_kv != "recompute" and not (ro.refill and ro.refill_leftover == "continue"):
+      c.problems.append(f"rollout.continue_kv={ro.continue_kv!r} applies to partial rollouts "
+                        "only; set rollout.refill=true and rollout.refill_leftover=continue, or "
+                        "rollout.continue_kv=recompute")
+    if not ro.refill and ro.refill_leftover != "drop":
       c.problems.append(f"rollout.refill_leftover={ro.refill_leftover!r} applies to in-flight "
                         "refill only, which is off; set rollout.refill=true or "
                         "rollout.refill_leftover=drop")

@@ -105,16 +105,17 @@ def _refill(statics, batch, c: StepCarry, ro: Rollout, refill) -> StepCarry:
 
 
 def initial_carry(batch_size: int, prompt_len: int, answer_len: int, *, rows: int = 0,
-                  n_new: int = 0, pad_id: int = 0) -> Carried:
+                  n_new: int = 0, pad_id: int = 0, kv=None) -> Carried:
   """The empty carry-over buffers kept in ``state.extras.carry`` (and so checkpointed);
   ``rows`` > 0: with the partial responses of that many rows of ``n_new`` slots
-  (``rollout.refill_leftover=continue``)."""
+  (``rollout.refill_leftover=continue``); ``kv`` = ``(model_cfg, slots)``: and their keys
+  and values (``rollout.continue_kv=keep``)."""
   b = batch_size
   return Carried(prompt=jnp.zeros((b, prompt_len), jnp.int32),
                  prompt_mask=jnp.zeros((b, prompt_len), bool),
                  answer=jnp.zeros((b, answer_len), jnp.int32),
                  answer_mask=jnp.zeros((b, answer_len), bool), count=jnp.zeros((), jnp.int32),
-                 partial=empty_partial(rows, n_new, pad_id) if rows else None)
+                 partial=empty_partial(rows, n_new, pad_id, kv) if rows else None)
 
 
 def _refill_carry(statics, batch, c: StepCarry, policy, key, kw) -> StepCarry:

@@ -17,6 +17,7 @@ from jaxrlhf.train import program
 from jaxrlhf.train.types import Extras, Skips
 from jaxrlhf.envs import resolve_env
 from jaxrlhf.train.episodes import EpisodeRunner, episode_rollout
+from jaxrlhf.rollout import partial_kv_slots
 from jaxrlhf.train.phases import initial_carry, rl_phases
 from jaxrlhf.train.spec import Role
 from jaxrlhf.train.types import HostInputs
@@ -107,10 +108,13 @@ class RLStage(Stage):
     if ro.refill and ro.refill_leftover != "drop":
       # The prompts started but not trained, for the next step's queue (docs/rollout.md),
       # and with "continue" their partial responses.
+      kv = None
+      if ro.refill_leftover == "continue" and ro.continue_kv == "keep":
+        kv = (self.model_cfg("policy"), partial_kv_slots(ro, self.P))
       carry = initial_carry(self.scfg.batch_size, self.P, self.R,
                             rows=self.scfg.batch_size * self.n if
                             ro.refill_leftover == "continue" else 0,
-                            n_new=self.N, pad_id=self.tok.pad_id)
+                            n_new=self.N, pad_id=self.tok.pad_id, kv=kv)
     return Extras(skips=Skips.zeros(), kl=init_kl_controller(self.scfg.kl.coef),
                   reward_stats=RW.init_running_stats(), carry=carry)
 
