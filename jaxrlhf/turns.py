@@ -102,20 +102,21 @@ def pool_pages(rows: int, total: int, page_size: int, kv_pages: int = 0) -> int:
 
 def start(params, prompt_RP, pmask_RP, *, cfg: ModelConfig, total: int,
           kernels: KernelsConfig, page_size: int = 0, kv_pages: int = 0,
-          group: int = 0) -> Conversation:
+          group: int = 0, shared: bool = False) -> Conversation:
   """Prefills ``[R, P]`` left-padded prompts into a cache of ``total`` slots (``P + N``) a
   row: a contiguous lock-step cache, or with ``page_size`` a paged one of ``kv_pages`` pages
   (:func:`pool_pages`; 0: every row's pages reserved up front and read without a gather,
   ``PagedKV.contiguous``; k > 0: pages handed out as tokens need them).  ``group`` = n > 0:
-  shared prompts (rows ``[g n, g n + n)`` hold the same prompt, the caller's promise): each
-  prompt prefilled once into the conversation's :attr:`Conversation.prefix`, and the pages
-  (of ``page_size``, or with 0 one page of ``N`` a row) hold only what follows it."""
+  rows ``[g n, g n + n)`` hold the same prompt (the caller's promise), prefilled once: in
+  lock step its cache copied to the group's rows; with ``shared`` (shared prompts) kept
+  once in the conversation's :attr:`Conversation.prefix`, the pages (of ``page_size``, or
+  with 0 one page of ``N`` a row) holding only what follows it."""
   r, p = prompt_RP.shape
   tokens = _rows(prompt_RP.astype(jnp.int32))
   mask = _rows(pmask_RP.astype(bool))
   starved = jnp.zeros((), bool)
   prefix = None
-  if group:
+  if shared:
     own = total - p
     page_size = page_size or own
     cache = init_paged(cfg, r, pool_pages(r, own, page_size, kv_pages), page_size, own,
@@ -143,8 +144,10 @@ def start(params, prompt_RP, pmask_RP, *, cfg: ModelConfig, total: int,
     h = jnp.take_along_axis(h, last_valid_index(mask)[:, None, None], axis=1)
     logits = lm_logits(params, h, cfg)[:, 0]
   else:
-    logits, cache = _prefill(params, tokens, mask, cfg=cfg, kernels=kernels)
-    cache = _grow(cache, 1, total - p, per_layer=unrolled_decode(kernels))
+    n = group or 1  # each distinct prompt prefilled once, its cache copied to its rows
+    logits, cache = _prefill(params, tokens[::n], mask[::n], cfg=cfg, kernels=kernels)
+    logits = jnp.repeat(logits, n, axis=0)
+    cache = _grow(cache, n, total - p, per_layer=unrolled_decode(kernels))
   pad = lambda x, v: jnp.pad(x, ((0, 0), (0, total - p)), constant_values=v)
   return Conversation(cache=cache, tokens_RS=_rows(pad(tokens, 0)),
                       mask_RS=_rows(pad(mask, False)),

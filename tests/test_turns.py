@@ -178,3 +178,27 @@ def test_a_paged_pool_that_runs_out_stops_and_says_so(params, prompts):
   lengths = np.asarray(conv.cache.length_R)
   assert (lengths <= 4 * np.asarray(conv.cache.held_R())).all()
   assert (np.asarray(conv.pos_R) == lengths).all()
+
+
+@pytest.mark.parametrize("page_size", [0, 8], ids=["lock_step", "shared_pages"])
+def test_a_prompt_prefilled_once_per_group_starts_every_row_as_its_own_would(page_size):
+  """``turns.start(group=n)``: rows in groups of ``n`` identical prompts prefill each prompt
+  once (lock step copies its cache to the group's rows; ``shared`` keeps one copy) and start
+  every row with the logits, and then the same episode, of a prefill of its own."""
+  params = M.init_params(CFG, jax.random.key(0))
+  tokens, mask = ragged_batch(jax.random.key(1), 2, P, CFG.vocab_size)
+  prompt, pmask = jnp.repeat(tokens, 2, axis=0), jnp.repeat(mask, 2, axis=0)
+  ro = RolloutConfig(temperature=1.0)
+  kw = dict(cfg=CFG, total=P + N, kernels=KERN)
+  each = turns.start(params, prompt, pmask, **kw)
+  once = turns.start(params, prompt, pmask, group=2, shared=bool(page_size),
+                     page_size=page_size, **kw)
+  assert (once.prefix is not None) == bool(page_size)
+  np.testing.assert_allclose(once.logits_RV, each.logits_RV, atol=2e-5)
+  act = functools.partial(turns.act, cfg=CFG, rollout=ro, eos_id=2, pad_id=0, kernels=KERN,
+                          max_tokens=8)
+  live = jnp.ones((ROWS,), bool)
+  a, _, _ = act(params, each, jax.random.key(3), live)
+  b, _, _ = act(params, once, jax.random.key(3), live)
+  np.testing.assert_array_equal(b.tokens_RS, a.tokens_RS)
+  np.testing.assert_allclose(b.logp_RS, a.logp_RS, atol=2e-5)

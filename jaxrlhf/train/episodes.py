@@ -106,7 +106,8 @@ class EpisodeRunner:
     self.shared = ro.prefix_sharing
     self._start = jax.jit(functools.partial(turns.start, cfg=model_cfg, total=self.S,
                                             kernels=kern, page_size=ro.kv_page_size,
-                                            kv_pages=ro.kv_pages), static_argnames="group")
+                                            kv_pages=ro.kv_pages, shared=self.shared),
+                          static_argnames="group")
     self._act = jax.jit(functools.partial(
         turns.act, cfg=model_cfg, rollout=rollout, eos_id=tok.eos_id, pad_id=tok.pad_id,
         kernels=kern, max_tokens=ecfg.max_turn_tokens, stop_seqs=self.stop_seqs))
@@ -173,18 +174,26 @@ class EpisodeRunner:
                           f"{len(ids)} tokens, longer than data.max_prompt_len={self.P}; raise "
                           f"data.max_prompt_len (observation: {obs[:60]!r})")
       prompts.append(ids)
-    group = n if self.shared else 0
-    if group:
-      for g in range(0, len(prompts), n):
-        ok = [r for r in range(g, g + n) if first[r] is not None]
-        for r in range(g, g + n):  # a failed reset's row (never live) reads its group's prompt
-          if first[r] is None and ok:
-            prompts[r] = prompts[ok[0]]
-        if any(prompts[r] != prompts[g] for r in range(g, g + n)):
-          raise ConfigError(
-              f"rollout.prefix_sharing=true: env {self.spec.where} gave the {n} episodes of "
-              f"example {g // n} different first observations, so they share no prompt; "
-              f"set rollout.prefix_sharing=false")
+    # An example's episodes usually start from the same observation: prefilled once (in lock
+    # step, or shared with rollout.prefix_sharing, which requires it; the paged cache
+    # without sharing prefills every row).  A failed reset's row (never live) then reads its
+    # group's prompt.
+    groups = [range(g, g + n) for g in range(0, len(prompts), n)] if n > 1 else []
+    firsts = [next((r for r in rows if first[r] is not None), rows[0]) for rows in groups]
+    same = len(prompts) % max(n, 1) == 0 and all(
+        first[r] is None or prompts[r] == prompts[f] for rows, f in zip(groups, firsts)
+        for r in rows)
+    if self.shared and not same:
+      g = next(i for i, (rows, f) in enumerate(zip(groups, firsts))
+               if any(first[r] is not None and prompts[r] != prompts[f] for r in rows))
+      raise ConfigError(
+          f"rollout.prefix_sharing=true: env {self.spec.where} gave the {n} episodes of "
+          f"example {g} different first observations, so they share no prompt; set "
+          f"rollout.prefix_sharing=false")
+    group = n if self.shared or (n > 1 and same and not self.page_size) else 0
+    for rows, f in zip(groups, firsts) if group else ():
+      for r in rows:
+        prompts[r] = prompts[f]
     prompt, pmask = self._left(prompts, self.P)
     mesh = self.stage.mesh
     with jax.set_mesh(mesh):
