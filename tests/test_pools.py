@@ -25,7 +25,7 @@ from helpers import mesh  # noqa: E402
 from redis_helpers import RedisServer, free_port  # noqa: E402
 from jaxrlhf.config import (CheckpointConfig, ConfigError, EnvConfig, LoggingConfig,  # noqa: E402
                             KLConfig, LoraConfig, MeshConfig, OptimizerConfig, PoolsConfig, PPOConfig,
-                            RewardConfig)
+                            RewardConfig, validate)
 from jaxrlhf.mesh import make_mesh  # noqa: E402
 from jaxrlhf.pools import store as S  # noqa: E402
 from jaxrlhf.pools import wire  # noqa: E402
@@ -246,26 +246,46 @@ def test_sync_dapo_pools_with_dynamic_sampling_match_colocated(redis_url, tmp_pa
   assert [r["response"] for r in rollout] == [r["response"] for r in samples]
 
 
-def test_sync_grpo_pools_with_refill_match_colocated(redis_url, tmp_path):
+@pytest.mark.parametrize("leftover", ["drop", pytest.param("continue", marks=pytest.mark.slow),
+                                      pytest.param("continue_keep", marks=pytest.mark.slow)])
+def test_sync_grpo_pools_with_refill_match_colocated(redis_url, tmp_path, leftover):
   """Refill (continuous batching) in the actor: its rollout carries each row's prompt index
   (``prompt_index_B``) to the critic, which scores it as any rollout and sends advantages
-  only (no selected rows: that is dynamic sampling's); equal to the colocated step."""
-  steps = 2
+  only (no selected rows: that is dynamic sampling's); equal to the colocated step.  With
+  partial rollouts (``continue``, and ``continue_kv=keep``), the actor's state carries the
+  leftover prompts and responses (and pages) from step to step as the colocated run's does."""
+  steps = 2 if leftover == "drop" else 3
   cfg = grpo_pools_config(steps=steps, mode="sync")
   cfg = dataclasses.replace(
-      cfg, rollout=dataclasses.replace(cfg.rollout, refill=True),
+      cfg, rollout=dataclasses.replace(cfg.rollout, refill=True,
+                                       refill_leftover=leftover.split("_")[0],
+                                       continue_kv="keep" if "keep" in leftover else "recompute"),
       logging=dataclasses.replace(cfg.logging, samples=4, samples_every=1))
+  if leftover != "drop":  # device rewards only (carry-over refuses host ones), and half
+    # the vocabulary stops a response, so groups end at different steps and some are left
+    cfg = dataclasses.replace(
+        cfg, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=8,
+                                         stop_token_ids=tuple(range(12, 36))),
+        grpo=dataclasses.replace(cfg.grpo, reward=RewardConfig(
+            sources=("rule:token_accuracy",))))
+    validate(cfg)
   samples = []
   _, state, _, reference = run_steps(cfg, "grpo", mesh(), steps=steps, key=stage_key(cfg),
                                      samples=samples)
   actor, critic, recs, _ = run_pools(cfg, redis_url, tmp_path)
+  carried = ("rollout/carried_in", "rollout/carried_out", "rollout/continued_tokens")
   assert_pools_match(recs, reference,
                      ("policy/loss", "entropy/mean", "kl/mean", "grad_norm",
-                      "response_length/mean", "rollout/started"),
+                      "response_length/mean", "rollout/started")
+                     + (carried if leftover != "drop" else ()),
                      ("reward/mean", "reward/std"), lambda a, c: a["loss/policy"])
   assert_same_params(actor["state"].params["policy"], state.params["policy"])
   rollout = [r for r in recs["critic"].samples if r["kind"] == "rollout"]
   assert [r["prompt"] for r in rollout] == [r["prompt"] for r in samples]
+  if leftover != "drop":  # responses were carried over and gone on from
+    assert any(m["rollout/continued_tokens"] > 0 for m in reference), reference
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(actor["state"].extras.carry),
+                 jax.device_get(state.extras.carry))
 
 
 def bucketed_config(algo, steps=3):
