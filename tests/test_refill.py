@@ -323,7 +323,8 @@ def test_answers_and_host_examples_follow_their_groups(tmp_path, monkeypatch):
                              rtol=1e-6)
 
 
-@pytest.mark.parametrize("leftover", ["carry", "continue", "continue_keep"])
+@pytest.mark.parametrize("leftover", ["carry", "continue",
+                                      pytest.param("continue_keep", marks=pytest.mark.slow)])
 def test_grpo_steps_with_carry_over_count_every_started_group(leftover):
   """Every prompt started is trained this step or carried to the next: started = trained +
   carried_out (+ dropped, 0), and what one step carries out the next carries in; with
@@ -572,6 +573,7 @@ def test_shared_prompts_with_refill_on_sliding_window_layers_and_dp2_tp2():
     _same(*got[key][:1], want, got[key][1], want_info)
 
 
+@pytest.mark.slow  # (fast siblings: test_shared_prompts_with_refill_decode_todays_tokens)
 def test_grpo_steps_with_shared_prompts_and_partial_rollouts_equal_without():
   """The trainer with refill, partial rollouts and rollout.prefix_sharing takes the same
   steps as without sharing (metrics and weights to float rounding) over three steps, the
