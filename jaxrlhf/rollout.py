@@ -392,14 +392,7 @@ def _grow(cache: KVCache, n: int, extra: int, per_layer: bool = False) -> KVCach
 def _share(cache: KVCache, n: int, slots: int, per_layer: bool):
   """``(prefix, cache)``: the prompts' prefilled cache as each group's shared prefix (one copy,
   not ``n``), and an empty cache of ``slots`` decoding slots per row (``n`` per prompt)."""
-  axes = KVCache.axes()
-  kv = lambda x: constrain(x, axes.k[1:] if per_layer else axes.k)  # noqa: E731
-  if per_layer:
-    k = tuple(kv(cache.k[i]) for i in range(cache.k.shape[0]))
-    v = tuple(kv(cache.v[i]) for i in range(cache.v.shape[0]))
-  else:
-    k, v = kv(cache.k), kv(cache.v)
-  prefix = SharedPrefix(k=k, v=v, mask=constrain(cache.mask, axes.mask))
+  prefix = _shared_prefix(cache.k, cache.v, cache.mask, per_layer)
   l, g, heads, _, dh = cache.k.shape
   slots = max(slots, 1)  # (one new token: the loop body is traced, never run)
   shape = (g * n, heads, slots, dh)
@@ -451,6 +444,18 @@ def _prefix_groups(prefix: SharedPrefix, count: int) -> SharedPrefix:
   else:
     k, v = prefix.k[:, :count], prefix.v[:, :count]
   return prefix.replace(k=k, v=v, mask=prefix.mask[:count])
+
+
+def _put_prefix_group(prefix: SharedPrefix, g, k_L1KPD, v_L1KPD, mask_1P) -> SharedPrefix:
+  """``prefix`` with group ``g``'s prompt replaced (:func:`_compact_prompts` of one prompt)."""
+  put = lambda buf, new, at: jax.lax.dynamic_update_slice(  # noqa: E731
+      buf, new.astype(buf.dtype), at)
+  if prefix.per_layer:
+    k = tuple(put(b, k_L1KPD[i], (g, 0, 0, 0)) for i, b in enumerate(prefix.k))
+    v = tuple(put(b, v_L1KPD[i], (g, 0, 0, 0)) for i, b in enumerate(prefix.v))
+  else:
+    k, v = put(prefix.k, k_L1KPD, (0, g, 0, 0, 0)), put(prefix.v, v_L1KPD, (0, g, 0, 0, 0))
+  return _constrain_prefix(prefix.replace(k=k, v=v, mask=put(prefix.mask, mask_1P, (g, 0))))
 
 
 def _generate(params, prompt_tokens_BP, prompt_mask_BP, key, *,
@@ -615,10 +620,9 @@ class _RefillLoop:
     them, under the current weights: their next-token logits replace the prompt's)."""
     n, rows = self.n, self.rows
     total = self.n_new if self.shared else self.p + self.n_new
+    # Each row owns its page for good: row r's page is page r, read without a gather.
     pg = init_paged(self.cfg, rows, rows, total, total,
-                    per_layer=unrolled_decode(self.kernels))
-    pg, _ = pg.reserve(jnp.full((rows,), total, jnp.int32))  # each row owns its page for good
-    pg = pg.contiguous_view()  # row r's page is page r: read without a gather
+                    per_layer=unrolled_decode(self.kernels), reserved=True)
     prefix = None
     if self.shared:
       k, v, mask = _compact_prompts(cache, self.mask_QP[:self.g_n])
@@ -824,15 +828,7 @@ class _RefillLoop:
     r0 = g * n
     if self.shared:  # the prompt into the group's prefix slot; its rows' pages emptied
       pg, prefix = cache
-      k1, v1, m1 = _compact_prompts(small, mask_1P)
-      put = lambda buf, new, at: jax.lax.dynamic_update_slice(  # noqa: E731
-          buf, new.astype(buf.dtype), at)
-      if prefix.per_layer:
-        k = tuple(put(b, k1[i], (g, 0, 0, 0)) for i, b in enumerate(prefix.k))
-        v = tuple(put(b, v1[i], (g, 0, 0, 0)) for i, b in enumerate(prefix.v))
-      else:
-        k, v = put(prefix.k, k1, (0, g, 0, 0, 0)), put(prefix.v, v1, (0, g, 0, 0, 0))
-      prefix = _constrain_prefix(prefix.replace(k=k, v=v, mask=put(prefix.mask, m1, (g, 0))))
+      prefix = _put_prefix_group(prefix, g, *_compact_prompts(small, mask_1P))
       mine_R = (self.row_R >= r0) & (self.row_R < r0 + n)
       pg = pg.replace(length_R=jnp.where(mine_R, 0, pg.length_R))
       return self._filled((pg, prefix), slots, tok_R, live_R, group, g, q, logits_1V)

@@ -17,7 +17,7 @@ module:
   (``xla/backends/gpu/target_config/specs/``); the per-SM limits here agree with them, the
   sizes come from :mod:`jaxrlhf.hardware` (vendor datasheets).
 
-The platform is chosen here, explicitly; nothing reads ``jax.default_backend()``.  A program
+The platform is chosen here, explicitly, never from the host's default backend.  A program
 traced under a mesh of these devices makes that platform's choices (kernel dispatch and dtype
 upcasts read the mesh: ``kernels._backend.target_platform``).
 """

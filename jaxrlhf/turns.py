@@ -116,38 +116,29 @@ def start(params, prompt_RP, pmask_RP, *, cfg: ModelConfig, total: int,
   mask = _rows(pmask_RP.astype(bool))
   starved = jnp.zeros((), bool)
   prefix = None
-  if shared:
+  n = group or 1
+  per_layer = unrolled_decode(kernels)
+  if shared or not page_size:  # each distinct prompt prefilled once
+    logits, small = _prefill(params, tokens[::n], mask[::n], cfg=cfg, kernels=kernels)
+    logits = jnp.repeat(logits, n, axis=0)
+  if shared:  # kept once; the rows' pages hold what follows it
     own = total - p
     page_size = page_size or own
-    cache = init_paged(cfg, r, pool_pages(r, own, page_size, kv_pages), page_size, own,
-                       per_layer=unrolled_decode(kernels))
-    if not kv_pages:
-      cache, _ = cache.reserve(jnp.full((r,), own, jnp.int32))
-      cache = cache.contiguous_view()
-    logits, small = _prefill(params, tokens[::group], mask[::group], cfg=cfg, kernels=kernels)
-    k, v, pmask = _compact_prompts(small, mask[::group])
-    prefix = _shared_prefix(k, v, pmask, cache.per_layer)
-    cache = constrain_paged(cache)
-    logits = jnp.repeat(logits, group, axis=0)
-  elif page_size:
+    cache = constrain_paged(init_paged(cfg, r, pool_pages(r, own, page_size, kv_pages),
+                                       page_size, own, per_layer, reserved=not kv_pages))
+    prefix = _shared_prefix(*_compact_prompts(small, mask[::n]), per_layer)
+  elif page_size:  # each row's prompt into its own pages (all reserved up front with 0)
     cache = init_paged(cfg, r, pool_pages(r, total, page_size, kv_pages), page_size, total,
-                       per_layer=unrolled_decode(kernels))
-    if not kv_pages:  # the whole buffer: every row's pages now, in order, read as they lie
-      cache, ok = cache.reserve(jnp.full((r,), total, jnp.int32))
-      cache = cache.contiguous_view()
-    else:
-      cache, ok = cache.reserve(jnp.sum(mask, axis=1, dtype=jnp.int32))
+                       per_layer, reserved=not kv_pages)
+    cache, ok = cache.reserve(jnp.sum(mask, axis=1, dtype=jnp.int32))  # (contiguous: no-op)
     starved = ~jnp.all(ok)
     h, cache = forward(params, tokens, positions_from_mask(mask), mask & ok[:, None], cfg=cfg,
                        paged=constrain_paged(cache), attn_impl=kernels.attention)
     cache = constrain_paged(cache)
     h = jnp.take_along_axis(h, last_valid_index(mask)[:, None, None], axis=1)
     logits = lm_logits(params, h, cfg)[:, 0]
-  else:
-    n = group or 1  # each distinct prompt prefilled once, its cache copied to its rows
-    logits, cache = _prefill(params, tokens[::n], mask[::n], cfg=cfg, kernels=kernels)
-    logits = jnp.repeat(logits, n, axis=0)
-    cache = _grow(cache, n, total - p, per_layer=unrolled_decode(kernels))
+  else:  # lock step: the prompt's cache copied to its rows
+    cache = _grow(small, n, total - p, per_layer=per_layer)
   pad = lambda x, v: jnp.pad(x, ((0, 0), (0, total - p)), constant_values=v)
   return Conversation(cache=cache, tokens_RS=_rows(pad(tokens, 0)),
                       mask_RS=_rows(pad(mask, False)),

@@ -130,9 +130,11 @@ class PagedKV:
 
 
 def init_paged(cfg: ModelConfig, rows: int, num_pages: int, page_size: int, max_len: int,
-               per_layer: bool) -> PagedKV:
+               per_layer: bool, reserved: bool = False) -> PagedKV:
   """An empty paged cache of ``num_pages`` pages for ``rows`` rows of up to ``max_len``
-  slots each, every page free."""
+  slots each, every page free; ``reserved``: every row's pages taken now, in order
+  (``num_pages`` must hold them all), so the pool is read as it lies
+  (:attr:`PagedKV.contiguous`)."""
   shape = (cfg.n_kv_heads, num_pages, page_size, cfg.head_dim)
   dtype = jnp.dtype(cfg.compute_dtype)
   if per_layer:
@@ -143,10 +145,15 @@ def init_paged(cfg: ModelConfig, rows: int, num_pages: int, page_size: int, max_
     v = jnp.zeros((cfg.n_layers,) + shape, dtype)
   m = -(-max_len // page_size)
   # The stack's top is its last entry: page 0 is taken first.
-  return PagedKV(k=k, v=v, table_RM=jnp.full((rows, m), num_pages, jnp.int32),
-                 length_R=jnp.zeros((rows,), jnp.int32),
-                 free_F=jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32),
-                 n_free=jnp.asarray(num_pages, jnp.int32), page_size=page_size)
+  cache = PagedKV(k=k, v=v, table_RM=jnp.full((rows, m), num_pages, jnp.int32),
+                  length_R=jnp.zeros((rows,), jnp.int32),
+                  free_F=jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32),
+                  n_free=jnp.asarray(num_pages, jnp.int32), page_size=page_size)
+  if not reserved:
+    return cache
+  if num_pages < rows * m:
+    raise ValueError(f"init_paged: {num_pages} pages cannot hold {rows} rows of {m} pages")
+  return cache.reserve(jnp.full((rows,), m * page_size, jnp.int32))[0].contiguous_view()
 
 
 def pool_axes(per_layer: bool):

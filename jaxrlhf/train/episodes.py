@@ -175,30 +175,36 @@ class EpisodeRunner:
                           f"data.max_prompt_len (observation: {obs[:60]!r})")
       prompts.append(ids)
     # An example's episodes usually start from the same observation: prefilled once (in lock
-    # step, or shared with rollout.prefix_sharing, which requires it; the paged cache
+    # step, or kept once with rollout.prefix_sharing, which requires it; the paged cache
     # without sharing prefills every row).  A failed reset's row (never live) then reads its
     # group's prompt.
-    groups = [range(g, g + n) for g in range(0, len(prompts), n)] if n > 1 else []
-    firsts = [next((r for r in rows if first[r] is not None), rows[0]) for rows in groups]
-    same = len(prompts) % max(n, 1) == 0 and all(
-        first[r] is None or prompts[r] == prompts[f] for rows, f in zip(groups, firsts)
-        for r in rows)
-    if self.shared and not same:
-      g = next(i for i, (rows, f) in enumerate(zip(groups, firsts))
-               if any(first[r] is not None and prompts[r] != prompts[f] for r in rows))
-      raise ConfigError(
-          f"rollout.prefix_sharing=true: env {self.spec.where} gave the {n} episodes of "
-          f"example {g} different first observations, so they share no prompt; set "
-          f"rollout.prefix_sharing=false")
-    group = n if self.shared or (n > 1 and same and not self.page_size) else 0
-    for rows, f in zip(groups, firsts) if group else ():
-      for r in rows:
-        prompts[r] = prompts[f]
+    group = 0
+    if (self.shared or (n > 1 and not self.page_size)) and self._one_prompt_each(
+        prompts, first, n):
+      group = n
+      for g0 in range(0, len(prompts), n):
+        ok = [r for r in range(g0, g0 + n) if first[r] is not None]
+        if ok:
+          prompts[g0:g0 + n] = [prompts[ok[0]]] * n
     prompt, pmask = self._left(prompts, self.P)
     mesh = self.stage.mesh
     with jax.set_mesh(mesh):
       return self._start(policy, *put_batch(mesh, {"p": prompt, "m": pmask}).values(),
                          group=group)
+
+  def _one_prompt_each(self, prompts, first, n: int) -> bool:
+    """Whether each example's ``n`` episodes start from the same observation (a failed
+    reset's row aside); with ``rollout.prefix_sharing`` a ConfigError naming the first
+    example whose episodes do not."""
+    for g0 in range(0, len(prompts), n):
+      if len({tuple(prompts[r]) for r in range(g0, g0 + n) if first[r] is not None}) > 1:
+        if self.shared:
+          raise ConfigError(
+              f"rollout.prefix_sharing=true: env {self.spec.where} gave the {n} episodes of "
+              f"example {g0 // n} different first observations, so they share no prompt; "
+              f"set rollout.prefix_sharing=false")
+        return False
+    return True
 
   def _turn(self, policy, conv, key, t: int, live, tally: "_Tally"):
     """One turn: the live rows act, the environments step, and the rows that go on get their
