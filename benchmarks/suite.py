@@ -295,16 +295,27 @@ LONGTAIL_ARMS = {"no_refill": (False, 0, "drop", False),
                  "refill_carry_pack": (True, 8, "carry", True),
                  "refill_continue_pack": (True, 8, "continue", True),
                  # partial rollouts keeping the carried rows' keys and values (no re-prefill)
-                 "refill_continue_keep_pack": (True, 8, "continue_keep", True)}
+                 "refill_continue_keep_pack": (True, 8, "continue_keep", True),
+                 # carry-over + pack on a paged pool (rollout.kv_page_size=16) handed out by
+                 # live tokens (rollout.kv_pages, :data:`LONGTAIL_POOLS`)
+                 "refill_carry_pack_pages": (True, 8, "carry", True),
+                 "refill_carry_pack_pages_half": (True, 8, "carry", True),
+                 "refill_carry_pack_pages_quarter": (True, 8, "carry", True)}
+# The pool arms' rollout.kv_pages: every row's whole buffer (64 rows of 8 + 128 slots in pages
+# of 16: 576; never waits), half and a quarter of it.
+LONGTAIL_PAGE_SIZE = 16
+LONGTAIL_POOLS = {"refill_carry_pack_pages": 576, "refill_carry_pack_pages_half": 288,
+                  "refill_carry_pack_pages_quarter": 144}
 
 
 def longtail_config(refill: bool, steps: int = 1000, buckets: int = 0, leftover: str = "drop",
-                    pack: bool = False):
+                    pack: bool = False, kv_pages: int = 0):
   """GRPO on the 4,458,752-parameter policy: 16 prompts x 4 samples trained per step, up to
   :data:`LONGTAIL_LIMIT` new tokens; with refill, 32 prompts queued for 16 groups; with
   ``buckets``, the phases after generation cut to the batch's longest response; with
   ``pack``, their model passes on packed rows (``rollout.pack``); ``leftover`` =
-  ``continue_keep``: ``continue`` with ``rollout.continue_kv=keep``."""
+  ``continue_keep``: ``continue`` with ``rollout.continue_kv=keep``; ``kv_pages``: a paged
+  pool of that many pages of :data:`LONGTAIL_PAGE_SIZE` slots, handed out by live tokens."""
   from jaxrlhf.config import DataConfig, RolloutConfig
   cfg = workload_config("grpo", model=model_config(max_seq_len=8 + LONGTAIL_LIMIT),
                         steps=steps)
@@ -315,7 +326,9 @@ def longtail_config(refill: bool, steps: int = 1000, buckets: int = 0, leftover:
       rollout=RolloutConfig(max_new_tokens=LONGTAIL_LIMIT, temperature=1.0, refill=refill,
                             refill_queue=2.0, length_buckets=buckets,
                             refill_leftover=leftover.split("_")[0], pack=pack,
-                            continue_kv="keep" if leftover == "continue_keep" else "recompute"),
+                            continue_kv="keep" if leftover == "continue_keep" else "recompute",
+                            kv_page_size=LONGTAIL_PAGE_SIZE if kv_pages else 0,
+                            kv_pages=kv_pages),
       grpo=dataclasses.replace(cfg.grpo, batch_size=16, num_samples=4))
 
 
@@ -542,7 +555,8 @@ def worker_longtail(name: str, steps: int, arms: str = "") -> dict:
     if arm not in chosen:
       continue
     runs[arm] = _workload_run("grpo", longtail_config(refill, buckets=buckets,
-                                                      leftover=leftover, pack=pack))
+                                                      leftover=leftover, pack=pack,
+                                                      kv_pages=LONGTAIL_POOLS.get(arm, 0)))
     longtail_policy(runs[arm])
     runs[arm]["widths"] = set()
 
@@ -624,6 +638,10 @@ def worker_longtail(name: str, steps: int, arms: str = "") -> dict:
         if f"rollout/{k}" in clean[0][1]:
           x[k] = statistics.mean(m[f"rollout/{k}"] for _, m, _ in clean)
       x["busy_frac"] = statistics.mean(m["rollout/busy_frac"] for _, m, _ in clean)
+    if arm in LONGTAIL_POOLS:  # the pool's most pages in use, and the refills put off
+      x["kv_pages"] = LONGTAIL_POOLS[arm]
+      x["kv_peak_frac"] = max(m["rollout/kv_peak_frac"] for _, m, _ in clean)
+      x["kv_waits"] = statistics.mean(m["rollout/kv_waits"] for _, m, _ in clean)
     out[arm] = x
   base = out["no_refill"]
   out["speedup"] = base["median_step_s"] / out["refill"]["median_step_s"]
@@ -655,6 +673,10 @@ def worker_longtail(name: str, steps: int, arms: str = "") -> dict:
     if arm in out and "refill_carry_pack" in out:
       out[f"speedup_{key}_vs_carry_pack"] = (out["refill_carry_pack"]["median_step_s"]
                                              / out[arm]["median_step_s"])
+  for arm in LONGTAIL_POOLS:
+    if arm in out and "refill_carry_pack" in out:
+      out[f"speedup_{arm}_vs_carry_pack"] = (out["refill_carry_pack"]["median_step_s"]
+                                             / out[arm]["median_step_s"])
   out["loadavg_1min"] = os.getloadavg()[0]
   return out
 
@@ -672,6 +694,9 @@ def report_longtail(r: dict) -> str:
       extra += f" carried {x['carried_out']:.1f}"
     if "update_width_mean" in x:
       extra += f"  update width {x['update_width_mean']:.0f}"
+    if "kv_pages" in x:
+      extra += (f"  pool {x['kv_pages']} pages, peak {100 * x['kv_peak_frac']:.0f}% in use, "
+                f"{x['kv_waits']:.1f} refills put off/step")
     if "pack_rows_mean" in x:
       extra += (f"  packed rows {x['pack_rows_mean']:.1f} of {r['rows']} "
                 f"({100 * x['pack_useful_fraction']:.1f}% of their slots real)")
@@ -700,6 +725,13 @@ def report_longtail(r: dict) -> str:
                     if f"speedup_{key}_vs_carry_pack" in r else "")
                  + f"; trained mean length {cont:.1f} against no refill's {base:.1f} "
                  f"({100 * (cont / base - 1):+.0f}%)")
+  for arm, size in LONGTAIL_POOLS.items():
+    if f"speedup_{arm}_vs_carry_pack" in r:
+      lines.append(f"  carry-over + pack on {size} pages by live tokens "
+                   f"({100 * size / LONGTAIL_POOLS['refill_carry_pack_pages']:.0f}% of every "
+                   f"row's buffer): step {r[f'speedup_{arm}_vs_carry_pack']:.2f}x the "
+                   f"contiguous cache's speed; at most {r[arm]['kv_peak_frac'] * size:.0f} "
+                   f"pages in use")
   if "speedup_buckets" in r:
     lines.append(f"  refill + length buckets: step {r['speedup_buckets']:.2f}x faster than no "
                  f"refill ({r['speedup_vs_buckets']:.2f}x than no refill with buckets), useful "

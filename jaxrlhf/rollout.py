@@ -596,9 +596,28 @@ class _RefillLoop:
     # prompts: with rollout.prefix_sharing each group's prompt is written once, in its own
     # buffer (a SharedPrefix, slot g for group g), and a row's page holds its response only.
     self.shared = rollout.prefix_sharing
-    self.paged = self.continuing or self.shared
+    self.paged = self.continuing or self.shared or rollout.kv_page_size > 0
     # rollout.continue_kv=keep: the carried rows' pages come from the previous step.
     self.keep = self.continuing and "k" in partial
+    # rollout.kv_pages > 0: pages handed out as tokens need them and returned when a row
+    # ends; a queued prompt starts once the pool covers its group's worst case beside every
+    # running row's (``_room``), so a running row never waits for a page.
+    self.lazy = rollout.kv_page_size > 0 and rollout.kv_pages > 0
+    self.page_size, self.pool, group_pages = rollout.refill_pages(self.p, self.rows, n)
+    self.fit = min(g_n, self.pool // group_pages)  # groups that always fit at once
+    if self.lazy and self.continuing:
+      raise ConfigError("generate_refill: rollout.kv_pages > 0 with partial responses: a "
+                        "carried group must restart where it stopped; set rollout.kv_pages=0")
+    if self.fit < 1:
+      raise ConfigError(f"generate_refill: rollout.kv_pages={self.pool} cannot hold one group "
+                        f"({group_pages} pages of {self.page_size} slots); raise it")
+    # The loop's bound: the first G groups end within N steps when all of them fit at once;
+    # with fewer, G groups still end within ceil(G / fit) waves of N steps (and the admissions).
+    self.max_steps = (self.n_new if self.fit >= g_n
+                      else (self.n_new + 1 + g_n) * -(-g_n // self.fit))
+    self.admit_G = jnp.ones((g_n,), bool)  # the first G prompts that start at step 0
+    if self.lazy:
+      self.admit_G = jnp.cumsum(n * self._budget(self.plen_Q[:g_n])) <= self.pool
     if self.paged:
       self.cache = self._paged_start(params, cache)
     else:
@@ -606,6 +625,25 @@ class _RefillLoop:
     self.dparams = decode_params(params, cfg, kernels)
 
   # ----------------------------------------- per-row positions: partial rollouts, sharing
+  def _budget(self, plen):
+    """The pages a row of a prompt of ``plen`` tokens may come to hold."""
+    own = self.n_new + plen * (not self.shared)
+    return -(-own // self.page_size)
+
+  def _room(self, cache, slots):
+    """Free pages beyond what every running row may still take."""
+    pg, _ = self._split(cache)
+    owed = jnp.where(slots["done"], 0, jnp.maximum(slots["budget"] - pg.held_R(), 0))
+    return pg.n_free - jnp.sum(owed, dtype=jnp.int32)
+
+  def _release(self, cache, slots, group):
+    """Every ended row's pages back in the pool (``rollout.kv_pages`` > 0)."""
+    if not self.lazy:
+      return cache, group
+    pg, prefix = self._split(cache)
+    group = {**group, "kv_peak": jnp.maximum(group["kv_peak"], pg.in_use())}
+    return self._join(pg.release(slots["done"] & (pg.held_R() > 0)), prefix), group
+
   def _split(self, cache):
     """The loop cache's ``(PagedKV, SharedPrefix or None)``."""
     return cache if self.shared else (cache, None)
@@ -620,15 +658,19 @@ class _RefillLoop:
     them, under the current weights: their next-token logits replace the prompt's)."""
     n, rows = self.n, self.rows
     total = self.n_new if self.shared else self.p + self.n_new
-    # Each row owns its page for good: row r's page is page r, read without a gather.
-    pg = init_paged(self.cfg, rows, rows, total, total,
-                    per_layer=unrolled_decode(self.kernels), reserved=True)
+    # With rollout.kv_pages=0 each row owns its pages for good (row r's in order from page
+    # r * M, one page of them all by default), read without a gather; else pages are taken
+    # as the row's tokens need them.
+    pg = init_paged(self.cfg, rows, self.pool, self.page_size, total,
+                    per_layer=unrolled_decode(self.kernels), reserved=not self.lazy)
     prefix = None
     if self.shared:
       k, v, mask = _compact_prompts(cache, self.mask_QP[:self.g_n])
       prefix = _shared_prefix(k, v, mask, pg.per_layer)
     else:
-      pg = self._write_prompts(pg, cache, self.mask_QP[:self.g_n], 0)
+      mask = self.mask_QP[:self.g_n] & self.admit_G[:, None]
+      pg, _ = pg.reserve(jnp.repeat(jnp.sum(mask, axis=1, dtype=jnp.int32), n))
+      pg = self._write_prompts(pg, cache, mask, 0)
     if not self.continuing:
       return self._join(pg, prefix)
     if self.keep:
@@ -719,10 +761,12 @@ class _RefillLoop:
         resp=jnp.full((rows, n_new), self.pad_id, jnp.int32),
         rmask=jnp.zeros((rows, n_new), bool),
         lp=jnp.zeros((rows, n_new), jnp.float32), slp=jnp.zeros((rows, n_new), jnp.float32),
-        done=jnp.zeros((rows,), bool), stopped=jnp.zeros((rows,), bool),
+        done=~jnp.repeat(self.admit_G, n), stopped=jnp.zeros((rows,), bool),
         j=jnp.zeros((rows,), jnp.int32),  # tokens sampled so far
         start=jnp.repeat(self.plen_Q[:g_n], n),  # rotary position of response token 0
         rid=self.row_R)  # response id: prompt index x n + sample
+    if self.lazy:  # the pages each row may come to hold
+      slots["budget"] = self._budget(slots["start"])
     out = dict(resp=slots["resp"], rmask=slots["rmask"], lp=slots["lp"], slp=slots["slp"],
                stopped=slots["stopped"], prompt=jnp.zeros((g_n,), jnp.int32))
     if self.continuing:  # carried rows go on from their partial responses
@@ -733,9 +777,13 @@ class _RefillLoop:
         slots[k] = jnp.where(sel, x.astype(slots[k].dtype), slots[k])
       slots["rmask"] = slots["rmask"] & carried_R[:, None]
       slots["j"] = jnp.sum(slots["rmask"], axis=1, dtype=jnp.int32)
-    group = dict(prompt=jnp.arange(g_n, dtype=jnp.int32),  # -1: idle (harvested)
-                 owner=jnp.arange(g_n, dtype=jnp.int32),  # the prompt a slot holds or held
-                 next=jnp.int32(g_n), completed=jnp.int32(0), busy=jnp.int32(0))
+    first_G = jnp.where(self.admit_G, jnp.arange(g_n, dtype=jnp.int32), -1)
+    group = dict(prompt=first_G,  # -1: idle (harvested, or not started for want of pages)
+                 owner=first_G,  # the prompt a slot holds or held
+                 next=jnp.sum(self.admit_G, dtype=jnp.int32), completed=jnp.int32(0),
+                 busy=jnp.int32(0))
+    if self.lazy:  # the most pages in use; refills put off, rows that waited, for pages
+      group.update(kv_peak=jnp.int32(0), kv_waits=jnp.int32(0), kv_deferred=jnp.int32(0))
     if self.carry:  # groups harvested: all, and those not carried; which queue prompts trained
       group.update(kept=jnp.int32(0), others=jnp.int32(0),
                    trained=jnp.zeros((self.q_len,), bool))
@@ -749,7 +797,8 @@ class _RefillLoop:
                                    axis=1)[:, 0]
       tok_R, live_R = jnp.where(pending_R, last_R, tok_R), live_R | pending_R
     out, group = self.harvest(slots, out, group)
-    return (jnp.ones((), jnp.int32), self.cache, slots, tok_R, live_R, out, group)
+    cache, group = self._release(self.cache, slots, group)
+    return (jnp.ones((), jnp.int32), cache, slots, tok_R, live_R, out, group)
 
   def record(self, slots, logits_RV, live_R):
     """Samples token ``j`` of each live row's response and writes it at column ``j``."""
@@ -815,6 +864,11 @@ class _RefillLoop:
             & (group["others"] < self.g_n - self.n_carried))
     else:
       go = jnp.any(idle_G) & (group["next"] < self.q_len) & (group["completed"] < self.g_n)
+    if self.lazy:  # and only once the pool covers the group beside the running rows
+      plen = self.plen_Q[jnp.minimum(group["next"], self.q_len - 1)]
+      room = self._room(cache, slots) >= self.n * self._budget(plen)
+      group = {**group, "kv_waits": group["kv_waits"] + (go & ~room)}
+      go = go & room
     return jax.lax.cond(go, functools.partial(self._fill, idle_G), lambda a: a,
                         (cache, slots, tok_R, live_R, group))
 
@@ -833,6 +887,8 @@ class _RefillLoop:
       pg = pg.replace(length_R=jnp.where(mine_R, 0, pg.length_R))
       return self._filled((pg, prefix), slots, tok_R, live_R, group, g, q, logits_1V)
     if self.paged:
+      mine_R = (self.row_R >= r0) & (self.row_R < r0 + n)
+      cache, _ = cache.reserve(jnp.where(mine_R, self.plen_Q[q], 0))  # (contiguous: no-op)
       return self._filled(self._write_prompts(cache, small, mask_1P, r0), slots, tok_R, live_R,
                           group, g, q, logits_1V)
     at = cache.index - self.p
@@ -864,6 +920,8 @@ class _RefillLoop:
              "stopped": fresh(slots["stopped"], False), "j": fresh(slots["j"], 0),
              "start": fresh(slots["start"], self.plen_Q[q]),
              "rid": fresh(slots["rid"], q * n + row_R - r0)}
+    if self.lazy:
+      slots["budget"] = fresh(slots["budget"], self._budget(self.plen_Q[q]))
     # Token 0 of the group's rows (every row samples; only these rows keep theirs).
     logits_RV = jnp.zeros((rows, logits_1V.shape[-1]), logits_1V.dtype)
     logits_RV = jnp.where(mine_R[:, None], logits_1V, logits_RV)
@@ -876,27 +934,37 @@ class _RefillLoop:
 
   def cond(self, state):
     i, _, _, _, _, _, group = state
-    return (i < self.n_new) & (group["kept" if self.carry else "completed"] < self.g_n)
+    return (i < self.max_steps) & (group["kept" if self.carry else "completed"] < self.g_n)
 
   def body(self, state):
     i, cache, slots, tok_R, live_R, out, group = state
     cfg = self.cfg
     pos_R1 = (slots["start"] + slots["j"] - 1)[:, None]
+    wait_R = jnp.zeros_like(live_R)
     if self.paged:  # each row writes at its own length
       pg, prefix = self._split(cache)
-      h, pg = forward(self.dparams, tok_R[:, None], pos_R1, live_R[:, None], cfg=cfg,
-                      paged=pg, prefix=prefix, attn_impl=self.kernels.attention)
+      if self.lazy:  # a page for each live row at a page's end (``_room`` leaves one)
+        pg, ok_R = pg.reserve(live_R.astype(jnp.int32))
+        # Never short by construction; were it, the row waits (its token fed next step).
+        wait_R = live_R & ~ok_R
+        group = {**group, "kv_deferred": group["kv_deferred"] + jnp.sum(wait_R, dtype=jnp.int32),
+                 "kv_peak": jnp.maximum(group["kv_peak"], pg.in_use())}
+      h, pg = forward(self.dparams, tok_R[:, None], pos_R1, (live_R & ~wait_R)[:, None],
+                      cfg=cfg, paged=pg, prefix=prefix, attn_impl=self.kernels.attention)
       cache = self._join(pg, prefix)
     else:
       h, cache = forward(self.dparams, tok_R[:, None], pos_R1, live_R[:, None], cfg=cfg,
                          cache=cache, attn_impl=self.kernels.attention)
       cache = _constrain_cache(cache)
-    group = {**group, "busy": group["busy"] + jnp.sum(live_R, dtype=jnp.int32)}
-    slots, tok_R, live_R = self.record(slots, _rows(lm_logits(self.dparams, h, cfg)[:, 0]),
-                                       ~slots["done"])
+    group = {**group, "busy": group["busy"] + jnp.sum(live_R & ~wait_R, dtype=jnp.int32)}
+    slots, new_R, fed_R = self.record(slots, _rows(lm_logits(self.dparams, h, cfg)[:, 0]),
+                                      ~slots["done"] & ~wait_R)
+    tok_R, live_R = jnp.where(wait_R, tok_R, new_R), fed_R | wait_R
     out, group = self.harvest(slots, out, group)
+    cache, group = self._release(cache, slots, group)
     cache, slots, tok_R, live_R, group = self.refill(cache, slots, tok_R, live_R, group)
     out, group = self.harvest(slots, out, group)
+    cache, group = self._release(cache, slots, group)  # (a refilled row may stop at once)
     return i + 1, cache, slots, tok_R, live_R, out, group
 
   def result(self, steps, out, group, slots, cache=None) -> tuple[Rollout, "Refill"]:
@@ -908,6 +976,9 @@ class _RefillLoop:
     rmask = out["rmask"]
     stats = {"started": group["next"], "completed": group["completed"], "steps": steps,
              "busy": group["busy"]}
+    if self.lazy:  # the pool's use: its most pages in use, of how many; the waits for it
+      stats.update(kv_peak=group["kv_peak"], kv_pages=jnp.int32(self.pool),
+                   kv_waits=group["kv_waits"], kv_deferred=group["kv_deferred"])
     leftover_G = partial = None
     if self.carry:
       # Started, not trained: in queue order into the first places (at most G of them).

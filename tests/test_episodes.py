@@ -472,8 +472,9 @@ def test_episodes_with_shared_prompts_equal_lock_step(tmp_path):
   assert conv.prefix is not None
 
 
-def test_the_paged_cache_is_refused_without_an_environment():
+def test_the_paged_cache_is_refused_without_an_environment_or_refill():
   cfg = ExperimentConfig(stages=("grpo",), rollout=RolloutConfig(kv_page_size=16))
   with pytest.raises(ConfigError, match=r"rollout.kv_page_size=16: the paged KV cache runs "
-                                        r"multi-turn episodes \(env.name\) only"):
+                                        r"multi-turn episodes \(env.name\) and in-flight "
+                                        r"refill \(rollout.refill\) only"):
     validate(cfg)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import TINY, mesh, ragged_batch, set_lengths, with_length_model
+from test_paged import _check_accounting
 from benchmarks.lengths import length_params  # (helpers puts the repository root on the path)
 from jaxrlhf import model as M
 from jaxrlhf import results
@@ -620,3 +621,109 @@ def test_continued_responses_of_a_random_model_keep_their_context(kv, shared):
   rm = np.asarray(ro2.response_mask_BN)
   np.testing.assert_allclose(np.where(rm, np.asarray(ro2.behaviour_logp_BN), 0),
                              np.where(rm, np.asarray(ref), 0), atol=2e-5)
+
+
+# ------------------------------------------ a refill pool sized by live tokens (kv_pages)
+
+# Pages of 4 slots: a row of a prompt of 8 and 12 response slots may hold 5, a group of 2
+# rows 10; the 3 groups at once 30.  10 runs one group at a time, 20 two.
+POOLS = [(0, False), (30, False), (20, False), (10, False), (12, True), (6, True)]
+
+
+@pytest.mark.parametrize("pages,shared", POOLS)
+@pytest.mark.parametrize("mode", ["drop", "carry"])
+def test_a_pool_by_live_tokens_decodes_each_prompt_s_own_responses(params, prompts, pages,
+                                                                   shared, mode):
+  """rollout.kv_page_size=4 with refill: pages reserved up front (0), or handed out as
+  tokens need them and returned when a row ends.  Every trained group's responses equal its
+  prompt decoded alone (tokens, masks; log-probs within 2e-5), whatever the pool; a pool that
+  holds every group at once gives today's batch; a smaller one runs fewer groups at a time
+  (a refill put off is counted, a running row never waits) and never holds more than it has."""
+  ref, _ = _plain(params, prompts)
+  count = None if mode == "drop" else jnp.int32(0)
+  queue = {"prompt": prompts[0], "prompt_mask": prompts[1]}
+  want, want_info = _refill_modes(params, queue, jax.random.key(3), count, prefix_sharing=shared)
+  got, info = _refill_modes(params, queue, jax.random.key(3), count, prefix_sharing=shared,
+                            kv_page_size=4, kv_pages=pages)
+  st = {k: int(v) for k, v in info.stats.items()}
+  index = np.asarray(info.prompt_index_G)
+  assert st["completed"] >= G and len(set(index)) == G
+  for g, q in enumerate(index):
+    a, b = slice(g * n, (g + 1) * n), slice(q * n, (q + 1) * n)
+    np.testing.assert_array_equal(got.tokens_BT[a], ref.tokens_BT[b])
+    np.testing.assert_array_equal(got.mask_BT[a], ref.mask_BT[b])
+    np.testing.assert_array_equal(got.finished_B[a], ref.finished_B[b])
+    np.testing.assert_allclose(got.behaviour_logp_BN[a], ref.behaviour_logp_BN[b], atol=2e-5)
+  full = G * n * (-(-(N + (0 if shared else P)) // 4))
+  if pages in (0, full):  # room for every group at once: today's batch, step for step
+    _same(got, want, info, want_info)
+  if not pages:
+    assert "kv_peak" not in st
+    return
+  assert st["kv_deferred"] == 0 and 0 < st["kv_peak"] <= pages, st
+  if pages < full:  # a refill waited for pages, so the loop took more steps
+    assert st["kv_waits"] > 0 and st["steps"] > int(want_info.stats["steps"]), st
+  if mode == "carry":  # a full batch trained; the groups started and not trained carried
+    assert st["trained"] == G and st["carried_out"] == st["started"] - G, st
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_refill_pages_are_never_lost_or_shared_and_return_when_rows_end(params, prompts,
+                                                                        shared):
+  """The loop's pool step by step: every page free or held by exactly one row, each row
+  holding the pages of its length, ended rows none, and never fewer free pages than the
+  running rows may still take."""
+  ro = _ro(kv_page_size=4, kv_pages=12 if shared else 20, prefix_sharing=shared)
+  loop = R._RefillLoop(params, *prompts, jax.random.key(3), None, None, cfg=CFG, rollout=ro,
+                       eos_id=EOS, pad_id=0, n=n, g_n=G, kernels=KernelsConfig())
+  body = jax.jit(loop.body)
+  state, steps, peak = loop.init(), 0, 0
+  while bool(loop.cond(state)):
+    state = body(state)
+    steps += 1
+    _, cache, slots, _, _, _, group = state
+    pg, _ = loop._split(cache)
+    _check_accounting(pg)
+    held, length = np.asarray(pg.held_R()), np.asarray(pg.length_R)
+    done = np.asarray(slots["done"])
+    assert (held[done] == 0).all(), (held, done)
+    np.testing.assert_array_equal(held[~done], -(-length[~done] // 4))
+    assert int(loop._room(cache, slots)) >= 0
+    assert int(pg.in_use()) == held.sum() <= ro.kv_pages
+    peak = max(peak, int(pg.in_use()))
+  assert steps > 0 and int(group["kv_peak"]) >= peak and int(group["kv_deferred"]) == 0
+
+
+def test_grpo_steps_with_a_refill_pool_by_live_tokens_on_dp2_tp2():
+  """Two GRPO steps with pages handed out by live tokens, one group's worth beyond half the
+  batch: on dp=2 x tp=2 as on one device, and the pool's figures among the metrics."""
+  base = config()
+  cfg = dataclasses.replace(base, rollout=dataclasses.replace(
+      base.rollout, kv_page_size=4, kv_pages=3 * 4 * 3))
+  validate(cfg, required=False)
+  _, s1, _, m1 = run_steps(cfg, mesh(), steps=2)
+  _, s2, _, m2 = run_steps(cfg, mesh(dp=2, tp=2), steps=2)
+  for a, b in zip(m1, m2):
+    for k in (k for k in a if not k.startswith(("time/", "memory/"))):
+      np.testing.assert_allclose(b[k], a[k], rtol=2e-4, atol=2e-5, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5),
+               jax.device_get(s2.params), jax.device_get(s1.params))
+  for m in m1:
+    assert 0 < m["rollout/kv_peak_frac"] <= 1 and m["rollout/kv_waits"] >= 0
+    assert m["rollout/completed"] >= 4
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(kv_pages=8), r"rollout.kv_pages=8 cannot hold one group's responses \(4 x "
+                       r"\(data.max_prompt_len \+ rollout.max_new_tokens\) slots in pages of "
+                       r"rollout.kv_page_size=4: \d+ pages\); raise rollout.kv_pages to at "
+                       r"least \d+ \(48 run every group at once\)"),
+    (dict(kv_pages=200, refill_leftover="continue"),
+     r"rollout.kv_pages=200 with rollout.refill_leftover=continue: .* set rollout.kv_pages=0"),
+])
+def test_a_refill_pool_it_cannot_run_is_refused_with_the_fix(change, match):
+  base = dataclasses.replace(config(), stages=("grpo",))
+  cfg = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, kv_page_size=4,
+                                                              **change))
+  with pytest.raises(ConfigError, match=match):
+    validate(cfg, required=False)

@@ -234,17 +234,23 @@ class RolloutConfig:
   # rewritten when the group is refilled) and multi-turn episodes (an example's first
   # observation once per group; the rows' pages hold the rest).
   prefix_sharing: bool = False
-  # Paged KV cache for multi-turn episodes (env.name; docs/rollout.md, "Paged KV cache"): 0
-  # keeps one contiguous cache of max_prompt_len + max_new_tokens slots a row, written in lock
-  # step (a row idle while others decode leaves holes).  k > 0: pages of k slots from a shared
-  # pool, each row writing its own tokens at its own position (no holes, every column of a row
-  # its own) and holding only the pages they fill.  Same tokens up to float rounding.
+  # Paged KV cache for multi-turn episodes (env.name) and in-flight refill (refill;
+  # docs/rollout.md, "Paged KV cache"): 0 keeps one contiguous cache of max_prompt_len +
+  # max_new_tokens slots a row, written in lock step (a row idle while others decode leaves
+  # holes).  k > 0: pages of k slots from a shared pool, each row writing its own tokens at
+  # its own position (no holes, every column of a row its own) and holding only the pages
+  # they fill.  Same tokens up to float rounding.
   kv_page_size: int = 0
   # The pool's pages with kv_page_size > 0: 0 holds every row's whole buffer, reserved up
   # front and read as it lies (per-row positions at lock step's memory, no gather); k > 0
   # hands pages out as tokens need them, so k below that bounds the KV memory by the tokens
-  # the episodes really hold (env/kv_fill: real tokens per slot of the pages in use), and
-  # running out stops the run with an error naming this setting.
+  # really held.  Episodes (env/kv_fill: real tokens per slot of the pages in use): running
+  # out stops the run with an error naming this setting.  Refill (rollout/kv_peak_frac,
+  # rollout/kv_waits): a row's pages return to the pool when it ends, and a queued prompt
+  # starts once the pool covers its group's worst case (n x (prompt + max_new_tokens)) beside
+  # every running row's, so a running row never waits; a smaller pool runs fewer groups at
+  # once (the same responses, another batch).  At least one group's worst case; not with
+  # refill_leftover=continue.
   kv_pages: int = 0
   # In-flight refill (RL steps, docs/rollout.md): the step's rows are batch_size groups of
   # num_samples slots; a group whose rows have all stopped takes the next prompt of the step's
@@ -301,6 +307,18 @@ class RolloutConfig:
   # of ceil(sequences / pack_buckets).
   pack_buckets: int = 8
 
+
+  def refill_pages(self, prompt_len: int, rows: int, n: int) -> tuple[int, int, int]:
+    """The refill loop's paged pool when it runs on per-row positions: ``(page_size, pages,
+    group_pages)``.  A row's own slots are its prompt (unless shared, prefix_sharing) and
+    max_new_tokens, in pages of kv_page_size slots (0: one page of them all); the pool is
+    kv_pages pages (0: every row's whole buffer); a group of ``n`` rows (prompts of
+    ``prompt_len``) may come to hold ``group_pages`` of them at most."""
+    own = self.max_new_tokens + (0 if self.prefix_sharing else prompt_len)
+    ps = self.kv_page_size or own
+    per_row = -(-own // ps)
+    pages = (self.kv_pages if self.kv_page_size else 0) or rows * per_row
+    return ps, pages, n * per_row
 
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:

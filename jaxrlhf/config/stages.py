@@ -274,9 +274,10 @@ class RLConfig(StageConfig):
            "must be >= 0 (0: a contiguous cache; e.g. 16)")
     c.need(ro.kv_pages >= 0, "rollout.kv_pages", ro.kv_pages,
            "must be >= 0 (0: enough for every row)")
-    if ro.kv_page_size and not cfg.env.name:
+    if ro.kv_page_size and not (cfg.env.name or ro.refill):
       c.problems.append(f"rollout.kv_page_size={ro.kv_page_size}: the paged KV cache runs "
-                        "multi-turn episodes (env.name) only; set rollout.kv_page_size=0")
+                        "multi-turn episodes (env.name) and in-flight refill (rollout.refill) "
+                        "only; set rollout.kv_page_size=0, or rollout.refill=true")
     if ro.refill:
       _check_refill(self, name, cfg, c)
     if ro.continue_kv != "recompute" and not (ro.refill and ro.refill_leftover == "continue"):
@@ -301,6 +302,8 @@ def _check_refill(scfg, name, cfg, c):
     c.problems.append(f"rollout.refill=true with env.name={cfg.env.name!r}: multi-turn "
                       "episodes run their own host loop and cannot refill; set "
                       "rollout.refill=false")
+  if ro.kv_page_size and ro.kv_pages:
+    _check_refill_pool(scfg, cfg, c)
   if getattr(scfg, "dynamic_sampling", False):
     c.problems.append(f"rollout.refill=true with {name}.dynamic_sampling=true: both choose "
                       f"which groups of an over-sized queue train; set one of them to false")
@@ -313,6 +316,27 @@ def _check_refill(scfg, name, cfg, c):
                       f"({name}.reward.sources): the examples a host reward reads cannot be "
                       f"carried to the next step (nor through a checkpoint); set "
                       f"rollout.refill_leftover=drop, or use device rewards (rule:NAME, model)")
+
+
+def _check_refill_pool(scfg, cfg, c):
+  """A refill pool handed out by live tokens (``rollout.kv_pages`` > 0) must hold one group's
+  worst case, and cannot restart a carried partial response."""
+  ro = cfg.rollout
+  n = getattr(scfg, "num_samples", 1)
+  rows = getattr(scfg, "batch_size", 1) * n
+  _, _, group = ro.refill_pages(cfg.data.max_prompt_len, rows, n)
+  full = rows // n * group  # every group's worst case at once
+  if ro.refill_leftover == "continue":
+    c.problems.append(f"rollout.kv_pages={ro.kv_pages} with rollout.refill_leftover=continue: "
+                      "a carried partial response goes on in the slot it left, which a pool "
+                      "handed out by live tokens cannot promise; set rollout.kv_pages=0 (every "
+                      "row's pages reserved) or rollout.refill_leftover=carry")
+  elif ro.kv_pages < group:
+    c.problems.append(f"rollout.kv_pages={ro.kv_pages} cannot hold one group's responses "
+                      f"({n} x (data.max_prompt_len + rollout.max_new_tokens) slots in pages of "
+                      f"rollout.kv_page_size={ro.kv_page_size}: {group} pages); raise "
+                      f"rollout.kv_pages to at least {group} ({full} run every group at once), "
+                      "or set 0")
 
 
 @dataclasses.dataclass(frozen=True)

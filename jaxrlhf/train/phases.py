@@ -98,6 +98,9 @@ def _refill(statics, batch, c: StepCarry, ro: Rollout, refill) -> StepCarry:
              "rollout/queued": jnp.float32(batch["prompt"].shape[0]),
              "rollout/decode_steps": st["steps"],
              "rollout/busy_frac": st["busy"] / (rows * jnp.maximum(st["steps"] - 1, 1))}
+  if "kv_peak" in st:  # a pool handed out by live tokens (rollout.kv_pages)
+    metrics.update({"rollout/kv_peak_frac": st["kv_peak"] / st["kv_pages"],
+                    "rollout/kv_waits": st["kv_waits"]})
   index_B = ro.prompt_index_B
   rollout = ro.replace(sample_logp_BN=None, answer_BR=batch["answer"][index_B],
                        answer_mask_BR=batch["answer_mask"][index_B])
