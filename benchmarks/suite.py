@@ -299,23 +299,28 @@ LONGTAIL_ARMS = {"no_refill": (False, 0, "drop", False),
                  # carry-over + pack on a paged pool (rollout.kv_page_size=16) handed out by
                  # live tokens (rollout.kv_pages, :data:`LONGTAIL_POOLS`)
                  "refill_carry_pack_pages": (True, 8, "carry", True),
-                 "refill_carry_pack_pages_half": (True, 8, "carry", True),
-                 "refill_carry_pack_pages_quarter": (True, 8, "carry", True)}
-# The pool arms' rollout.kv_pages: every row's whole buffer (64 rows of 8 + 128 slots in pages
-# of 16: 576; never waits), half and a quarter of it.
+                 "refill_carry_pack_pages_quarter": (True, 8, "carry", True),
+                 "refill_carry_pack_pages_eighth": (True, 8, "carry", True),
+                 "refill_carry_pack_pages_quarter_worst": (True, 8, "carry", True)}
+# The pool arms' (rollout.kv_pages, rollout.kv_admit): every row's whole buffer (64 rows of
+# 8 + 128 slots in pages of 16: 576; never short), a quarter and an eighth of it (one group's
+# worst case is 36 pages), and a quarter admitting by the worst case.
 LONGTAIL_PAGE_SIZE = 16
-LONGTAIL_POOLS = {"refill_carry_pack_pages": 576, "refill_carry_pack_pages_half": 288,
-                  "refill_carry_pack_pages_quarter": 144}
+LONGTAIL_POOLS = {"refill_carry_pack_pages": (576, "live"),
+                  "refill_carry_pack_pages_quarter": (144, "live"),
+                  "refill_carry_pack_pages_eighth": (72, "live"),
+                  "refill_carry_pack_pages_quarter_worst": (144, "worst")}
 
 
 def longtail_config(refill: bool, steps: int = 1000, buckets: int = 0, leftover: str = "drop",
-                    pack: bool = False, kv_pages: int = 0):
+                    pack: bool = False, kv_pages: int = 0, kv_admit: str = "live"):
   """GRPO on the 4,458,752-parameter policy: 16 prompts x 4 samples trained per step, up to
   :data:`LONGTAIL_LIMIT` new tokens; with refill, 32 prompts queued for 16 groups; with
   ``buckets``, the phases after generation cut to the batch's longest response; with
   ``pack``, their model passes on packed rows (``rollout.pack``); ``leftover`` =
   ``continue_keep``: ``continue`` with ``rollout.continue_kv=keep``; ``kv_pages``: a paged
-  pool of that many pages of :data:`LONGTAIL_PAGE_SIZE` slots, handed out by live tokens."""
+  pool of that many pages of :data:`LONGTAIL_PAGE_SIZE` slots, handed out by live tokens
+  (``kv_admit``: ``rollout.kv_admit``)."""
   from jaxrlhf.config import DataConfig, RolloutConfig
   cfg = workload_config("grpo", model=model_config(max_seq_len=8 + LONGTAIL_LIMIT),
                         steps=steps)
@@ -328,7 +333,7 @@ def longtail_config(refill: bool, steps: int = 1000, buckets: int = 0, leftover:
                             refill_leftover=leftover.split("_")[0], pack=pack,
                             continue_kv="keep" if leftover == "continue_keep" else "recompute",
                             kv_page_size=LONGTAIL_PAGE_SIZE if kv_pages else 0,
-                            kv_pages=kv_pages),
+                            kv_pages=kv_pages, kv_admit=kv_admit),
       grpo=dataclasses.replace(cfg.grpo, batch_size=16, num_samples=4))
 
 
@@ -556,7 +561,8 @@ def worker_longtail(name: str, steps: int, arms: str = "") -> dict:
       continue
     runs[arm] = _workload_run("grpo", longtail_config(refill, buckets=buckets,
                                                       leftover=leftover, pack=pack,
-                                                      kv_pages=LONGTAIL_POOLS.get(arm, 0)))
+                                                      **dict(zip(("kv_pages", "kv_admit"),
+                                                                 LONGTAIL_POOLS.get(arm, ())))))
     longtail_policy(runs[arm])
     runs[arm]["widths"] = set()
 
@@ -639,9 +645,11 @@ def worker_longtail(name: str, steps: int, arms: str = "") -> dict:
           x[k] = statistics.mean(m[f"rollout/{k}"] for _, m, _ in clean)
       x["busy_frac"] = statistics.mean(m["rollout/busy_frac"] for _, m, _ in clean)
     if arm in LONGTAIL_POOLS:  # the pool's most pages in use, and the refills put off
-      x["kv_pages"] = LONGTAIL_POOLS[arm]
+      x["kv_pages"], x["kv_admit"] = LONGTAIL_POOLS[arm]
       x["kv_peak_frac"] = max(m["rollout/kv_peak_frac"] for _, m, _ in clean)
       x["kv_waits"] = statistics.mean(m["rollout/kv_waits"] for _, m, _ in clean)
+      x["kv_preempted"] = statistics.mean(m.get("rollout/kv_preempted", 0.0)
+                                          for _, m, _ in clean)
     out[arm] = x
   base = out["no_refill"]
   out["speedup"] = base["median_step_s"] / out["refill"]["median_step_s"]
@@ -695,8 +703,9 @@ def report_longtail(r: dict) -> str:
     if "update_width_mean" in x:
       extra += f"  update width {x['update_width_mean']:.0f}"
     if "kv_pages" in x:
-      extra += (f"  pool {x['kv_pages']} pages, peak {100 * x['kv_peak_frac']:.0f}% in use, "
-                f"{x['kv_waits']:.1f} refills put off/step")
+      extra += (f"  pool {x['kv_pages']} pages ({x['kv_admit']}), peak "
+                f"{100 * x['kv_peak_frac']:.0f}% in use, {x['kv_waits']:.1f} refills put off "
+                f"and {x['kv_preempted']:.1f} groups put back/step")
     if "pack_rows_mean" in x:
       extra += (f"  packed rows {x['pack_rows_mean']:.1f} of {r['rows']} "
                 f"({100 * x['pack_useful_fraction']:.1f}% of their slots real)")
@@ -725,11 +734,11 @@ def report_longtail(r: dict) -> str:
                     if f"speedup_{key}_vs_carry_pack" in r else "")
                  + f"; trained mean length {cont:.1f} against no refill's {base:.1f} "
                  f"({100 * (cont / base - 1):+.0f}%)")
-  for arm, size in LONGTAIL_POOLS.items():
+  for arm, (size, admit) in LONGTAIL_POOLS.items():
     if f"speedup_{arm}_vs_carry_pack" in r:
-      lines.append(f"  carry-over + pack on {size} pages by live tokens "
-                   f"({100 * size / LONGTAIL_POOLS['refill_carry_pack_pages']:.0f}% of every "
-                   f"row's buffer): step {r[f'speedup_{arm}_vs_carry_pack']:.2f}x the "
+      lines.append(f"  carry-over + pack on {size} pages by live tokens, admitting by "
+                   f"{admit} ({100 * size / LONGTAIL_POOLS['refill_carry_pack_pages'][0]:.0f}% "
+                   f"of every row's buffer): step {r[f'speedup_{arm}_vs_carry_pack']:.2f}x the "
                    f"contiguous cache's speed; at most {r[arm]['kv_peak_frac'] * size:.0f} "
                    f"pages in use")
   if "speedup_buckets" in r:

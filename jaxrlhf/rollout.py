@@ -566,6 +566,32 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, num_carried=
   return loop.result(steps, out, group, slots, cache)
 
 
+def write_prompts(pg: PagedKV, small: KVCache, mask_XP, r0, n: int,
+                  cfg: ModelConfig) -> PagedKV:
+  """``X`` prefilled prompts (``small``: ``[L, X, K, P, Dh]``) written into the pages of
+  rows ``r0 .. r0 + X * n`` (``n`` rows a prompt, which must hold the pages: reserve them
+  first), each prompt's real tokens from slot 0; those rows' lengths are the prompts'."""
+  x = mask_XP.shape[0]
+  slot = jnp.where(mask_XP, jnp.cumsum(mask_XP, axis=1, dtype=jnp.int32) - 1, -1)
+  slot_RP = jnp.repeat(slot, n, axis=0)
+  table = jax.lax.dynamic_slice_in_dim(pg.table_RM, r0, x * n, axis=0)
+  rows_kv = lambda a: jnp.repeat(a, n, axis=0).transpose(0, 2, 1, 3)  # noqa: E731 [R,P,K,D]
+  if pg.per_layer:
+    ks, vs = list(pg.k), list(pg.v)
+    for li in range(cfg.n_layers):
+      ks[li], vs[li] = write_layer(ks[li], vs[li], table, slot_RP, rows_kv(small.k[li]),
+                                   rows_kv(small.v[li]))
+    k, v = tuple(ks), tuple(vs)
+  else:
+    k, v = pg.k, pg.v
+    for li in range(cfg.n_layers):
+      k, v = write_layer(k, v, table, slot_RP, rows_kv(small.k[li]), rows_kv(small.v[li]),
+                         li)
+  length = jax.lax.dynamic_update_slice_in_dim(
+      pg.length_R, jnp.repeat(jnp.sum(mask_XP, axis=1, dtype=jnp.int32), n), r0, 0)
+  return constrain_paged(pg.replace(k=k, v=v, length_R=length))
+
+
 class _RefillLoop:
   """The pieces of :func:`_generate_refill`'s decode loop over one trace: the queue, the
   settings, and the per-row slot, per-group and output state the loop carries."""
@@ -600,9 +626,12 @@ class _RefillLoop:
     # rollout.continue_kv=keep: the carried rows' pages come from the previous step.
     self.keep = self.continuing and "k" in partial
     # rollout.kv_pages > 0: pages handed out as tokens need them and returned when a row
-    # ends; a queued prompt starts once the pool covers its group's worst case beside every
-    # running row's (``_room``), so a running row never waits for a page.
+    # ends.  rollout.kv_admit: a queued prompt starts once the pool holds its prompt and a
+    # page for each running row ("live": when rows find no page, the youngest group is put
+    # back, to restart later), or its group's worst case beside every running row's
+    # ("worst": no row ever waits).  (``_room``, ``_preempt``.)
     self.lazy = rollout.kv_page_size > 0 and rollout.kv_pages > 0
+    self.optimistic = self.lazy and rollout.kv_admit == "live"
     self.page_size, self.pool, group_pages = rollout.refill_pages(self.p, self.rows, n)
     self.fit = min(g_n, self.pool // group_pages)  # groups that always fit at once
     if self.lazy and self.continuing:
@@ -611,13 +640,21 @@ class _RefillLoop:
     if self.fit < 1:
       raise ConfigError(f"generate_refill: rollout.kv_pages={self.pool} cannot hold one group "
                         f"({group_pages} pages of {self.page_size} slots); raise it")
-    # The loop's bound: the first G groups end within N steps when all of them fit at once;
-    # with fewer, G groups still end within ceil(G / fit) waves of N steps (and the admissions).
-    self.max_steps = (self.n_new if self.fit >= g_n
-                      else (self.n_new + 1 + g_n) * -(-g_n // self.fit))
+    # The loop's bound: the first G groups end within N steps when all of them fit at once.
+    # With fewer, under "worst" G groups still end within ceil(G / fit) waves of N steps (and
+    # the admissions); under "live" the oldest running group never stops for long (it is
+    # never put back while another runs, and no prompt starts while a row waits: at most one
+    # step a running group between two of its tokens), so G groups end within G (N + 1)
+    # (G + 1) steps.
+    if self.fit >= g_n:
+      self.max_steps = self.n_new
+    elif self.optimistic:
+      self.max_steps = g_n * (self.n_new + 1) * (g_n + 1)
+    else:
+      self.max_steps = (self.n_new + 1 + g_n) * -(-g_n // self.fit)
     self.admit_G = jnp.ones((g_n,), bool)  # the first G prompts that start at step 0
     if self.lazy:
-      self.admit_G = jnp.cumsum(n * self._budget(self.plen_Q[:g_n])) <= self.pool
+      self.admit_G = jnp.cumsum(self._need(self.plen_Q[:g_n])) <= self.pool
     if self.paged:
       self.cache = self._paged_start(params, cache)
     else:
@@ -630,11 +667,39 @@ class _RefillLoop:
     own = self.n_new + plen * (not self.shared)
     return -(-own // self.page_size)
 
+  def _need(self, plen):
+    """The free pages a group of a prompt of ``plen`` tokens needs to start (beyond
+    :meth:`_room`'s reserve): its worst case, or ("live") its prompt's pages and one a row."""
+    if not self.optimistic:
+      return self.n * self._budget(plen)
+    return self.n * (-(-plen * (not self.shared) // self.page_size) + 1)
+
   def _room(self, cache, slots):
-    """Free pages beyond what every running row may still take."""
+    """Free pages beyond what the running rows may still take: all of their worst cases, or
+    ("live") one page each, for their next token."""
     pg, _ = self._split(cache)
-    owed = jnp.where(slots["done"], 0, jnp.maximum(slots["budget"] - pg.held_R(), 0))
+    running = ~slots["done"]
+    if self.optimistic:
+      return pg.n_free - jnp.sum(running, dtype=jnp.int32)
+    owed = jnp.where(running, jnp.maximum(slots["budget"] - pg.held_R(), 0), 0)
     return pg.n_free - jnp.sum(owed, dtype=jnp.int32)
+
+  def _preempt(self, pg: PagedKV, slots, group, wait_R):
+    """("live") When a row found no page: the youngest running group that holds pages is put
+    back (its pages freed, its rows ended, ``parked``), never the only one; it restarts from
+    its prompt once there is room (per-response keys: the same tokens again).  Returns the
+    cache, slots and group, and the rows put back."""
+    n, g_n = self.n, self.g_n
+    holds_G = jnp.any((pg.held_R() > 0).reshape(g_n, n), axis=1)
+    cand_G = holds_G & (group["prompt"] >= 0) & ~group["parked"]
+    age_G = jnp.where(cand_G, group["age"], -1)
+    go = jnp.any(wait_R) & (jnp.sum(cand_G) > 1)
+    victim_G = go & (jnp.arange(g_n) == jnp.argmax(age_G))
+    victim_R = jnp.repeat(victim_G, n)
+    slots = {**slots, "done": slots["done"] | victim_R}
+    group = {**group, "parked": group["parked"] | victim_G,
+             "kv_preempted": group["kv_preempted"] + go}
+    return pg.release(victim_R), slots, group, victim_R
 
   def _release(self, cache, slots, group):
     """Every ended row's pages back in the pool (``rollout.kv_pages`` > 0)."""
@@ -670,7 +735,7 @@ class _RefillLoop:
     else:
       mask = self.mask_QP[:self.g_n] & self.admit_G[:, None]
       pg, _ = pg.reserve(jnp.repeat(jnp.sum(mask, axis=1, dtype=jnp.int32), n))
-      pg = self._write_prompts(pg, cache, mask, 0)
+      pg = write_prompts(pg, cache, mask, 0, n, self.cfg)
     if not self.continuing:
       return self._join(pg, prefix)
     if self.keep:
@@ -728,31 +793,6 @@ class _RefillLoop:
     return pg.replace(k=k, v=v,
                       length_R=jnp.where(carried_R, self.partial["kv_len"], pg.length_R))
 
-  def _write_prompts(self, pg: PagedKV, small: KVCache, mask_XP, r0) -> PagedKV:
-    """``X`` prefilled prompts (``small``: ``[L, X, K, P, Dh]``) written into the pages of
-    rows ``r0 .. r0 + X * n`` (``n`` rows a prompt), each prompt's real tokens from slot 0;
-    those rows' lengths are the prompts'."""
-    n, cfg = self.n, self.cfg
-    x = mask_XP.shape[0]
-    slot = jnp.where(mask_XP, jnp.cumsum(mask_XP, axis=1, dtype=jnp.int32) - 1, -1)
-    slot_RP = jnp.repeat(slot, n, axis=0)
-    table = jax.lax.dynamic_slice_in_dim(pg.table_RM, r0, x * n, axis=0)
-    rows_kv = lambda a: jnp.repeat(a, n, axis=0).transpose(0, 2, 1, 3)  # noqa: E731 [R,P,K,D]
-    if pg.per_layer:
-      ks, vs = list(pg.k), list(pg.v)
-      for li in range(cfg.n_layers):
-        ks[li], vs[li] = write_layer(ks[li], vs[li], table, slot_RP, rows_kv(small.k[li]),
-                                     rows_kv(small.v[li]))
-      k, v = tuple(ks), tuple(vs)
-    else:
-      k, v = pg.k, pg.v
-      for li in range(cfg.n_layers):
-        k, v = write_layer(k, v, table, slot_RP, rows_kv(small.k[li]), rows_kv(small.v[li]),
-                           li)
-    length = jax.lax.dynamic_update_slice_in_dim(
-        pg.length_R, jnp.repeat(jnp.sum(mask_XP, axis=1, dtype=jnp.int32), n), r0, 0)
-    return constrain_paged(pg.replace(k=k, v=v, length_R=length))
-
   def init(self):
     """The loop's first state: token 0 of the first G groups sampled, any of them harvested."""
     n, g_n, rows, n_new = self.n, self.g_n, self.rows, self.n_new
@@ -784,6 +824,10 @@ class _RefillLoop:
                  busy=jnp.int32(0))
     if self.lazy:  # the most pages in use; refills put off, rows that waited, for pages
       group.update(kv_peak=jnp.int32(0), kv_waits=jnp.int32(0), kv_deferred=jnp.int32(0))
+    if self.optimistic:  # when each slot's group started; groups put back; any row waiting
+      group.update(age=first_G, stamp=jnp.sum(self.admit_G, dtype=jnp.int32),
+                   parked=jnp.zeros((g_n,), bool), kv_preempted=jnp.int32(0),
+                   short=jnp.zeros((), bool))
     if self.carry:  # groups harvested: all, and those not carried; which queue prompts trained
       group.update(kept=jnp.int32(0), others=jnp.int32(0),
                    trained=jnp.zeros((self.q_len,), bool))
@@ -838,6 +882,8 @@ class _RefillLoop:
     to G of them) and marks its slots idle."""
     n, g_n = self.n, self.g_n
     done_G = jnp.all(slots["done"].reshape(g_n, n), axis=1) & (group["prompt"] >= 0)
+    if self.optimistic:  # (a group put back is not done)
+      done_G = done_G & ~group["parked"]
     dest_G, keep_G, carried_G = self._destinations(done_G, group)
     dest_R = (dest_G[:, None] * n + self.sample_n[None, :]).reshape(self.rows)
     take = lambda buf, x: buf.at[dest_R].set(x, mode="drop")  # noqa: E731
@@ -857,25 +903,30 @@ class _RefillLoop:
 
   def refill(self, cache, slots, tok_R, live_R, group):
     """The next queued prompt into the first idle group's rows, if any and the quota is not
-    met: its [1, P] prefill written at slots [index - P, index), its token 0 sampled."""
+    met: its [1, P] prefill written at slots [index - P, index), its token 0 sampled.  A
+    group put back for pages ("live") restarts first, in its own slot."""
     idle_G = group["prompt"] < 0
+    g, q = jnp.argmax(idle_G).astype(jnp.int32), group["next"]
     if self.carry:  # no start once the others' places are all taken
       go = (jnp.any(idle_G) & (group["next"] < self.q_len)
             & (group["others"] < self.g_n - self.n_carried))
     else:
       go = jnp.any(idle_G) & (group["next"] < self.q_len) & (group["completed"] < self.g_n)
-    if self.lazy:  # and only once the pool covers the group beside the running rows
-      plen = self.plen_Q[jnp.minimum(group["next"], self.q_len - 1)]
-      room = self._room(cache, slots) >= self.n * self._budget(plen)
+    if self.optimistic:  # put-back groups first; nothing starts while a row waits
+      back = jnp.any(group["parked"])
+      g = jnp.where(back, jnp.argmax(group["parked"]).astype(jnp.int32), g)
+      q = jnp.where(back, group["prompt"][g], q)
+      go = (go | back) & ~group["short"]
+    if self.lazy:  # and only once the pool has room for it
+      room = self._room(cache, slots) >= self._need(self.plen_Q[jnp.minimum(q, self.q_len - 1)])
       group = {**group, "kv_waits": group["kv_waits"] + (go & ~room)}
       go = go & room
-    return jax.lax.cond(go, functools.partial(self._fill, idle_G), lambda a: a,
+    return jax.lax.cond(go, functools.partial(self._fill, g, q), lambda a: a,
                         (cache, slots, tok_R, live_R, group))
 
-  def _fill(self, idle_G, args):
+  def _fill(self, g, q, args):
     cache, slots, tok_R, live_R, group = args
     n = self.n
-    g, q = jnp.argmax(idle_G).astype(jnp.int32), group["next"]
     tok_1P = jax.lax.dynamic_slice_in_dim(self.tokens_QP, q, 1, axis=0)
     mask_1P = jax.lax.dynamic_slice_in_dim(self.mask_QP, q, 1, axis=0)
     logits_1V, small = self.prefill(tok_1P, mask_1P)
@@ -889,8 +940,8 @@ class _RefillLoop:
     if self.paged:
       mine_R = (self.row_R >= r0) & (self.row_R < r0 + n)
       cache, _ = cache.reserve(jnp.where(mine_R, self.plen_Q[q], 0))  # (contiguous: no-op)
-      return self._filled(self._write_prompts(cache, small, mask_1P, r0), slots, tok_R, live_R,
-                          group, g, q, logits_1V)
+      cache = write_prompts(cache, small, mask_1P, r0, n, self.cfg)
+      return self._filled(cache, slots, tok_R, live_R, group, g, q, logits_1V)
     at = cache.index - self.p
     if cache.per_layer:
       kv = lambda big, new: tuple(  # noqa: E731
@@ -929,7 +980,10 @@ class _RefillLoop:
     slots = {k: jnp.where(mine_R.reshape((rows,) + (1,) * (v.ndim - 1)), new[k], v)
              for k, v in slots.items()}
     group = {**group, "prompt": group["prompt"].at[g].set(q),
-             "owner": group["owner"].at[g].set(q), "next": q + 1}
+             "owner": group["owner"].at[g].set(q), "next": jnp.maximum(group["next"], q + 1)}
+    if self.optimistic:
+      group.update(parked=group["parked"].at[g].set(False), age=group["age"].at[g].set(
+          group["stamp"]), stamp=group["stamp"] + 1)
     return (cache, slots, jnp.where(mine_R, tok0, tok_R), live_R | mine_R, group)
 
   def cond(self, state):
@@ -943,12 +997,16 @@ class _RefillLoop:
     wait_R = jnp.zeros_like(live_R)
     if self.paged:  # each row writes at its own length
       pg, prefix = self._split(cache)
-      if self.lazy:  # a page for each live row at a page's end (``_room`` leaves one)
+      if self.lazy:  # a page for each live row at a page's end
         pg, ok_R = pg.reserve(live_R.astype(jnp.int32))
-        # Never short by construction; were it, the row waits (its token fed next step).
+        # A row without one waits, its token fed a later step ("worst": never happens).
         wait_R = live_R & ~ok_R
         group = {**group, "kv_deferred": group["kv_deferred"] + jnp.sum(wait_R, dtype=jnp.int32),
                  "kv_peak": jnp.maximum(group["kv_peak"], pg.in_use())}
+        if self.optimistic:
+          group = {**group, "short": jnp.any(wait_R)}
+          pg, slots, group, back_R = self._preempt(pg, slots, group, wait_R)
+          wait_R, live_R = wait_R & ~back_R, live_R & ~back_R
       h, pg = forward(self.dparams, tok_R[:, None], pos_R1, (live_R & ~wait_R)[:, None],
                       cfg=cfg, paged=pg, prefix=prefix, attn_impl=self.kernels.attention)
       cache = self._join(pg, prefix)
@@ -979,6 +1037,8 @@ class _RefillLoop:
     if self.lazy:  # the pool's use: its most pages in use, of how many; the waits for it
       stats.update(kv_peak=group["kv_peak"], kv_pages=jnp.int32(self.pool),
                    kv_waits=group["kv_waits"], kv_deferred=group["kv_deferred"])
+    if self.optimistic:  # groups put back for pages (restarted, or left at the end)
+      stats.update(kv_preempted=group["kv_preempted"])
     leftover_G = partial = None
     if self.carry:
       # Started, not trained: in queue order into the first places (at most G of them).

@@ -46,11 +46,10 @@ import numpy as np
 
 from jaxrlhf.config import KernelsConfig, ModelConfig, RolloutConfig
 from jaxrlhf.model.paged import PagedKV, constrain_paged, init_paged
-from jaxrlhf.model.transformer import (KVCache, SharedPrefix, forward, last_valid_index,
-                                       lm_logits, positions_from_mask)
+from jaxrlhf.model.transformer import KVCache, SharedPrefix, forward, lm_logits
 from jaxrlhf.rollout import (_compact_prompts, _constrain_cache, _grow, _prefill, _real_vocab,
                              _rows, _shared_prefix, decode_params, sample_logits,
-                             unrolled_decode)
+                             unrolled_decode, write_prompts)
 
 # Why an action ended (``act``'s ``reason_R``).
 NOT_LIVE, EOS, STOP, TURN_LIMIT, BUFFER_FULL = 0, 1, 2, 3, 4
@@ -108,7 +107,8 @@ def start(params, prompt_RP, pmask_RP, *, cfg: ModelConfig, total: int,
   (:func:`pool_pages`; 0: every row's pages reserved up front and read without a gather,
   ``PagedKV.contiguous``; k > 0: pages handed out as tokens need them).  ``group`` = n > 0:
   rows ``[g n, g n + n)`` hold the same prompt (the caller's promise), prefilled once: in
-  lock step its cache copied to the group's rows; with ``shared`` (shared prompts) kept
+  lock step its cache copied to the group's rows, paged written into each row's pages
+  (:func:`~jaxrlhf.rollout.write_prompts`); with ``shared`` (shared prompts) kept
   once in the conversation's :attr:`Conversation.prefix`, the pages (of ``page_size``, or
   with 0 one page of ``N`` a row) holding only what follows it."""
   r, p = prompt_RP.shape
@@ -118,9 +118,10 @@ def start(params, prompt_RP, pmask_RP, *, cfg: ModelConfig, total: int,
   prefix = None
   n = group or 1
   per_layer = unrolled_decode(kernels)
-  if shared or not page_size:  # each distinct prompt prefilled once
-    logits, small = _prefill(params, tokens[::n], mask[::n], cfg=cfg, kernels=kernels)
-    logits = jnp.repeat(logits, n, axis=0)
+  # Each distinct prompt prefilled once (then written to each of its rows' pages, copied to
+  # its rows' lock-step cache, or kept once as a shared prefix).
+  logits, small = _prefill(params, tokens[::n], mask[::n], cfg=cfg, kernels=kernels)
+  logits = jnp.repeat(logits, n, axis=0)
   if shared:  # kept once; the rows' pages hold what follows it
     own = total - p
     page_size = page_size or own
@@ -132,11 +133,9 @@ def start(params, prompt_RP, pmask_RP, *, cfg: ModelConfig, total: int,
                        per_layer, reserved=not kv_pages)
     cache, ok = cache.reserve(jnp.sum(mask, axis=1, dtype=jnp.int32))  # (contiguous: no-op)
     starved = ~jnp.all(ok)
-    h, cache = forward(params, tokens, positions_from_mask(mask), mask & ok[:, None], cfg=cfg,
-                       paged=constrain_paged(cache), attn_impl=kernels.attention)
-    cache = constrain_paged(cache)
-    h = jnp.take_along_axis(h, last_valid_index(mask)[:, None, None], axis=1)
-    logits = lm_logits(params, h, cfg)[:, 0]
+    cache = write_prompts(cache, small, mask[::n], 0, n, cfg)
+    # A row the pool could not serve holds nothing (its writes were dropped; the host stops).
+    cache = cache.replace(length_R=jnp.where(ok, cache.length_R, 0))
   else:  # lock step: the prompt's cache copied to its rows
     cache = _grow(small, n, total - p, per_layer=per_layer)
   pad = lambda x, v: jnp.pad(x, ((0, 0), (0, total - p)), constant_values=v)

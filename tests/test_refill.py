@@ -626,25 +626,32 @@ def test_continued_responses_of_a_random_model_keep_their_context(kv, shared):
 # ------------------------------------------ a refill pool sized by live tokens (kv_pages)
 
 # Pages of 4 slots: a row of a prompt of 8 and 12 response slots may hold 5, a group of 2
-# rows 10; the 3 groups at once 30.  10 runs one group at a time, 20 two.
-POOLS = [(0, False), (30, False), (20, False), (10, False), (12, True), (6, True)]
+# rows 10; the 3 groups at once 30.  TWO_LONG's first two prompts run to the limit: two
+# groups admitted on their prompts' pages outgrow a pool of 12 (or 6 with shared prompts),
+# and the younger is put back.
+TWO_LONG = (0, 0, 1, 5, 0, 7, 2, 4)
+POOLS = [(0, False, "live", STOP_AT), (30, False, "live", STOP_AT),
+         (10, False, "worst", STOP_AT), (12, False, "live", TWO_LONG),
+         (12, True, "worst", STOP_AT), (6, True, "live", TWO_LONG)]
 
 
-@pytest.mark.parametrize("pages,shared", POOLS)
+@pytest.mark.parametrize("pages,shared,admit,lengths", POOLS)
 @pytest.mark.parametrize("mode", ["drop", "carry"])
-def test_a_pool_by_live_tokens_decodes_each_prompt_s_own_responses(params, prompts, pages,
-                                                                   shared, mode):
+def test_a_pool_by_live_tokens_decodes_each_prompt_s_own_responses(params, pages, shared,
+                                                                   admit, lengths, mode):
   """rollout.kv_page_size=4 with refill: pages reserved up front (0), or handed out as
   tokens need them and returned when a row ends.  Every trained group's responses equal its
-  prompt decoded alone (tokens, masks; log-probs within 2e-5), whatever the pool; a pool that
-  holds every group at once gives today's batch; a smaller one runs fewer groups at a time
-  (a refill put off is counted, a running row never waits) and never holds more than it has."""
+  prompt decoded alone (tokens, masks; log-probs within 2e-5), whatever the pool, including
+  a group put back for pages and restarted; a pool that holds every group at once gives
+  today's batch; a smaller one runs fewer groups at a time and never holds more than it has.
+  "worst" never makes a row wait; "live" puts a group back when rows outgrow the pool."""
+  prompts = _prompts(jax.random.key(1), lengths)
   ref, _ = _plain(params, prompts)
   count = None if mode == "drop" else jnp.int32(0)
   queue = {"prompt": prompts[0], "prompt_mask": prompts[1]}
   want, want_info = _refill_modes(params, queue, jax.random.key(3), count, prefix_sharing=shared)
   got, info = _refill_modes(params, queue, jax.random.key(3), count, prefix_sharing=shared,
-                            kv_page_size=4, kv_pages=pages)
+                            kv_page_size=4, kv_pages=pages, kv_admit=admit)
   st = {k: int(v) for k, v in info.stats.items()}
   index = np.asarray(info.prompt_index_G)
   assert st["completed"] >= G and len(set(index)) == G
@@ -660,38 +667,60 @@ def test_a_pool_by_live_tokens_decodes_each_prompt_s_own_responses(params, promp
   if not pages:
     assert "kv_peak" not in st
     return
-  assert st["kv_deferred"] == 0 and 0 < st["kv_peak"] <= pages, st
+  assert 0 < st["kv_peak"] <= pages, st
   if pages < full:  # a refill waited for pages, so the loop took more steps
     assert st["kv_waits"] > 0 and st["steps"] > int(want_info.stats["steps"]), st
+  if admit == "worst":
+    assert st["kv_deferred"] == 0 and "kv_preempted" not in st, st
+  elif lengths == TWO_LONG:
+    assert st["kv_preempted"] > 0 and st["kv_deferred"] > 0, st
   if mode == "carry":  # a full batch trained; the groups started and not trained carried
     assert st["trained"] == G and st["carried_out"] == st["started"] - G, st
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_refill_pages_are_never_lost_or_shared_and_return_when_rows_end(params, prompts,
-                                                                        shared):
+@pytest.mark.parametrize("shared,admit", [(False, "worst"), (True, "worst"), (False, "live"),
+                                          (True, "live")])
+def test_refill_pages_are_never_lost_or_shared_and_return_when_rows_end(params, shared,
+                                                                        admit):
   """The loop's pool step by step: every page free or held by exactly one row, each row
-  holding the pages of its length, ended rows none, and never fewer free pages than the
-  running rows may still take."""
-  ro = _ro(kv_page_size=4, kv_pages=12 if shared else 20, prefix_sharing=shared)
+  holding the pages of its length, ended rows (and rows put back) none; "worst": never
+  fewer free pages than the running rows may still take."""
+  prompts = _prompts(jax.random.key(1), TWO_LONG if admit == "live" else STOP_AT)
+  ro = _ro(kv_page_size=4, kv_pages=(6 if shared else 12) if admit == "live" else
+           (12 if shared else 20), prefix_sharing=shared, kv_admit=admit)
   loop = R._RefillLoop(params, *prompts, jax.random.key(3), None, None, cfg=CFG, rollout=ro,
                        eos_id=EOS, pad_id=0, n=n, g_n=G, kernels=KernelsConfig())
   body = jax.jit(loop.body)
   state, steps, peak = loop.init(), 0, 0
+  put_back, restarted = {}, 0  # slot -> the prompt put back there; restarts seen
   while bool(loop.cond(state)):
+    before = state[-1]
     state = body(state)
     steps += 1
     _, cache, slots, _, _, _, group = state
+    if admit == "live":  # a group put back restarts in its slot, before any new prompt
+      parked, prompt = np.asarray(group["parked"]), np.asarray(group["prompt"])
+      for g in list(put_back):
+        if not parked[g]:
+          assert prompt[g] == put_back.pop(g), (g, prompt)
+          restarted += 1
+      if np.asarray(before["parked"]).any():
+        assert int(group["next"]) == int(before["next"])
+      put_back.update({g: prompt[g] for g in np.flatnonzero(parked) if g not in put_back})
     pg, _ = loop._split(cache)
     _check_accounting(pg)
     held, length = np.asarray(pg.held_R()), np.asarray(pg.length_R)
     done = np.asarray(slots["done"])
     assert (held[done] == 0).all(), (held, done)
     np.testing.assert_array_equal(held[~done], -(-length[~done] // 4))
-    assert int(loop._room(cache, slots)) >= 0
+    if admit == "worst":
+      assert int(loop._room(cache, slots)) >= 0
+    else:
+      assert (held.reshape(G, n)[np.asarray(group["parked"])] == 0).all()
     assert int(pg.in_use()) == held.sum() <= ro.kv_pages
     peak = max(peak, int(pg.in_use()))
-  assert steps > 0 and int(group["kv_peak"]) >= peak and int(group["kv_deferred"]) == 0
+  assert steps > 0 and int(group["kv_peak"]) >= peak
+  assert int(group["kv_deferred"]) == 0 if admit == "worst" else restarted > 0
 
 
 def test_grpo_steps_with_a_refill_pool_by_live_tokens_on_dp2_tp2():

@@ -252,6 +252,14 @@ class RolloutConfig:
   # once (the same responses, another batch).  At least one group's worst case; not with
   # refill_leftover=continue.
   kv_pages: int = 0
+  # How refill admits a queued prompt into a pool handed out by live tokens (kv_pages > 0;
+  # docs/rollout.md, "A refill pool by live tokens"): "live" once the pool holds its prompt
+  # and a page for each of its and the running rows; when a running row finds no page, the
+  # youngest running group is put back (its pages freed) and restarts from its prompt later,
+  # decoding the same tokens again (rollout/kv_preempted).  "worst" once the pool covers its
+  # group's worst case (n x (prompt + max_new_tokens)) beside every running row's: nothing is
+  # ever put back or decoded twice, but fewer groups run at once.
+  kv_admit: Literal["live", "worst"] = "live"
   # In-flight refill (RL steps, docs/rollout.md): the step's rows are batch_size groups of
   # num_samples slots; a group whose rows have all stopped takes the next prompt of the step's
   # queue inside the decode loop, and decoding stops once batch_size groups have completed.

@@ -101,6 +101,8 @@ def _refill(statics, batch, c: StepCarry, ro: Rollout, refill) -> StepCarry:
   if "kv_peak" in st:  # a pool handed out by live tokens (rollout.kv_pages)
     metrics.update({"rollout/kv_peak_frac": st["kv_peak"] / st["kv_pages"],
                     "rollout/kv_waits": st["kv_waits"]})
+    if "kv_preempted" in st:  # groups put back for pages (rollout.kv_admit=live)
+      metrics["rollout/kv_preempted"] = st["kv_preempted"]
   index_B = ro.prompt_index_B
   rollout = ro.replace(sample_logp_BN=None, answer_BR=batch["answer"][index_B],
                        answer_mask_BR=batch["answer_mask"][index_B])
