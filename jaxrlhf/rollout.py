@@ -536,7 +536,8 @@ def _generate_refill(params, prompt_tokens_QP, prompt_mask_QP, key, num_carried=
   prompt's own.  Attention is causal by slot and masked by the cache's key mask, so the
   group's logits are those of a fresh decode of that prompt.  The loop ends when ``G``
   groups have completed, at the latest at step ``N`` (the first ``G`` groups all end by
-  then), so ``P + N - 1`` slots always suffice.
+  then), so ``P + N - 1`` slots always suffice.  (On a paged pool by live tokens,
+  ``rollout.kv_pages``, that holds fewer groups at once, later: ``_RefillLoop.max_steps``.)
 
   Carry-over (``num_carried`` = ``c``, a traced count): queue prompts ``[0, c)`` are carried
   from the previous step; they sit in the first groups from step 0 and are always harvested.

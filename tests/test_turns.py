@@ -180,20 +180,27 @@ def test_a_paged_pool_that_runs_out_stops_and_says_so(params, prompts):
   assert (np.asarray(conv.pos_R) == lengths).all()
 
 
-@pytest.mark.parametrize("page_size", [0, 8], ids=["lock_step", "shared_pages"])
-def test_a_prompt_prefilled_once_per_group_starts_every_row_as_its_own_would(page_size):
+@pytest.mark.parametrize("page_size,shared,kv_pages", [(0, False, 0), (8, True, 0),
+                                                       (8, False, 0), (4, False, 40)],
+                         ids=["lock_step", "shared_pages", "pages", "pages_as_needed"])
+def test_a_prompt_prefilled_once_per_group_starts_every_row_as_its_own_would(page_size, shared,
+                                                                           kv_pages):
   """``turns.start(group=n)``: rows in groups of ``n`` identical prompts prefill each prompt
-  once (lock step copies its cache to the group's rows; ``shared`` keeps one copy) and start
-  every row with the logits, and then the same episode, of a prefill of its own."""
+  once (lock step copies its cache to the group's rows; ``shared`` keeps one copy; pages
+  without sharing get it written into each row's pages) and start every row with the
+  logits, and then the same episode, of a prefill of its own."""
   params = M.init_params(CFG, jax.random.key(0))
   tokens, mask = ragged_batch(jax.random.key(1), 2, P, CFG.vocab_size)
   prompt, pmask = jnp.repeat(tokens, 2, axis=0), jnp.repeat(mask, 2, axis=0)
   ro = RolloutConfig(temperature=1.0)
   kw = dict(cfg=CFG, total=P + N, kernels=KERN)
   each = turns.start(params, prompt, pmask, **kw)
-  once = turns.start(params, prompt, pmask, group=2, shared=bool(page_size),
-                     page_size=page_size, **kw)
-  assert (once.prefix is not None) == bool(page_size)
+  once = turns.start(params, prompt, pmask, group=2, shared=shared, page_size=page_size,
+                     kv_pages=kv_pages, **kw)
+  assert (once.prefix is not None) == shared
+  if page_size and not shared:  # each row's pages hold its prompt, from slot 0
+    np.testing.assert_array_equal(once.cache.length_R, np.sum(pmask, axis=1))
+    assert not bool(once.starved)
   np.testing.assert_allclose(once.logits_RV, each.logits_RV, atol=2e-5)
   act = functools.partial(turns.act, cfg=CFG, rollout=ro, eos_id=2, pad_id=0, kernels=KERN,
                           max_tokens=8)
