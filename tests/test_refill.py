@@ -75,6 +75,17 @@ def _refill(params, prompts, groups=G, **kw):
                            rollout=_ro(**kw), eos_id=EOS, num_samples=n, num_groups=groups)
 
 
+def _groups_match(got, index, ref):
+  """Each group ``g`` of ``got`` (queue prompt ``index[g]``) is that prompt's responses in
+  ``ref``: tokens, masks, ends, log-probs within 2e-5."""
+  for g, q in enumerate(index):
+    a, b = slice(g * n, (g + 1) * n), slice(q * n, (q + 1) * n)
+    np.testing.assert_array_equal(got.tokens_BT[a], ref.tokens_BT[b])
+    np.testing.assert_array_equal(got.mask_BT[a], ref.mask_BT[b])
+    np.testing.assert_array_equal(got.finished_B[a], ref.finished_B[b])
+    np.testing.assert_allclose(got.behaviour_logp_BN[a], ref.behaviour_logp_BN[b], atol=2e-5)
+
+
 def test_the_policy_s_lengths_are_the_prompts(params, prompts):
   """The length model answers each prompt with exactly its length (0: to the limit)."""
   ro, _ = _plain(params, prompts, top_k=8, top_p=0.9)
@@ -90,13 +101,10 @@ def test_each_refilled_response_equals_its_prompt_decoded_without_refill(params,
   got, info = _refill(params, prompts, **sampling)
   index = np.asarray(info.prompt_index_G)
   assert len(set(index)) == G and index.max() >= G, index  # at least one refilled group
+  _groups_match(got, index, ref)
   for g, q in enumerate(index):
     a, b = slice(g * n, (g + 1) * n), slice(q * n, (q + 1) * n)
-    np.testing.assert_array_equal(got.tokens_BT[a], ref.tokens_BT[b])
-    np.testing.assert_array_equal(got.mask_BT[a], ref.mask_BT[b])
-    np.testing.assert_array_equal(got.finished_B[a], ref.finished_B[b])
     np.testing.assert_array_equal(got.lengths_B[a], ref.lengths_B[b])
-    np.testing.assert_allclose(got.behaviour_logp_BN[a], ref.behaviour_logp_BN[b], atol=2e-5)
     np.testing.assert_allclose(got.sample_logp_BN[a], ref.sample_logp_BN[b], atol=2e-5)
   # And the log-probs are the policy's own, teacher-forced.
   h, _ = M.forward(params, got.tokens_BT, M.positions_from_mask(got.mask_BT), got.mask_BT, cfg=CFG)
@@ -197,12 +205,9 @@ def test_carry_over_restarts_unfinished_groups_first_in_the_next_queue(params, p
   assert st2["started"] == st2["trained"] + st2["carried_out"]
   ref, _ = _plain(params, (q2["prompt"], q2["prompt_mask"]), key=4)
   ptok = np.asarray(prompts[0])
+  _groups_match(ro2, index2, ref)
   for g, q in enumerate(index2):
-    a, b = slice(g * n, (g + 1) * n), slice(q * n, (q + 1) * n)
-    np.testing.assert_array_equal(ro2.tokens_BT[a], ref.tokens_BT[b])
-    np.testing.assert_array_equal(ro2.mask_BT[a], ref.mask_BT[b])
-    np.testing.assert_array_equal(ro2.finished_B[a], ref.finished_B[b])
-    np.testing.assert_allclose(ro2.behaviour_logp_BN[a], ref.behaviour_logp_BN[b], atol=2e-5)
+    a = slice(g * n, (g + 1) * n)
     if q < c:  # a carried group: step 1's prompt, its response run to the end this time
       pm = np.asarray(prompts[1])[left[q]]
       np.testing.assert_array_equal(np.asarray(ro2.tokens_BT)[a, :P],
@@ -655,12 +660,7 @@ def test_a_pool_by_live_tokens_decodes_each_prompt_s_own_responses(params, pages
   st = {k: int(v) for k, v in info.stats.items()}
   index = np.asarray(info.prompt_index_G)
   assert st["completed"] >= G and len(set(index)) == G
-  for g, q in enumerate(index):
-    a, b = slice(g * n, (g + 1) * n), slice(q * n, (q + 1) * n)
-    np.testing.assert_array_equal(got.tokens_BT[a], ref.tokens_BT[b])
-    np.testing.assert_array_equal(got.mask_BT[a], ref.mask_BT[b])
-    np.testing.assert_array_equal(got.finished_B[a], ref.finished_B[b])
-    np.testing.assert_allclose(got.behaviour_logp_BN[a], ref.behaviour_logp_BN[b], atol=2e-5)
+  _groups_match(got, index, ref)
   full = G * n * (-(-(N + (0 if shared else P)) // 4))
   if pages in (0, full):  # room for every group at once: today's batch, step for step
     _same(got, want, info, want_info)
