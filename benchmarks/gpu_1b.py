@@ -107,8 +107,12 @@ def main(argv=None) -> dict:
         f"({rate / 1e12:.1f} TFLOP/s; target 55%)"
         + (f", {100 * res['update_mfu_vs_datasheet']:.1f}% of the datasheet peak"
            if "update_mfu_vs_datasheet" in res else ""))
-  print(f"decode bandwidth {100 * res['decode_bandwidth_fraction']:.1f}% of the measured copy "
-        f"bandwidth ({rb['copy_bandwidth_GBps']:.0f} GB/s; target 70%)")
+  if res["decode_bandwidth_fraction"] is None:
+    print("decode bandwidth unmeasured: the prefill's timing reached generate's (a busy "
+          "machine); rerun when it is idle")
+  else:
+    print(f"decode bandwidth {100 * res['decode_bandwidth_fraction']:.1f}% of the measured "
+          f"copy bandwidth ({rb['copy_bandwidth_GBps']:.0f} GB/s; target 70%)")
   print("phases (s): " + ", ".join(f"{k} {v:.4f}" for k, v in ph["phases_s"].items()))
   if args.out:
     with open(args.out, "w") as f:

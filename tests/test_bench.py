@@ -91,7 +91,11 @@ def test_gpu_script_smoke_mode_runs_on_cpu(tmp_path):
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   res = json.loads(out.read_text())
-  assert 0 < res["update_mfu"] < 5 and 0 < res["decode_bandwidth_fraction"] < 5
+  assert 0 < res["update_mfu"] < 5
+  # Decode's time is generate's less the prefill's: unmeasured (None, and said so) when a
+  # busy machine makes the difference noise, never a figure out of that noise.
+  fraction = res["decode_bandwidth_fraction"]
+  assert fraction is None or 0 < fraction < 5, fraction
   assert {"generate", "reference", "update"} <= set(res["phases_s"])
   assert "update MFU" in proc.stdout and "decode bandwidth" in proc.stdout
 
