@@ -27,6 +27,13 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_threefry_partitionable", True)
+# In-process trainer runs (pipeline.run -> perf.configure_process) turn on jax's persistent
+# compilation cache for the rest of the pytest process.  Two clean-clone suite runs died in
+# its executable serialisation (a segfault in put_executable_and_time while caching
+# tests/test_rollout.py's refill program, 2026-12-05, NOTES.md), which the same test with
+# the cache on in a fresh process does not do.  This process never writes the cache; the
+# tests' own subprocesses keep theirs (their environment).
+jax.config.update("jax_enable_compilation_cache", False)
 
 
 def pytest_collection_modifyitems(config, items):
