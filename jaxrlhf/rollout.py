@@ -682,7 +682,8 @@ class _RefillLoop:
     running = ~slots["done"]
     if self.optimistic:
       return pg.n_free - jnp.sum(running, dtype=jnp.int32)
-    owed = jnp.where(running, jnp.maximum(slots["budget"] - pg.held_R(), 0), 0)
+    # (a row's response starts at its prompt's length: its budget follows from it)
+    owed = jnp.where(running, jnp.maximum(self._budget(slots["start"]) - pg.held_R(), 0), 0)
     return pg.n_free - jnp.sum(owed, dtype=jnp.int32)
 
   def _preempt(self, pg: PagedKV, slots, group, wait_R):
@@ -806,8 +807,6 @@ class _RefillLoop:
         j=jnp.zeros((rows,), jnp.int32),  # tokens sampled so far
         start=jnp.repeat(self.plen_Q[:g_n], n),  # rotary position of response token 0
         rid=self.row_R)  # response id: prompt index x n + sample
-    if self.lazy:  # the pages each row may come to hold
-      slots["budget"] = self._budget(slots["start"])
     out = dict(resp=slots["resp"], rmask=slots["rmask"], lp=slots["lp"], slp=slots["slp"],
                stopped=slots["stopped"], prompt=jnp.zeros((g_n,), jnp.int32))
     if self.continuing:  # carried rows go on from their partial responses
@@ -972,8 +971,6 @@ class _RefillLoop:
              "stopped": fresh(slots["stopped"], False), "j": fresh(slots["j"], 0),
              "start": fresh(slots["start"], self.plen_Q[q]),
              "rid": fresh(slots["rid"], q * n + row_R - r0)}
-    if self.lazy:
-      slots["budget"] = fresh(slots["budget"], self._budget(self.plen_Q[q]))
     # Token 0 of the group's rows (every row samples; only these rows keep theirs).
     logits_RV = jnp.zeros((rows, logits_1V.shape[-1]), logits_1V.dtype)
     logits_RV = jnp.where(mine_R[:, None], logits_1V, logits_RV)

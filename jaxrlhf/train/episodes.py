@@ -174,13 +174,12 @@ class EpisodeRunner:
                           f"{len(ids)} tokens, longer than data.max_prompt_len={self.P}; raise "
                           f"data.max_prompt_len (observation: {obs[:60]!r})")
       prompts.append(ids)
-    # An example's episodes usually start from the same observation: prefilled once (in lock
-    # step, or kept once with rollout.prefix_sharing, which requires it; the paged cache
-    # without sharing prefills every row).  A failed reset's row (never live) then reads its
-    # group's prompt.
+    # An example's episodes usually start from the same observation: prefilled once (copied
+    # to its rows in lock step, written into each row's pages, or kept once with
+    # rollout.prefix_sharing, which requires it).  A failed reset's row (never live) then
+    # reads its group's prompt.
     group = 0
-    if (self.shared or (n > 1 and not self.page_size)) and self._one_prompt_each(
-        prompts, first, n):
+    if (self.shared or n > 1) and self._one_prompt_each(prompts, first, n):
       group = n
       for g0 in range(0, len(prompts), n):
         ok = [r for r in range(g0, g0 + n) if first[r] is not None]
