@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import mesh
+from jaxrlhf import turns
 from jaxrlhf.config import (ConfigError, DataConfig, EnvConfig, ExperimentConfig, GRPOConfig,
                             ModelConfig, OptimizerConfig, RewardConfig, RolloutConfig, SFTConfig,
                             validate)
@@ -409,16 +410,29 @@ def test_episodes_on_several_processes_are_refused_with_the_fix(tmp_path, monkey
     _stage(cfg, mesh())
 
 
-def test_paged_episodes_equal_lock_step_in_less_kv_and_running_out_is_an_error(tmp_path):
+def test_paged_episodes_equal_lock_step_in_less_kv_and_running_out_is_an_error(tmp_path,
+                                                                                monkeypatch):
   base = _cfg(tmp_path, ECHO, "Echo")
   paged = lambda **kw: dataclasses.replace(  # noqa: E731
       base, rollout=dataclasses.replace(base.rollout, kv_page_size=8, **kw))
   m = mesh()
   eps = []
+  prefilled = []  # rows each episode batch's first prefill ran over (recorded when traced)
+  real_prefill = turns._prefill
+
+  def prefill(params, tokens, *a, **kw):
+    prefilled.append(tokens.shape[0])
+    return real_prefill(params, tokens, *a, **kw)
+
+  monkeypatch.setattr(turns, "_prefill", prefill)
   for cfg in (base, paged(kv_pages=48), paged()):
     stage, state, frozen = _stage(cfg, m)
+    del prefilled[:]
     ep = EpisodeRunner(stage).run(stage.view(state.params, frozen, "policy"),
                                   stage.data.examples("prompts", 0, 4), jax.random.key(3), n=2)
+    # Each example's prompt prefilled once, then copied to (or written into the pages of)
+    # its 2 episodes' rows.
+    assert prefilled[0] == 4, (cfg.rollout.kv_page_size, prefilled)
     eps.append(ep)
   lock, pg, whole = eps  # lock step; pages as needed (48: never runs out); all up front
   assert lock.metrics["env/turns_mean"] > 1
