@@ -246,11 +246,10 @@ class RolloutConfig:
   # hands pages out as tokens need them, so k below that bounds the KV memory by the tokens
   # really held.  Episodes (env/kv_fill: real tokens per slot of the pages in use): running
   # out stops the run with an error naming this setting.  Refill (rollout/kv_peak_frac,
-  # rollout/kv_waits): a row's pages return to the pool when it ends, and a queued prompt
-  # starts once the pool covers its group's worst case (n x (prompt + max_new_tokens)) beside
-  # every running row's, so a running row never waits; a smaller pool runs fewer groups at
-  # once (the same responses, another batch).  At least one group's worst case; not with
-  # refill_leftover=continue.
+  # rollout/kv_waits, rollout/kv_preempted): a row's pages return to the pool when it ends,
+  # and a queued prompt starts when kv_admit says the pool has room for it; a smaller pool
+  # runs fewer groups at once (the same responses, another batch).  At least one group's
+  # worst case (n x (prompt + max_new_tokens)); not with refill_leftover=continue.
   kv_pages: int = 0
   # How refill admits a queued prompt into a pool handed out by live tokens (kv_pages > 0;
   # docs/rollout.md, "A refill pool by live tokens"): "live" once the pool holds its prompt
