@@ -27,13 +27,18 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_threefry_partitionable", True)
-# In-process trainer runs (pipeline.run -> perf.configure_process) turn on jax's persistent
-# compilation cache for the rest of the pytest process.  Two clean-clone suite runs died in
-# its executable serialisation (a segfault in put_executable_and_time while caching
-# tests/test_rollout.py's refill program, 2026-12-05, NOTES.md), which the same test with
-# the cache on in a fresh process does not do.  This process never writes the cache; the
-# tests' own subprocesses keep theirs (their environment).
-jax.config.update("jax_enable_compilation_cache", False)
+
+
+# Every compiled program stays loaded while jax's caches hold it, and each loaded CPU
+# executable maps about five memory regions (its code and data).  The whole suite in one
+# process compiles some 12,000 programs: it reached Linux's limit of 65,530 mappings
+# (vm.max_map_count) at 77% of `pytest -q`, where XLA's next mmap failed inside a compile or
+# a cache write and the process died (a segfault or an abort; the core held 65,275
+# mappings, NOTES.md).  Each test module starts with jax's caches emptied.
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  yield
+  jax.clear_caches()
 
 
 def pytest_collection_modifyitems(config, items):
