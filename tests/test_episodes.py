@@ -410,6 +410,21 @@ def test_episodes_on_several_processes_are_refused_with_the_fix(tmp_path, monkey
     _stage(cfg, mesh())
 
 
+def test_each_batch_closes_its_environments_when_its_episodes_end(tmp_path):
+  """An environment holding a resource (a process, a file) gets its close() when its
+  episode batch ends, the last batch of a run included (it used to wait for the next
+  reset, which the last batch never gets)."""
+  src = ECHO.replace("class Echo:", "class Echo:\n  closed = []\n") + (
+      "\n  def close(self):\n    type(self).closed.append(self.want)\n")
+  stage, state, frozen = _stage(_cfg(tmp_path, src, "Echo"), mesh())
+  runner = EpisodeRunner(stage)
+  cls = runner.runner.spec.cls
+  ep = runner.run(stage.view(state.params, frozen, "policy"),
+                  stage.data.examples("prompts", 0, 4), jax.random.key(3), n=2)
+  assert len(cls.closed) == 8  # 4 examples x 2 episodes, each closed once
+  assert ep.metrics["env/errors"] == 0
+
+
 def test_paged_episodes_equal_lock_step_in_less_kv_and_running_out_is_an_error(tmp_path,
                                                                                 monkeypatch):
   base = _cfg(tmp_path, ECHO, "Echo")

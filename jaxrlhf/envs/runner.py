@@ -60,7 +60,7 @@ class EnvRunner:
     self.errors = errors
     self._pool: Optional[DaemonPool] = None  # made on first use
     self._envs: list = []
-    self._ended: set[int] = set()  # rows whose episode ended (closed at the next reset)
+    self._ended: set[int] = set()  # rows whose episode ended
     self._counts = {"env/errors": 0, "env/timeouts": 0}
 
   # ------------------------------------------------------------------ the batch API
@@ -132,6 +132,12 @@ class EnvRunner:
   def metrics(self) -> dict:
     """``env/errors`` and ``env/timeouts`` since the last :meth:`reset`."""
     return {k: float(v) for k, v in self._counts.items()}
+
+  def end(self) -> None:
+    """Closes the batch's environments (``close()``, where defined), counting a failure in
+    :meth:`metrics`: call it once the batch's episodes are over.  The worker threads stay
+    for the next batch."""
+    self._close_envs()
 
   def close(self) -> None:
     self._close_envs()

@@ -260,6 +260,7 @@ class EpisodeRunner:
         start=self.P, pad_id=self.tok.pad_id)
     policy_mask = policy_mask[:, self.P:]
     kv_slots, kv_tokens = map(int, jax.device_get((conv.kv_slots(), conv.kv_tokens(self.P))))
+    self.runner.end()  # every episode is over: its environment is closed now, not next batch
     ok = ~tally.failed
     solved = ok & (returns >= ecfg.success_reward)
     frac = lambda x: float(np.mean(x)) if rows else 0.0  # noqa: E731
