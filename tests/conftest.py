@@ -29,16 +29,37 @@ import pytest  # noqa: E402
 jax.config.update("jax_threefry_partitionable", True)
 
 
-# Every compiled program stays loaded while jax's caches hold it, and each loaded CPU
-# executable maps about five memory regions (its code and data).  The whole suite in one
-# process compiles some 12,000 programs: it reached Linux's limit of 65,530 mappings
-# (vm.max_map_count) at 77% of `pytest -q`, where XLA's next mmap failed inside a compile or
-# a cache write and the process died (a segfault or an abort; the core held 65,275
-# mappings, NOTES.md).  Each test module starts with jax's caches emptied.
+# Every compiled program stays loaded while jax's caches hold it, and a loaded CPU
+# executable maps memory regions for its code and data: about 5 for a small program, about
+# 1,000 for a refill loop (tests/test_refill.py alone peaks at 34,000).  The suite in one
+# process reached Linux's limit of 65,530 mappings (vm.max_map_count) at 77% of `pytest -q`,
+# where XLA's next mmap failed inside a compile or a cache write and the process died (a
+# segfault or an abort; the core held 65,275 mappings, NOTES.md).  So jax's caches are
+# emptied after each test module, and after any test that leaves the process over half the
+# limit.
+_MAPS = "/proc/self/maps"
+_MAPS_HIGH = 30_000
+
+
+def _mappings() -> int:
+  try:
+    with open(_MAPS, "rb") as f:
+      return sum(1 for _ in f)
+  except OSError:  # not Linux
+    return 0
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
   yield
   jax.clear_caches()
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs_when_mapped_high():
+  yield
+  if _mappings() > _MAPS_HIGH:
+    jax.clear_caches()
 
 
 def pytest_collection_modifyitems(config, items):
