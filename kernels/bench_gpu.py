@@ -120,6 +120,31 @@ def attention_cases(quick, pallas):
     f = lambda q, k, v, m, o, impl=impl: attention(q, k, v, m, o, impl=impl)
     yield dict(op="attention decode", shape=shape, impl=impl, fn=jax.jit(f),
                args=(q, k, v, mask, off), bytes=cache_bytes)
+  yield from shared_prefix_cases(quick, pallas, h, kh, d)
+
+
+def shared_prefix_cases(quick, pallas, h, kh, d):
+  """A decode step of GRPO's groups with shared prompts over pages (rollout.prefix_sharing
+  with kv_page_size): each group's prompt read once for its ``n`` samples, each row's own
+  slots from its page.  Useful bytes: the prompts once, the rows' filled own slots, q and o."""
+  from kernels.attention.shared_prefix import shared_prefix_paged_attention
+  g, n, p, s, filled = (2, 4, 256, 64, 40) if quick else (8, 16, 2048, 512, 256)
+  ks = jax.random.split(jax.random.key(3), 5)
+  dt = jnp.float32 if quick else jnp.bfloat16  # XLA:CPU has no bf16 x bf16 -> f32 dot
+  q = jax.random.normal(ks[0], (g * n, 1, h, d), dt)
+  pk, pv = (jax.random.normal(k, (g, kh, p, d), dt) for k in ks[1:3])
+  pool_k, pool_v = (jax.random.normal(k, (kh, g * n, s, d), dt) for k in ks[3:5])
+  pmask = jnp.ones((g, p), bool)
+  length = jnp.full((g * n,), filled, jnp.int32)
+  args = (q, pk, pv, pmask, pool_k, pool_v, length[:, None] - 1, length)
+  shape = f"G={g} n={n} P={p} own={filled}/{s} H={h} K={kh} D={d}"
+  size = jnp.dtype(dt).itemsize
+  useful = (2 * kh * d * (g * p + g * n * filled) + 2 * g * n * h * d) * size
+  for impl in ("xla", pallas):
+    f = lambda q, pk, pv, pm, k, v, sl, ln, impl=impl: shared_prefix_paged_attention(
+        q, pk, pv, pm, k, v, None, sl, ln, impl=impl)
+    yield dict(op="shared-prefix decode", shape=shape, impl=impl, fn=jax.jit(f), args=args,
+               bytes=useful)
 
 
 def main(argv=None):

@@ -156,6 +156,31 @@ def test_decode_attention_matches_reference(dtype, shape, kv_layout):
     assert_close(g if name == "q" else lay(g), r, tol_g, f"d{name}")
 
 
+@pytest.mark.parametrize("max_rows,kv_layout", [(128, "bskd"), (8, "bksd"), (4, "kbsd")])
+def test_decode_attention_lse_gives_the_output_and_its_log_sum_exp(max_rows, kv_layout):
+  """The part-attention the shared-prefix kernel merges: the output of the reference and the
+  log-sum-exp of each query's visible scores, with the query rows split over programs
+  (``max_rows`` 8 and 4: 3 and 5 programs of 2 and 1 tokens) and every cache layout."""
+  from kernels.attention.decode import decode_attention_lse
+  b, t, s, h, kh, d, off = 2, 5, 37, 4, 1, 32, 30
+  q, k, v, kv_mask, seen, _ = _attention_case(jax.random.key(5), b, t, s, h, kh, d, off,
+                                              jnp.float32)
+  lay = {"bskd": lambda x: x, "bksd": lambda x: x.transpose(0, 2, 1, 3),
+         "kbsd": lambda x: x.transpose(2, 0, 1, 3)}[kv_layout]
+  bs = DecodeBlockSizes(block_k=16, target_programs=3 * b * kh, max_rows=max_rows)
+  o, lse = decode_attention_lse(q, lay(k), lay(v), kv_mask, jnp.int32(off), block_sizes=bs,
+                                interpret=True, kv_layout=kv_layout)
+  want = attention_reference(q, k, v, kv_mask, off)
+  assert o.dtype == jnp.float32 and lse.shape == (b, t, h)
+  assert_close(jnp.where(seen[:, :, None, None], o, 0), want, 1e-5, "output")
+  sc = jnp.einsum("bthd,bshd->bths", q, jnp.repeat(k, h // kh, axis=2)) * d ** -0.5
+  vis = allowed_mask(t, kv_mask, off)[:, :, None, :]
+  want_lse = jax.nn.logsumexp(jnp.where(vis, sc, -jnp.inf), axis=-1)
+  assert_close(jnp.where(seen[:, :, None], lse, 0), jnp.where(seen[:, :, None], want_lse, 0),
+               1e-5, "lse")
+  assert bool(jnp.all(jnp.where(seen[:, :, None], True, lse < -1e29)))  # no key: ~ -1e30
+
+
 # ----------------------------------------------------------------------- packed segments
 
 def random_segments(rng, b, s, max_segments=4):

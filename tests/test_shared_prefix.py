@@ -13,7 +13,7 @@ import pytest
 
 from helpers import mesh
 from jaxrlhf import model as M
-from jaxrlhf.config import ModelConfig, RolloutConfig
+from jaxrlhf.config import KernelsConfig, ModelConfig, RolloutConfig
 from jaxrlhf.rollout import generate
 from kernels.attention.reference import attention_reference
 from kernels.attention.paged import paged_attention
@@ -128,6 +128,70 @@ def test_shared_prefix_over_pages_equals_the_prompt_in_every_row(n, t, kw):
                                       length, **kw)
   want = _paged_reference(q, pk, pv, plen, own_k, own_v, q_slot, length, n, page, **kw)
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def _prefix_case(n, t, g=3, h=4, kh=2, d=8, p=9, s=8, plen=(9, 6, 0)):
+  """Ragged prompts (the last one empty), own keys and values of ragged length."""
+  keys = jax.random.split(jax.random.key(10 * n + t), 6)
+  q = jax.random.normal(keys[0], (g * n, t, h, d))
+  pk, pv = (jax.random.normal(k, (g, kh, p, d)) for k in keys[1:3])
+  pmask = jnp.arange(p)[None] < jnp.array(plen)[:, None]
+  own_k, own_v = (jax.random.normal(k, (kh, g * n, s, d)) for k in keys[3:5])
+  return q, pk, pv, pmask, own_k, own_v
+
+
+@pytest.mark.parametrize("n,kw", [(1, {}), (16, {}), (4, {"softcap": 3.0, "scale": 0.3})])
+def test_the_pallas_shared_prefix_decode_equals_the_xla_path(n, kw):
+  """The GPU path (the Pallas decode kernel, here in the Pallas interpreter): the prompt part
+  as one kernel call per group (n x T queries against the prompt), the own part a second,
+  merged by log-sum-exp, equals the XLA path's one softmax; on a contiguous cache (T = 1
+  and a block of 3 queries) and over pages (a decode step)."""
+  q, pk, pv, pmask, own_k, own_v = _prefix_case(n, 1)
+  page = 4
+  g, kh, s, d = pk.shape[0], pk.shape[1], own_k.shape[2], pk.shape[3]
+  length = 1 + (jnp.arange(g * n) * 3) % s
+  pool = lambda x: x.reshape(kh, g * n * s // page, page, d)  # noqa: E731
+  args = (q, pk, pv, pmask, pool(own_k), pool(own_v), None, length[:, None] - 1, length)
+  want = shared_prefix_paged_attention(*args, impl="xla", **kw)
+  got = shared_prefix_paged_attention(*args, impl="pallas_interpret", **kw)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+  # A page table: the rows' pages in reverse order in the pool.
+  m = s // page
+  table = (g * n * m - 1 - jnp.arange(g * n * m)).reshape(g * n, m)
+  flipped = lambda x: pool(x)[:, ::-1]  # noqa: E731
+  args = (q, pk, pv, pmask, flipped(own_k), flipped(own_v), table, length[:, None] - 1, length)
+  np.testing.assert_allclose(shared_prefix_paged_attention(*args, impl="pallas_interpret", **kw),
+                             want, rtol=2e-5, atol=2e-6)
+  for t in (1, 3):
+    q, pk, pv, pmask, own_k, own_v = _prefix_case(n, t)
+    k, v = own_k.transpose(1, 0, 2, 3), own_v.transpose(1, 0, 2, 3)
+    q_offset = 3
+    kmask = (jnp.arange(s)[None, :] <= q_offset + t - 1) & (
+        jnp.arange(s)[None, :] < 1 + jnp.arange(g * n)[:, None] % 4 + t)
+    want = shared_prefix_attention(q, pk, pv, pmask, k, v, kmask, q_offset, impl="xla", **kw)
+    got = shared_prefix_attention(q, pk, pv, pmask, k, v, kmask, q_offset,
+                                  impl="pallas_interpret", **kw)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_generation_with_shared_prompts_on_the_pallas_path_gives_the_xla_tokens(monkeypatch):
+  """The model's decode loop with ``kernels.attention=pallas_interpret`` (the GPU's kernels,
+  interpreted) and shared prompts samples the XLA path's tokens, log-probs within 2e-5."""
+  import kernels.attention.shared_prefix as sp
+  calls = []
+  real = sp.decode_attention_lse
+  monkeypatch.setattr(sp, "decode_attention_lse", lambda *a, **k: calls.append(1) or real(*a, **k))
+  params = M.init_params(TINY, jax.random.key(0))
+  prompts = jax.random.randint(jax.random.key(1), (2, 8), 3, TINY.vocab_size)
+  mask = jnp.arange(8)[None, :] >= jnp.array([0, 5])[:, None]
+  rollout = RolloutConfig(max_new_tokens=6, prefix_sharing=True)
+  outs = [jax.device_get(generate(params, prompts, mask, jax.random.key(2), cfg=TINY,
+                                  rollout=rollout, eos_id=1, num_samples=4,
+                                  kernels=KernelsConfig(attention=impl)))
+          for impl in ("xla", "pallas_interpret")]
+  assert calls  # the kernel path was traced (the prompt and own parts of each layer)
+  np.testing.assert_array_equal(outs[1].tokens_BT, outs[0].tokens_BT)
+  np.testing.assert_allclose(outs[1].behaviour_logp_BN, outs[0].behaviour_logp_BN, atol=2e-5)
 
 
 def test_decode_bytes_count_the_prompt_once_per_group():

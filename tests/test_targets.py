@@ -227,28 +227,33 @@ def test_the_wo_projection_after_xla_attention_compiles_for_gpu():
   _compile(mesh, jax.grad(lambda *a: layer(*a).sum(), argnums=(0, 1, 2, 3)), *args)
 
 
-def _shared_prefix_decode_args(rep):
-  """One decode step of 16 samples of one 2,048-token prompt (rollout.prefix_sharing with
+def _shared_prefix_decode_args(rep, n=16):
+  """One decode step of ``n`` samples of one 2,048-token prompt (rollout.prefix_sharing with
   refill): a 70B's 64 query / 8 KV heads of 128, the prompt once, each row's own page of 512
   slots."""
   sds = lambda s, d=bf16: jax.ShapeDtypeStruct(s, d, sharding=rep)  # noqa: E731
-  pre, pool = sds((1, 8, 2048, 128)), sds((8, 16, 512, 128))
-  return (sds((16, 1, 64, 128)), pre, pre, sds((1, 2048), jnp.bool_), pool, pool,
-          sds((16, 1), jnp.int32), sds((16,), jnp.int32))
+  pre, pool = sds((1, 8, 2048, 128)), sds((8, n, 512, 128))
+  return (sds((n, 1, 64, 128)), pre, pre, sds((1, 2048), jnp.bool_), pool, pool,
+          sds((n, 1), jnp.int32), sds((n,), jnp.int32))
 
 
-def _shared_prefix_decode(q, pk, pv, pm, k, v, slot, length):
-  return shared_prefix_paged_attention(q, pk, pv, pm, k, v, None, slot, length, window=None)
+def _shared_prefix_decode(impl):
+  return lambda q, pk, pv, pm, k, v, slot, length: shared_prefix_paged_attention(
+      q, pk, pv, pm, k, v, None, slot, length, window=None, impl=impl)
 
 
 @needs_gpu_compiler
-def test_shared_prefix_decode_over_pages_compiles_for_h200():
-  """The shared-prompt split over a row's page (XLA ops, every platform) compiles for an
-  H200 and fits its memory."""
+@pytest.mark.parametrize("impl,n", [("xla", 16), ("pallas", 16), ("pallas", 64)])
+def test_shared_prefix_decode_over_pages_compiles_for_h200(impl, n):
+  """The shared-prompt split over a row's page compiles for an H200 and fits its memory:
+  the XLA path, and the Pallas one (the decode kernel twice, the prompt part and the own
+  part; 64 samples x 8 query heads a KV head are 512 query rows, served 128 a program)."""
   mesh = _one_h200()
-  compiled = _compile(mesh, _shared_prefix_decode,
-                      *_shared_prefix_decode_args(NamedSharding(mesh, P())))
+  compiled = _compile(mesh, _shared_prefix_decode(impl),
+                      *_shared_prefix_decode_args(NamedSharding(mesh, P()), n))
   assert targets.check_fits(compiled, "h200") < targets.memory_bytes("h200")
+  want = ["decode_attention", "decode_attention"] if impl == "pallas" else []
+  assert _kernels_in(compiled) == want
 
 
 # ------------------------------------------------------------------- kernels, TPU (Mosaic)
@@ -357,11 +362,13 @@ def test_the_tpu_kernels_compile_for_v5p(case):
 
 @needs_tpu_compiler
 def test_shared_prefix_decode_over_pages_compiles_for_v5e():
-  """The same split compiles for a TPU v5e chip (XLA:TPU, no Mosaic kernel) and fits."""
+  """The same split compiles for a TPU v5e chip and fits; ``auto`` there is the XLA path (the
+  decode kernel is Triton's: no Mosaic kernel is launched)."""
   mesh = _one_tpu("tpu-v5e")
-  compiled = _compile(mesh, _shared_prefix_decode,
+  compiled = _compile(mesh, _shared_prefix_decode("auto"),
                       *_shared_prefix_decode_args(NamedSharding(mesh, P())))
   assert targets.check_fits(compiled, "tpu-v5e") < targets.memory_bytes("tpu-v5e")
+  assert _tpu_kernels_in(compiled) == []
 
 
 @needs_tpu_compiler

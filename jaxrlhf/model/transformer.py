@@ -389,7 +389,7 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
     if prefix is not None:  # the group's prompt, then the row's own pages
       pk, pv, pmask = prefix
       o = shared_prefix_paged_attention(q, pk, pv, pmask, k_pool, v_pool, read_table, slot_RT,
-                                        length_R, **attn_kw)
+                                        length_R, impl=attn_impl, **attn_kw)
     else:
       o = paged_attention(q, k_pool, v_pool, read_table, slot_RT, length_R, impl=attn_impl,
                           **attn_kw)
@@ -410,7 +410,8 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
       v_all = jax.lax.dynamic_index_in_dim(cv, li, 0, keepdims=False)
     if prefix is not None:
       pk, pv, pmask = prefix
-      o = shared_prefix_attention(q, pk, pv, pmask, k_all, v_all, kv_mask, q_offset, **attn_kw)
+      o = shared_prefix_attention(q, pk, pv, pmask, k_all, v_all, kv_mask, q_offset,
+                                  impl=attn_impl, **attn_kw)
     else:
       o = attention(q, k_all, v_all, kv_mask, q_offset, impl=attn_impl, kv_layout="bksd",
                     **attn_kw)

@@ -39,29 +39,33 @@ _MASKED = -1e30
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:
-  """Key-block size, the program count to aim for (about 2 per SM on an H100/H200) and Triton
-  launch settings."""
+  """Key-block size, the program count to aim for (about 2 per SM on an H100/H200), the most
+  query rows (tokens x query heads of a KV head) one program serves, and Triton launch
+  settings."""
 
   block_k: int = 128
   target_programs: int = 264
+  max_rows: int = 128
   num_warps: int = 4
   num_stages: int = 2
 
 
-def _kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, s, g, d, dp, rp, scale, bk,
-            n_split, softcap=None, windowed=False):
-  # q_ref: [T*G, D] (row r = token r // G, query head r % G of this KV head).
+def _kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, tc, s, g, d, dp, rp,
+            scale, bk, n_split, softcap=None, windowed=False):
+  # q_ref: [tc*G, D], this program's chunk of the T*G query rows (row r = token
+  # chunk * tc + r // G, query head r % G of this KV head).
   off = off_ref[0]
   rows = jnp.arange(rp)
-  row_ok = rows < t * g
+  first_token = pl.program_id(3) * tc
+  row_ok = (rows < tc * g) & (first_token + rows // g < t)
   d_ok = jnp.arange(dp) < d
   q = plgpu.load(q_ref.at[pl.ds(0, rp), pl.ds(0, dp)], mask=row_ok[:, None] & d_ok[None, :],
                  other=0.0)
-  q_slot = off + rows // g
+  q_slot = off + first_token + rows // g
   # This split's share of the key blocks holding filled slots [0, min(S, off + T)).
   n_blocks = n_key_blocks(off + t, s, bk)
   if windowed:  # the splits share only the blocks from the window's first one on
-    first = first_key_block(off_ref, off, bk, windowed)
+    first = first_key_block(off_ref, off + first_token, bk, windowed)
     per_split = cdiv(n_blocks - first, n_split)
     lo = first + pl.program_id(2) * per_split
   else:
@@ -83,44 +87,54 @@ def _kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, s, g, d, 
   plgpu.store(lse_ref.at[pl.ds(0, rp)], lse, mask=row_ok)
 
 
-def _decode_local(off, q5, k, v, kv_mask, *, bs, interpret, scale, kv_layout, softcap=None):
+def _decode_rows(off, q5, k, v, kv_mask, *, bs, interpret, scale, kv_layout, softcap=None):
   """One shard: q5 [B, T, K, G, D] (query heads grouped by their KV head); k, v [B, S, K, D]
-  or, with ``kv_layout="bksd"``, [B, K, S, D]."""
+  or, with ``kv_layout="bksd"`` / ``"kbsd"``, [B, K, S, D] / [K, B, S, D].  The output
+  ``[B, K, T*G, D]`` in float32 and its log-sum-exp ``[B, K, T*G]`` (``_MASKED`` for a row
+  that sees no key)."""
   b, t, kh, g, d = q5.shape
-  s = k.shape[1] if kv_layout == "bskd" else k.shape[2]
+  s = k.shape[kv_layout.index("s")]
   scale = d ** -0.5 if scale is None else scale
   bk = min(bs.block_k, padded(s))
   n_split = max(1, min(cdiv(bs.target_programs, b * kh), cdiv(s, bk)))
-  rows = t * g
-  # [B, T, K, G, D] -> [B, K, T*G, D]: one program's queries are contiguous (a small copy).
-  q_rows = q5.transpose(0, 2, 1, 3, 4).reshape(b, kh, rows, d)
+  # A program serves up to bs.max_rows query rows (whole tokens); more are split in chunks.
+  tc = max(1, min(t, bs.max_rows // g))
+  chunks = cdiv(t, tc)
+  rows = tc * g
+  # [B, T, K, G, D] -> [B, K, chunks, tc*G, D]: one program's queries are contiguous (a small
+  # copy; the last chunk's missing tokens are zeros, masked in the kernel).
+  q_rows = jnp.pad(q5, ((0, 0), (0, chunks * tc - t), (0, 0), (0, 0), (0, 0)))
+  q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(b, kh, chunks, rows, d)
   if kv_layout == "bskd":
-    kv_spec = pl.BlockSpec((None, s, None, d), lambda bi, ki, si: (bi, 0, ki, 0))
-  else:  # one program's [S, D] block is contiguous
-    kv_spec = pl.BlockSpec((None, None, s, d), lambda bi, ki, si: (bi, ki, 0, 0))
+    kv_spec = pl.BlockSpec((None, s, None, d), lambda bi, ki, si, ci: (bi, 0, ki, 0))
+  elif kv_layout == "bksd":  # one program's [S, D] block is contiguous
+    kv_spec = pl.BlockSpec((None, None, s, d), lambda bi, ki, si, ci: (bi, ki, 0, 0))
+  else:  # "kbsd": a paged pool's rows read in place, heads first
+    kv_spec = pl.BlockSpec((None, None, s, d), lambda bi, ki, si, ci: (ki, bi, 0, 0))
   extra = {}
   if softcap is not None:
     extra["softcap"] = softcap
   if off.shape[0] == 2:  # [q_offset, window]
     extra["windowed"] = True
-  kernel = functools.partial(_kernel, t=t, s=s, g=g, d=d, dp=padded(d), rp=padded(rows),
+  kernel = functools.partial(_kernel, t=t, tc=tc, s=s, g=g, d=d, dp=padded(d), rp=padded(rows),
                              scale=scale, bk=bk, n_split=n_split, **extra)
   o_part, lse_part = pl.pallas_call(
       kernel,
-      grid=(b, kh, n_split),
+      grid=(b, kh, n_split, chunks),
       in_specs=[
-          pl.BlockSpec((off.shape[0],), lambda bi, ki, si: (0,)),
-          pl.BlockSpec((None, None, rows, d), lambda bi, ki, si: (bi, ki, 0, 0)),
+          pl.BlockSpec((off.shape[0],), lambda bi, ki, si, ci: (0,)),
+          pl.BlockSpec((None, None, None, rows, d), lambda bi, ki, si, ci: (bi, ki, ci, 0, 0)),
           kv_spec,
           kv_spec,
-          pl.BlockSpec((None, s), lambda bi, ki, si: (bi, 0)),
+          pl.BlockSpec((None, s), lambda bi, ki, si, ci: (bi, 0)),
       ],
       out_specs=[
-          pl.BlockSpec((None, None, None, rows, d), lambda bi, ki, si: (bi, ki, si, 0, 0)),
-          pl.BlockSpec((None, None, None, rows), lambda bi, ki, si: (bi, ki, si, 0)),
+          pl.BlockSpec((None, None, None, None, rows, d),
+                       lambda bi, ki, si, ci: (bi, ki, si, ci, 0, 0)),
+          pl.BlockSpec((None, None, None, None, rows), lambda bi, ki, si, ci: (bi, ki, si, ci, 0)),
       ],
-      out_shape=[jax.ShapeDtypeStruct((b, kh, n_split, rows, d), jnp.float32),
-                 jax.ShapeDtypeStruct((b, kh, n_split, rows), jnp.float32)],
+      out_shape=[jax.ShapeDtypeStruct((b, kh, n_split, chunks, rows, d), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kh, n_split, chunks, rows), jnp.float32)],
       compiler_params=triton_params(bs.num_warps, bs.num_stages),
       interpret=interpret,
       name="decode_attention",
@@ -128,8 +142,36 @@ def _decode_local(off, q5, k, v, kv_mask, *, bs, interpret, scale, kv_layout, so
   # Combine the splits: weights exp(lse_i - max lse); all-empty rows stay 0.
   top = jnp.max(lse_part, axis=2, keepdims=True)
   w = jnp.exp(lse_part - top)
-  o = jnp.sum(o_part * w[..., None], axis=2) / jnp.sum(w, axis=2)[..., None]
+  total = jnp.sum(w, axis=2)
+  o = jnp.sum(o_part * w[..., None], axis=2) / total[..., None]
+  lse = top[:, :, 0] + jnp.log(total)
+  flat = lambda x: x.reshape(b, kh, chunks * rows, *x.shape[4:])[:, :, :t * g]  # noqa: E731
+  return flat(o), flat(lse)
+
+
+def _decode_local(off, q5, k, v, kv_mask, *, bs, interpret, scale, kv_layout, softcap=None):
+  b, t, kh, g, d = q5.shape
+  o, _ = _decode_rows(off, q5, k, v, kv_mask, bs=bs, interpret=interpret, scale=scale,
+                      kv_layout=kv_layout, softcap=softcap)
   return o.reshape(b, kh, t, g, d).transpose(0, 2, 1, 3, 4).astype(q5.dtype)
+
+
+def _decode_lse_local(off, q5, k, v, kv_mask, *, bs, interpret, scale, kv_layout, softcap=None):
+  b, t, kh, g, d = q5.shape
+  o, lse = _decode_rows(off, q5, k, v, kv_mask, bs=bs, interpret=interpret, scale=scale,
+                        kv_layout=kv_layout, softcap=softcap)
+  return (o.reshape(b, kh, t, g, d).transpose(0, 2, 1, 3, 4),
+          lse.reshape(b, kh, t, g).transpose(0, 2, 1, 3))
+
+
+@functools.lru_cache(maxsize=None)
+def _lse_op(bs, interpret, scale, kv_layout, softcap=None):
+  kv = " ".join(kv_layout)
+  extra = {} if softcap is None else {"softcap": softcap}
+  return per_shard(functools.partial(_decode_lse_local, bs=bs, interpret=interpret, scale=scale,
+                                     kv_layout=kv_layout, **extra),
+                   f"x, b t k g d, {kv}, {kv}, b s -> b t k g d, b t k g",
+                   replicated=("x", "t", "g", "d", "s"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,3 +226,30 @@ def decode_attention(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *,
   mask, off = kernel_inputs(kv_mask_BS, q_offset, window)
   return _decode_vjp(q_BTHD, k_BSKD, v_BSKD, mask, off, block_sizes, interpret, scale,
                      kv_layout, softcap)
+
+
+def decode_attention_lse(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *,
+                         block_sizes: DecodeBlockSizes = DecodeBlockSizes(),
+                         interpret: bool = False, scale: float | None = None,
+                         kv_layout: str = "bskd", softcap: float | None = None):
+  """:func:`decode_attention` as a part to merge with attention over other keys: its output
+  ``[B, T, H, D]`` in float32 and the log-sum-exp of each query's scaled (soft-capped) scores
+  over the keys it sees, ``[B, T, H]`` (about ``-1e30`` for a query that sees none, whose
+  output is 0).  Attention over keys ``A`` then ``B`` is ``(o_A e^(lse_A - m) + o_B
+  e^(lse_B - m)) / (e^(lse_A - m) + e^(lse_B - m))``, ``m`` the larger lse
+  (:mod:`kernels.attention.shared_prefix`).  No window; forward only (sampling).
+  ``kv_layout`` may also be ``"kbsd"``: ``[K, B, S, D]``, a paged pool's rows as they lie
+  (:func:`kernels.attention.paged.row_slots`)."""
+  perm = {"bskd": (0, 1, 2, 3), "bksd": (0, 2, 1, 3), "kbsd": (1, 2, 0, 3)}.get(kv_layout)
+  if perm is None:
+    raise ValueError(f"decode_attention_lse: kv_layout={kv_layout!r}; choose from bskd, bksd, "
+                     "kbsd")
+  as_bskd = lambda x: jax.ShapeDtypeStruct(tuple(x.shape[i] for i in perm), x.dtype)  # noqa: E731
+  check_shapes(q_BTHD, as_bskd(k_BSKD), as_bskd(v_BSKD), kv_mask_BS)
+  mask, off = kernel_inputs(kv_mask_BS, q_offset)
+  b, t, h, d = q_BTHD.shape
+  kh = k_BSKD.shape[kv_layout.index("k")]
+  q5 = q_BTHD.reshape(b, t, kh, h // kh, d)
+  o, lse = _lse_op(block_sizes, interpret, scale, kv_layout, softcap)(off, q5, k_BSKD, v_BSKD,
+                                                                       mask)
+  return o.reshape(b, t, h, d), lse.reshape(b, t, h)

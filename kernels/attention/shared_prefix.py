@@ -2,16 +2,31 @@
 read the prompt's keys and values once, as one batched matmul of their ``n`` queries, and
 their own response slots apart; the two parts meet in one softmax (a shared maximum and one
 denominator), so the result is attention over the prompt's slots followed by the response's,
-to float rounding.  XLA path, every platform."""
+to float rounding.
+
+Two paths (``impl``, as :func:`kernels.attention.paged.paged_attention`'s): the XLA one, every
+platform, and on GPU targets a decode step (``T <= DECODE_MAX_T``, no window; per-row
+positions: ``T = 1``) on the Pallas decode kernel (:mod:`kernels.attention.decode`): the
+prompt part as one call whose "tokens" are a group's ``n x T`` queries against its prompt
+(each prompt read once per group, its scores never leaving the chip), the own part as a
+second call over the rows' own slots, the two merged by their log-sum-exps.  TPU targets and
+windowed layers take the XLA path."""
 
 import jax.numpy as jnp
 
-from kernels.attention.paged import row_slots
+from kernels._backend import resolve_impl, target_platform
+from kernels.attention.decode import decode_attention_lse
+from kernels.attention.paged import AUTO, IMPLS, row_slots
 from kernels.attention.reference import _MASKED, allowed_mask, softcap_logits
+
+# The longest query block (tokens a row) the Pallas path takes: kernels.attention.dispatch's
+# DECODE_MAX_T (not imported: dispatch is the public entry, this module sits below it).
+_PALLAS_MAX_T = 16
 
 
 def shared_prefix_attention(q_BTHD, pk_GKPD, pv_GKPD, pmask_GP, k_BKSD, v_BKSD, kv_mask_BS,
-                            q_offset, *, scale=None, window=None, softcap=None):
+                            q_offset, *, scale=None, window=None, softcap=None,
+                            impl: str = "auto"):
   """Causal GQA attention of ``B = G * n`` rows (prompt-major: rows ``g*n .. g*n + n - 1``
   are prompt ``g``'s samples) over their prompt's slots, then their own.
 
@@ -21,8 +36,15 @@ def shared_prefix_attention(q_BTHD, pk_GKPD, pv_GKPD, pmask_GP, k_BKSD, v_BKSD, 
   ``[B, K, S, D]``; kv_mask_BS: which of them hold real tokens.  ``scale``, ``window``
   (counted in cache slots, the prompt's included) and ``softcap`` as in
   :func:`kernels.attention.reference.attention_reference`.  Softmax in float32; output in the
-  dtype of ``q``.
+  dtype of ``q``.  ``impl``: see the module doc (a query that sees no key: the XLA path gives
+  the mean of its values, the Pallas path 0).
   """
+  interpret = _pallas(impl, q_BTHD.shape[1], window, _PALLAS_MAX_T)
+  if interpret is not None:
+    own = decode_attention_lse(q_BTHD, k_BKSD, v_BKSD, kv_mask_BS, q_offset, kv_layout="bksd",
+                               interpret=interpret, scale=scale, softcap=softcap)
+    return _merge_parts(_prefix_part(q_BTHD, pk_GKPD, pv_GKPD, pmask_GP, interpret, scale,
+                                     softcap), own, q_BTHD.dtype)
   p_len = pk_GKPD.shape[2]
   s_pre, s_own = _scores(q_BTHD, pk_GKPD, k_BKSD, "bksd", scale, softcap)
   seen = pmask_GP.astype(bool)[:, None, None, None, None, :]  # [G, 1, 1, 1, 1, P]
@@ -33,6 +55,40 @@ def shared_prefix_attention(q_BTHD, pk_GKPD, pv_GKPD, pmask_GP, k_BKSD, v_BKSD, 
   own = allowed_mask(q_BTHD.shape[1], kv_mask_BS, q_offset, window)  # [B, T, S]
   s_own = jnp.where(own[None, :, None], s_own, _MASKED)
   return _merge(s_pre, s_own, pv_GKPD, v_BKSD, "bksd", q_BTHD.dtype)
+
+
+def _pallas(impl: str, t: int, window, max_t: int):
+  """Whether the call runs on the Pallas decode kernel: None (the XLA path), or the kernel's
+  ``interpret`` flag."""
+  impl = resolve_impl("attention", impl, IMPLS, AUTO)
+  if impl not in ("pallas", "pallas_interpret") or window is not None or t > max_t:
+    return None
+  if impl == "pallas" and target_platform() == "tpu":  # the decode kernel is Triton's
+    return None
+  return impl == "pallas_interpret"
+
+
+def _prefix_part(q_BTHD, pk_GKPD, pv_GKPD, pmask_GP, interpret, scale, softcap):
+  """Attention over each group's prompt alone, on the decode kernel: a group's ``n`` rows'
+  ``T`` queries are one sequence's ``n * T`` tokens, all after the prompt (offset ``P``), so
+  the kernel reads the prompt once per group (per KV head and key split).  The output
+  (float32) and its log-sum-exp, ``[B, T, H, D]`` and ``[B, T, H]``."""
+  b, t, h, d = q_BTHD.shape
+  g_count, _, p_len, _ = pk_GKPD.shape
+  o, lse = decode_attention_lse(q_BTHD.reshape(g_count, b // g_count * t, h, d), pk_GKPD,
+                                pv_GKPD, pmask_GP, p_len, kv_layout="bksd",
+                                interpret=interpret, scale=scale, softcap=softcap)
+  return o.reshape(b, t, h, d), lse.reshape(b, t, h)
+
+
+def _merge_parts(part_a, part_b, dtype):
+  """Attention over two disjoint sets of keys from each set's (output, log-sum-exp): the
+  outputs weighted by their share of the one softmax's denominator."""
+  (o_a, lse_a), (o_b, lse_b) = part_a, part_b
+  m = jnp.maximum(lse_a, lse_b)
+  w_a, w_b = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
+  out = (o_a * w_a[..., None] + o_b * w_b[..., None]) / (w_a + w_b)[..., None]
+  return out.astype(dtype)
 
 
 def _scores(q_BTHD, pk_GKPD, k_own, own_spec: str, scale, softcap):
@@ -76,7 +132,7 @@ def _merge(s_pre, s_own, pv_GKPD, v_own, own_spec: str, dtype):
 
 def shared_prefix_paged_attention(q_BTHD, pk_GKPD, pv_GKPD, pmask_GP, k_pool, v_pool, table_BM,
                                   q_slot_BT, length_B, *, scale=None, window=None,
-                                  softcap=None):
+                                  softcap=None, impl: str = "auto"):
   """:func:`shared_prefix_attention` with per-row positions: each row's own slots live in a
   paged pool (:func:`kernels.attention.paged.paged_attention`'s ``k_pool``/``v_pool``,
   ``table_BM``, ``length_B``), the query ``t`` of row ``b`` at its own slot
@@ -84,11 +140,26 @@ def shared_prefix_paged_attention(q_BTHD, pk_GKPD, pv_GKPD, pmask_GP, k_pool, v_
   (``pmask_GP`` true on ``[0, plen)``), so a row's token ``s`` is the prompt's ``plen + s``-th
   and a ``window`` counts tokens: the query at own slot ``s`` sees prompt slot ``p`` iff
   ``p > plen + s - window`` and own slot ``s'`` iff ``s' > s - window``.  Both parts meet in
-  one softmax, as there.  Softmax in float32; output in the dtype of ``q``."""
+  one softmax, as there.  Softmax in float32; output in the dtype of ``q``.  ``impl``: see
+  the module doc; the Pallas path takes a decode step (``T = 1``), the own part reading each
+  row's slots ``[0, length)`` up to its query's, and no key block past the longest row's
+  length (its pages gathered as the XLA path does, or in place without a table)."""
   b, t = q_BTHD.shape[:2]
   g_count, _, p_len, _ = pk_GKPD.shape
   n = b // g_count
   kp, vp = row_slots(k_pool, v_pool, table_BM, b)  # [K, B, S, D]: no transpose of the pool
+  interpret = _pallas(impl, t, window, 1)
+  if interpret is not None:
+    o_slot = jnp.arange(kp.shape[2])
+    own_mask = (o_slot < length_B[:, None]) & (o_slot <= q_slot_BT[:, :1])  # [B, S]
+    # The offset is the longest row's last slot: the kernel reads the key blocks up to it and
+    # no further (the rows' own slots past every length are never read); the mask above
+    # bounds each row.
+    own = decode_attention_lse(q_BTHD, kp, vp, own_mask, jnp.max(length_B) - 1,
+                               kv_layout="kbsd", interpret=interpret, scale=scale,
+                               softcap=softcap)
+    return _merge_parts(_prefix_part(q_BTHD, pk_GKPD, pv_GKPD, pmask_GP, interpret, scale,
+                                     softcap), own, q_BTHD.dtype)
   s_pre, s_own = _scores(q_BTHD, pk_GKPD, kp, "kbsd", scale, softcap)
   plen_G = jnp.sum(pmask_GP, axis=1, dtype=jnp.int32)
   p_slot = jnp.arange(p_len)
