@@ -425,6 +425,25 @@ def test_each_batch_closes_its_environments_when_its_episodes_end(tmp_path):
   assert ep.metrics["env/errors"] == 0
 
 
+def test_a_finished_stage_leaves_no_environment_threads_behind(tmp_path):
+  """The worker threads of a stage's episodes and of its environment evaluation end with the
+  stage (they used to idle until the process exited: a sweep in one process gathered them)."""
+  import threading
+  from jaxrlhf.train import pipeline
+  cfg = _cfg(tmp_path, ECHO, "Echo", workers=2)
+  cfg = dataclasses.replace(cfg, stages=("grpo",),
+                            grpo=dataclasses.replace(cfg.grpo, steps=1, eval_every=1))
+  before = set(threading.enumerate())
+  assert pipeline.run(cfg, str(tmp_path / "run"), resume="none") == 0
+  alive = lambda: [t.name for t in set(threading.enumerate()) - before  # noqa: E731
+                   if t.name.startswith("jaxrlhf-env") and t.is_alive()]
+  for _ in range(100):  # an idle thread exits when it takes the pool's stop from its queue
+    if not alive():
+      break
+    threading.Event().wait(0.05)
+  assert alive() == []
+
+
 def test_paged_episodes_equal_lock_step_in_less_kv_and_running_out_is_an_error(tmp_path,
                                                                                 monkeypatch):
   base = _cfg(tmp_path, ECHO, "Echo")

@@ -132,6 +132,11 @@ class EpisodeRunner:
       return self._decode(policy)
 
   # --------------------------------------------------------------------------------- run
+  def close(self) -> None:
+    """Closes any environment still open and stops the worker threads (a later :meth:`run`
+    starts new ones): call it when the stage is done with the runner."""
+    self.runner.close()
+
   def run(self, policy, examples, key, n: int = 1) -> Episodes:
     """``n`` episodes per example (rows prompt-major), sampled with ``key``."""
     records = [ex.record() for ex in examples for _ in range(n)]
@@ -335,6 +340,9 @@ class EnvEval:
     self.runner = EpisodeRunner(stage, greedy=True, role=role)
     self.examples = None
     self.samples: list[dict] = []
+
+  def close(self) -> None:
+    self.runner.close()
 
   def __call__(self, params) -> dict:
     if self.examples is None:

@@ -207,6 +207,13 @@ class Evaluation:
     self.every = self.stage.eval_every_after(metrics, self.every)
     return self.stage.target_reached(metrics)
 
+  def close(self) -> None:
+    """Releases what the evaluator holds outside the process's memory (an environment
+    evaluator's worker threads); the evaluation still works after it (they restart)."""
+    close = getattr(self.generation, "close", None)
+    if close is not None:
+      close()
+
   def take_samples(self) -> list[dict]:
     """The sample rows of the evaluations since the last call: the stage's own, then the
     generation evaluator's; empty when none."""

@@ -89,17 +89,23 @@ class RLStage(Stage):
     self.host_sources = []
     self.device_sources = []
     self.episodes = None  # multi-turn episodes (env.name): the host generate phase
+    self.episode_runner = None
     self.env_weight = 0.0  # the weight of the 'env' source (the episodes' returns)
     for src, w in zip(rcfg.sources, rcfg.weights):
       kind, _, fname = src.partition(":")
       if src == "env":
         self.env_weight = w
-        self.episodes = episode_rollout(self, EpisodeRunner(self), w)
+        self.episode_runner = EpisodeRunner(self)
+        self.episodes = episode_rollout(self, self.episode_runner, w)
       elif kind == "host":
         # Resolved once (a user's file is imported here); rl_validate has checked it.
         self.host_sources.append((RW.resolve_host_reward(src, f"{self.name}.reward.sources"), w))
       else:
         self.device_sources.append((kind, fname or None, w))
+
+  def close(self) -> None:
+    if self.episode_runner is not None:
+      self.episode_runner.close()
 
   # ----------------------------------------------------------------------------- set-up
   def initial_extras(self):

@@ -119,6 +119,10 @@ class Stage:
     """A run's evaluation of this stage (host side: caches, samples, cadence)."""
     return Evaluation(self, frozen)
 
+  def close(self) -> None:
+    """Releases what the stage holds outside the process's memory once it is done training
+    (an environment's worker threads); nothing for most stages."""
+
   def generation_eval(self):
     """The greedy-generation evaluator of an :class:`Evaluation`: greedy answers scored by
     ``STAGE.eval_reward`` (episodes with ``env.name``) when the spec's ``evaluation`` includes
