@@ -577,17 +577,20 @@ def write_prompts(pg: PagedKV, small: KVCache, mask_XP, r0, n: int,
   slot_RP = jnp.repeat(slot, n, axis=0)
   table = jax.lax.dynamic_slice_in_dim(pg.table_RM, r0, x * n, axis=0)
   rows_kv = lambda a: jnp.repeat(a, n, axis=0).transpose(0, 2, 1, 3)  # noqa: E731 [R,P,K,D]
+  # Every row of a contiguous pool: written in place, row by row (a pool split over the data
+  # axes takes its own rows' prompts, nothing gathered).
+  whole = pg.contiguous and isinstance(r0, int) and r0 == 0 and x * n == pg.rows
   if pg.per_layer:
     ks, vs = list(pg.k), list(pg.v)
     for li in range(cfg.n_layers):
       ks[li], vs[li] = write_layer(ks[li], vs[li], table, slot_RP, rows_kv(small.k[li]),
-                                   rows_kv(small.v[li]))
+                                   rows_kv(small.v[li]), contiguous=whole)
     k, v = tuple(ks), tuple(vs)
   else:
     k, v = pg.k, pg.v
     for li in range(cfg.n_layers):
       k, v = write_layer(k, v, table, slot_RP, rows_kv(small.k[li]), rows_kv(small.v[li]),
-                         li)
+                         li, contiguous=whole)
   length = jax.lax.dynamic_update_slice_in_dim(
       pg.length_R, jnp.repeat(jnp.sum(mask_XP, axis=1, dtype=jnp.int32), n), r0, 0)
   return constrain_paged(pg.replace(k=k, v=v, length_R=length))

@@ -28,9 +28,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from kernels._backend import target_platform
 
 # The factors the shard_map path (TPU) splits, and over which mesh axes, in order: tokens and
-# sequences over the data axes, KV heads over tp (jaxrlhf.mesh.ACT_RULES's "batch" and
+# sequences over the data axes (and "r", a paged pool's pages when they lie row by row, split
+# as the rows are), KV heads over tp (jaxrlhf.mesh.ACT_RULES's "batch" and
 # "kv_heads").  A factor missing here, or an axis missing from the mesh, is not split.
-MANUAL_AXES = {"n": ("dp", "fsdp"), "b": ("dp", "fsdp"), "k": ("tp",)}
+MANUAL_AXES = {"n": ("dp", "fsdp"), "b": ("dp", "fsdp"), "r": ("dp", "fsdp"), "k": ("tp",)}
 
 
 def _factors(rule: str) -> list[str]:
@@ -134,6 +135,9 @@ def _manual_specs(mesh, operand_rules, replicated, args) -> dict[str, tuple[str,
   for dims, x in zip(operand_rules, args):
     for dim, n in zip(dims, x.shape):
       if dim in out or dim in replicated or dim not in MANUAL_AXES:
+        continue
+      if dim == "r" and "b" in out:  # a pool's row-major pages: split exactly as the rows
+        out[dim] = out["b"]
         continue
       kept, prod = [], 1
       for axis in MANUAL_AXES[dim]:

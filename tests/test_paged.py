@@ -156,3 +156,58 @@ def test_a_contiguous_pool_is_read_as_it_lies_with_the_gather_s_result():
     out.append(np.asarray(h))
     assert np.asarray(got.length_R).tolist() == [9, 4, 6]
   np.testing.assert_allclose(out[1], out[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("per_layer", [True, False])
+def test_a_contiguous_pool_is_split_over_the_data_shards_as_its_rows(per_layer):
+  """A pool whose rows own their pages in order (kv_pages=0) lies split over the data axes as
+  its rows are: on dp=2 x tp=2 each device holds half of the pages (and half of the KV
+  heads), the writes and the reads stay on each shard's own rows, and the forward equals one
+  device's."""
+  from helpers import mesh
+  from jaxrlhf.model.paged import constrain_paged
+  params = M.init_params(CFG, jax.random.key(0))
+  rows, ps, max_len = 4, 4, 12
+  toks = jnp.asarray(np.random.default_rng(1).integers(3, 60, (rows, 9)), jnp.int32)
+  mask = jnp.asarray(np.arange(9)[None, :] < np.array([9, 4, 6, 1])[:, None])
+
+  def run(m):
+    with jax.set_mesh(m):
+      pg = init_paged(CFG, rows, rows * 3, ps, max_len, per_layer=per_layer, reserved=True)
+      fn = jax.jit(lambda p, pg: (lambda h, c: (h, constrain_paged(c)))(
+          *forward(p, toks, positions_from_mask(mask), mask, cfg=CFG, paged=pg)))
+      return fn(params, constrain_paged(pg))
+
+  h1, one = run(mesh())
+  h4, four = run(mesh(dp=2, tp=2))
+  np.testing.assert_allclose(np.asarray(h4), np.asarray(h1), atol=1e-5)
+  for a, b in zip(jax.tree.leaves((one.k, one.v)), jax.tree.leaves((four.k, four.v))):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
+    shard = b.addressable_shards[0].data.shape
+    assert shard[-3] == b.shape[-3] // 2 and shard[-4] == b.shape[-4] // 2, (b.shape, shard)
+
+
+def test_the_pallas_paged_kernel_reads_each_shard_s_own_rows_of_a_contiguous_pool():
+  """jax's kernel (interpreted) over a contiguous pool split over dp=2: each device runs its
+  own rows against its own part of the pool, and the result is the gather path's."""
+  from helpers import mesh
+  from jax.sharding import NamedSharding, PartitionSpec as PS
+  from kernels.attention.paged import paged_attention
+  k_heads, rows, m, ps, d, h = 2, 4, 3, 4, 16, 4
+  rng = np.random.default_rng(2)
+  kp, vp = (jnp.asarray(rng.normal(size=(k_heads, rows * m, ps, d)), jnp.float32)
+            for _ in range(2))
+  q = jnp.asarray(rng.normal(size=(rows, 1, h, d)), jnp.float32)
+  length = jnp.asarray([10, 3, 12, 1], jnp.int32)
+  want = paged_attention(q, kp, vp, None, (length - 1)[:, None], length, impl="xla")
+  m2 = mesh(dp=2)
+  pool = NamedSharding(m2, PS(None, "dp"))
+  with jax.set_mesh(m2):
+    fn = jax.jit(lambda q, k, v, n: paged_attention(q, k, v, None, (n - 1)[:, None], n,
+                                                    impl="pallas_interpret"))
+    args = (jax.device_put(q, NamedSharding(m2, PS("dp"))), jax.device_put(kp, pool),
+            jax.device_put(vp, pool), jax.device_put(length, NamedSharding(m2, PS("dp"))))
+    got = fn(*args)
+    hlo = fn.lower(*args).compile().as_text()
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+  assert "all-gather" not in hlo

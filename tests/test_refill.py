@@ -756,3 +756,28 @@ def test_a_refill_pool_it_cannot_run_is_refused_with_the_fix(change, match):
                                                               **change))
   with pytest.raises(ConfigError, match=match):
     validate(cfg, required=False)
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "whole-prompts"])
+def test_the_refill_pool_is_split_over_the_data_shards(share):
+  """Per-row positions with each row's pages reserved (kv_pages=0): the pool lies split over
+  the data axes as the rows are, so on dp=2 each device holds half of it. The compiled
+  loop's working memory per device drops by at least 90% of half the pool's bytes (with
+  the pool whole on every device, as before, it dropped by a quarter of that, or rose)."""
+  cfg = dataclasses.replace(TINY, max_seq_len=128)
+  prm = M.init_params(cfg, jax.random.key(0))
+  n_g, samples, new, p = 4, 4, 48, 16
+  tokens, mask = ragged_batch(jax.random.key(1), 8, p, cfg.vocab_size)
+  ro = RolloutConfig(max_new_tokens=new, row_keys=True, refill=True, prefix_sharing=share,
+                     kv_page_size=0 if share else 16)
+  temp = {}
+  for dp in (1, 2):
+    with jax.set_mesh(mesh(dp=dp)):
+      fn = jax.jit(lambda prm, t, m, k: R.generate_refill(
+          prm, t, m, k, None, None, cfg=cfg, rollout=ro, eos_id=EOS, num_samples=samples,
+          num_groups=n_g))
+      compiled = fn.lower(prm, tokens, mask, jax.random.key(2)).compile()
+      temp[dp] = compiled.memory_analysis().temp_size_in_bytes
+  page, pages, _ = ro.refill_pages(p, n_g * samples, samples)
+  pool = 2 * cfg.n_layers * cfg.n_kv_heads * pages * page * cfg.head_dim * 4
+  assert temp[1] - temp[2] >= 0.9 * pool / 2, (temp, pool)

@@ -154,6 +154,23 @@ def _paged_fns():
   return [("", step()), (" soft-cap", step(50.0))]
 
 
+@needs_gpu_compiler
+def test_a_contiguous_pool_split_over_two_h200s_is_read_in_place():
+  """Paged decode over a pool whose rows own their pages in order (kv_pages=0), split over
+  dp=2 H200s as its rows are: each GPU launches jax's kernel on its own rows and its own half
+  of the pool; nothing is gathered."""
+  mesh = targets.mesh("h200", MeshConfig(dp=2, fsdp=1, tp=1), 2)
+  rows = NamedSharding(mesh, P("dp"))
+  q, pool, _, _, length = _paged_args()
+  pool = jax.ShapeDtypeStruct(pool.shape, pool.dtype, sharding=NamedSharding(mesh, P(None, "dp")))
+  q = jax.ShapeDtypeStruct(q.shape, q.dtype, sharding=rows)
+  length = jax.ShapeDtypeStruct(length.shape, length.dtype, sharding=rows)
+  compiled = _compile(mesh, lambda q, k, v, n: paged_attention(
+      q, k, v, None, (n - 1)[:, None], n, impl="pallas"), q, pool, pool, length)
+  assert _kernels_in(compiled) == ["paged_attention_block_h_16_pages_per_compute_block_8"]
+  assert "all-gather" not in compiled.as_text()
+
+
 @pytest.fixture(scope="module")
 def compiled_kernels():
   """Each case compiled for one H200: (compiled, seconds)."""
@@ -316,6 +333,24 @@ def _tpu_kernel_cases():
       *[(f"paged decode bf16 64/8 heads, 16-slot pages (jax's kernel){name}", fn,
          _paged_args(), ["paged_attention"], False) for name, fn in _paged_fns()],
   ]
+
+
+@needs_tpu_compiler
+def test_a_contiguous_pool_split_over_two_v5e_chips_is_read_in_place():
+  """The same on TPU (the shard_map path of kernels/_sharding.py: the pool's pages split as
+  the rows are): each chip runs the Mosaic paged kernel on its own rows and pages, nothing
+  gathered."""
+  mesh = Mesh(np.asarray(targets.devices("tpu-v5e", 8)[:2]).reshape(2, 1, 1),
+              ("dp", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
+  rows = NamedSharding(mesh, P("dp"))
+  q, pool, _, _, length = _paged_args()
+  pool = jax.ShapeDtypeStruct(pool.shape, pool.dtype, sharding=NamedSharding(mesh, P(None, "dp")))
+  q = jax.ShapeDtypeStruct(q.shape, q.dtype, sharding=rows)
+  length = jax.ShapeDtypeStruct(length.shape, length.dtype, sharding=rows)
+  compiled = _compile(mesh, lambda q, k, v, n: paged_attention(
+      q, k, v, None, (n - 1)[:, None], n, impl="pallas"), q, pool, pool, length)
+  assert sorted(set(_tpu_kernels_in(compiled))) == ["paged_attention"]
+  assert "all-gather" not in compiled.as_text()
 
 
 _TPU_KERNEL_CACHE: dict = {}

@@ -20,8 +20,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec
+
 from jaxrlhf.config import ModelConfig
-from jaxrlhf.mesh import constrain
+from kernels._sharding import per_shard_manual
+from jaxrlhf.mesh import ACT_RULES, constrain, logical_to_spec
 
 
 @flax.struct.dataclass
@@ -157,26 +160,62 @@ def init_paged(cfg: ModelConfig, rows: int, num_pages: int, page_size: int, max_
 
 
 def pool_axes(per_layer: bool):
-  """The pools' logical axes: pages are not a batch axis (any row may hold any page), so the
-  pool is sharded over ``tp`` by kv head only, whole on every data shard."""
+  """The pools' logical axes: pages are not a batch axis (any row may hold any page), so a
+  pool is sharded over ``tp`` by kv head only, whole on every data shard; a
+  :attr:`PagedKV.contiguous` pool is also split over the data axes (:func:`constrain_paged`)."""
   ax = ("kv_heads", None, None, "head_dim")
   return ax if per_layer else ("layers",) + ax
 
 
+def rows_split(rows: int):
+  """The mesh axes ``rows`` rows are split over in the mesh in context (the data axes that
+  divide them, :data:`jaxrlhf.mesh.ACT_RULES`' "batch"), None when they are whole on every
+  device (no mesh, one data shard)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return None
+  return logical_to_spec(("batch",), ACT_RULES, (rows,), mesh)[0]
+
+
 def constrain_paged(cache: PagedKV) -> PagedKV:
+  """The pools' sharding.  A :attr:`PagedKV.contiguous` pool (row ``r``'s pages are
+  ``r*M .. r*M + M - 1``, as many pages as rows hold) is split over the data axes as its rows
+  are: each data shard holds its own rows' pages, and reads and writes them in place
+  (:func:`write_layer`, :func:`kernels.attention.paged.row_slots`).  Any other pool is whole
+  on every data shard: a row may hold any page."""
   axes = pool_axes(cache.per_layer)
-  if cache.per_layer:
-    k = tuple(constrain(x, axes) for x in cache.k)
-    v = tuple(constrain(x, axes) for x in cache.v)
+  rows = rows_split(cache.rows) if cache.contiguous else None
+  if rows is None:
+    put = lambda x: constrain(x, axes)  # noqa: E731
   else:
-    k, v = constrain(cache.k, axes), constrain(cache.v, axes)
+    mesh = jax.sharding.get_abstract_mesh()
+    shape = (cache.k[0] if cache.per_layer else cache.k).shape
+    spec = list(logical_to_spec(axes, ACT_RULES, shape, mesh))
+    spec[-3] = rows  # the pages axis, split as the rows are
+    put = lambda x: jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))  # noqa: E731
+  if cache.per_layer:
+    k = tuple(put(x) for x in cache.k)
+    v = tuple(put(x) for x in cache.v)
+  else:
+    k, v = put(cache.k), put(cache.v)
   return cache.replace(k=k, v=v)
 
 
-def write_layer(k_pool, v_pool, table_RM, slot_RT, k_RTKD, v_RTKD, li=None):
+def write_layer(k_pool, v_pool, table_RM, slot_RT, k_RTKD, v_RTKD, li=None, *,
+                contiguous: bool = False):
   """Writes a block's keys/values (``[R, T, K, Dh]``) at their logical slots (``slot_RT``,
-  -1: not written) through the page table; ``li``: the layer of a stacked pool."""
+  -1: not written) through the page table; ``li``: the layer of a stacked pool.
+  ``contiguous``: the pool is a :attr:`PagedKV.contiguous` one (row ``r``'s pages in order
+  from ``r * M``, all ``R`` rows written); when it is split over the data axes
+  (:func:`constrain_paged`) each row's slots are written as a write batched over the rows,
+  which the partitioner runs shard by shard (the table's scatter would gather every row's
+  keys onto every device)."""
   pages, ps = k_pool.shape[-3], k_pool.shape[-2]
+  # (Whole on every device, the table's scatter below writes the same slots in place; the
+  # rows' batched write is only for a pool split over the data axes.)
+  if contiguous and rows_split(k_RTKD.shape[0]) is not None:
+    return tuple(_write_rows(pool, slot_RT, x, li) for pool, x in ((k_pool, k_RTKD),
+                                                                    (v_pool, v_RTKD)))
   m = table_RM.shape[1]
   page_RT = jnp.take_along_axis(table_RM, jnp.clip(slot_RT // ps, 0, m - 1), axis=1)
   page_RT = jnp.where(slot_RT >= 0, page_RT, pages)  # out of range: dropped
@@ -188,3 +227,35 @@ def write_layer(k_pool, v_pool, table_RM, slot_RT, k_RTKD, v_RTKD, li=None):
     put = lambda pool, x: pool.at[li, :, page_RT, off_RT, :].set(  # noqa: E731
         x.astype(pool.dtype), mode="drop")
   return put(k_pool, k_RTKD), put(v_pool, v_RTKD)
+
+
+def _write_rows(pool, slot_RT, x_RTKD, li):
+  """A contiguous pool's write: the pool seen as ``[.., K, R, M * page, Dh]`` (each row's
+  slots in order), each row's block written at its slots (-1: dropped), under a mesh as a
+  ``shard_map`` over the rows' data shards (each device writes its own rows into its own
+  part of the pool)."""
+  rows = x_RTKD.shape[0]
+  *lead, k_heads, pages, ps, d = pool.shape
+  view = pool.reshape(*lead, k_heads, rows, pages // rows * ps, d)
+  at_RT = jnp.where(slot_RT >= 0, slot_RT, view.shape[-2])  # out of range: dropped
+  x = x_RTKD.astype(pool.dtype)
+  if li is None:
+    out = _ROW_WRITE(view, at_RT, x)
+  else:
+    out = _ROW_WRITE_STACKED(jnp.reshape(jnp.asarray(li, jnp.int32), (1,)), view, at_RT, x)
+  return out.reshape(pool.shape)
+
+
+def _row_write(view_KBSD, at_BT, x_BTKD):
+  r = jnp.arange(view_KBSD.shape[1])[:, None]
+  return view_KBSD.at[:, r, at_BT, :].set(x_BTKD.transpose(2, 0, 1, 3), mode="drop")
+
+
+def _row_write_stacked(li, view_LKBSD, at_BT, x_BTKD):
+  r = jnp.arange(view_LKBSD.shape[2])[:, None]
+  return view_LKBSD.at[li[0], :, r, at_BT, :].set(x_BTKD, mode="drop")
+
+
+_ROW_WRITE = per_shard_manual(_row_write, "k b s d, b t, b t k d -> k b s d")
+_ROW_WRITE_STACKED = per_shard_manual(_row_write_stacked,
+                                      "x, l k b s d, b t, b t k d -> l k b s d")

@@ -381,9 +381,10 @@ def _layer(cfg: ModelConfig, attn_impl: str, h_BTD, lp, rope_cs, kv_mask, q_offs
     ck, cv, li = cache_kv
     read_table, slot_RT, length_R, table_RM = paged
     if ck.ndim == 4:  # this layer's own pool
-      k_pool, v_pool = ck, cv = write_layer(ck, cv, table_RM, slot_RT, k, v)
+      k_pool, v_pool = ck, cv = write_layer(ck, cv, table_RM, slot_RT, k, v,
+                                            contiguous=read_table is None)
     else:
-      ck, cv = write_layer(ck, cv, table_RM, slot_RT, k, v, li)
+      ck, cv = write_layer(ck, cv, table_RM, slot_RT, k, v, li, contiguous=read_table is None)
       k_pool = jax.lax.dynamic_index_in_dim(ck, li, 0, keepdims=False)
       v_pool = jax.lax.dynamic_index_in_dim(cv, li, 0, keepdims=False)
     if prefix is not None:  # the group's prompt, then the row's own pages

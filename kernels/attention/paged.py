@@ -49,9 +49,6 @@ def paged_attention(q_BTHD, k_pool, v_pool, table_BM, q_slot_BT, length_B, *, sc
   """
   impl = resolve_impl("attention", impl, IMPLS, AUTO)
   if impl in ("pallas", "pallas_interpret") and q_BTHD.shape[1] == 1 and window is None:
-    if table_BM is None:
-      b, m = q_BTHD.shape[0], k_pool.shape[1] // q_BTHD.shape[0]
-      table_BM = jnp.arange(b * m, dtype=jnp.int32).reshape(b, m)
     return paged_decode_pallas(q_BTHD, k_pool, v_pool, table_BM, length_B, scale=scale,
                                softcap=softcap, interpret=impl == "pallas_interpret")
   return _paged_xla(q_BTHD, k_pool, v_pool, table_BM, q_slot_BT, length_B, scale=scale,
@@ -104,24 +101,40 @@ def paged_decode_pallas(q_B1HD, k_pool, v_pool, table_BM, length_B, *, scale=Non
   lengths; the query is pre-scaled (they apply no scale of their own), and the soft-cap is
   theirs.  Each row attends over its slots ``[0, length)``: for a decode step, its own token
   included (written before the call).  Under a mesh each device runs its own rows and KV
-  heads (:func:`kernels._sharding.per_shard`)."""
+  heads (:func:`kernels._sharding.per_shard`), over the whole pool, or with ``table_BM`` None
+  (row ``b``'s pages ``b*M ..``, a pool split over the data axes as the rows are:
+  ``jaxrlhf.model.paged.constrain_paged``) over its own rows' part of it, in place."""
   b, _, h, d = q_B1HD.shape
   k_heads = k_pool.shape[0]
   scale = d ** -0.5 if scale is None else scale
   q = (q_B1HD.astype(jnp.float32) * scale).astype(k_pool.dtype)
   q = q.reshape(b, k_heads, h // k_heads, d)
   platform = "gpu" if interpret else target_platform()
-  out = _paged_op(platform, interpret, softcap)(q, k_pool, v_pool, table_BM,
-                                                length_B.astype(jnp.int32))
+  op = _paged_op(platform, interpret, softcap, table_BM is None)
+  lengths = length_B.astype(jnp.int32)
+  if table_BM is None:
+    out = op(q, k_pool, v_pool, lengths)
+  else:
+    out = op(q, k_pool, v_pool, table_BM, lengths)
   return out.reshape(b, 1, h, d).astype(q_B1HD.dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _paged_op(platform: str, interpret: bool, softcap):
-  return per_shard(functools.partial(_paged_local, platform=platform, interpret=interpret,
-                                     softcap=softcap),
-                   "b k g d, k p s d, k p s d, b m, b -> b k g d",
+def _paged_op(platform: str, interpret: bool, softcap, own_rows: bool = False):
+  local = functools.partial(_paged_local, platform=platform, interpret=interpret,
+                            softcap=softcap)
+  if own_rows:  # the pool's pages ("r") split as the rows are; the table made per shard
+    return per_shard(lambda q, k, v, n: local(q, k, v, _row_major_table(q.shape[0], k), n),
+                     "b k g d, k r s d, k r s d, b -> b k g d", replicated=("g", "d", "s"))
+  return per_shard(local, "b k g d, k p s d, k p s d, b m, b -> b k g d",
                    replicated=("g", "d", "p", "s", "m"))
+
+
+def _row_major_table(rows: int, k_pool):
+  """Row ``b`` of ``rows`` holds pages ``b*M .. b*M + M - 1`` of ``k_pool``, ``M = pages /
+  rows``: the table of a contiguous pool (of one shard's rows, on its part of the pool)."""
+  m = k_pool.shape[1] // rows
+  return jnp.arange(rows * m, dtype=jnp.int32).reshape(rows, m)
 
 
 def _pages_per_block(m: int) -> int:
