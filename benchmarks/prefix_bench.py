@@ -2,6 +2,7 @@
 G = 16 samples, response 64, on the suite's 4-layer policy (benchmarks/suite.py).
 
     python -m benchmarks.prefix_bench [--groups=2] [--repeats=5] [--refill]
+    python -m benchmarks.prefix_bench --longtail [--kv-pages=32]
 
 Each arm generates the same rollouts (no EOS: every response is 64 tokens) with
 ``rollout.prefix_sharing`` off and on, alternated in one process; the decode time is the whole
@@ -9,7 +10,14 @@ generation's minus a prefill-only generation's (``max_new_tokens=1``), medians o
 repeats.  KV memory per group: the cache buffers each arm allocates (the prompt's slots once
 per group, or once per sample).  ``--refill``: both arms run the in-flight refill loop
 (``generate_refill``, a queue of ``groups`` prompts): dense, its cache of ``P + N - 1`` slots
-a row; shared, per-row positions with the prompts in their group slots (docs/rollout.md)."""
+a row; shared, per-row positions with the prompts in their group slots (docs/rollout.md).
+
+``--longtail``: the responses end as the long-tail workload's do (benchmarks/lengths.py: a
+Pareto tail of index 1 from ``N / 16`` tokens, median ``N / 8``, about 6% running to ``N``;
+each sample draws its own), both arms in the refill loop, and the shared arm on a pool by
+live tokens (``rollout.kv_page_size=16``, ``rollout.kv_pages``): a row's pages come as its
+tokens need them and return when it ends.  KV per group is then the prompt plus the pool's
+share, against the dense arm's whole buffer."""
 
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from benchmarks.lengths import length_params, pareto_lengths
 from jaxrlhf import model as M
 from jaxrlhf.config import KernelsConfig, ModelConfig, RolloutConfig
 from jaxrlhf.rollout import generate, generate_refill
@@ -38,6 +47,10 @@ def kv_bytes(cfg: ModelConfig, groups: int, n: int, prompt: int, new: int, share
   return slots * per_slot
 
 
+EOS, START = 1, 2  # (--longtail) the length model's EOS, and the token every prompt ends in
+PAGE = 16  # (--longtail) the shared arm's page
+
+
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--groups", type=int, default=2)
@@ -46,45 +59,78 @@ def main(argv=None) -> dict:
   ap.add_argument("--new", type=int, default=64)
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--refill", action="store_true", help="run the refill loop in both arms")
+  ap.add_argument("--longtail", action="store_true",
+                  help="long-tailed response lengths; the shared arm on a pool by live tokens")
+  ap.add_argument("--kv-pages", type=int, default=0,
+                  help="(--longtail) the shared arm's pool, in pages of 16 slots (default: "
+                       "one group's worst case, the least the loop takes)")
   a = ap.parse_args(argv)
+  refill = a.refill or a.longtail
   cfg = POLICY
-  params = M.init_params(cfg, jax.random.key(0))
   prompts = jax.random.randint(jax.random.key(1), (a.groups, a.prompt), 3, cfg.vocab_size)
+  eos, pages = -1, 0
+  if a.longtail:
+    params, _ = length_params(cfg, jax.random.key(0), eos_id=EOS, max_len=a.new,
+                              reserved=(0,),
+                              start={START: pareto_lengths(a.new, max(1, a.new // 16))})
+    prompts = prompts.at[:, -1].set(START)
+    eos, pages = EOS, a.kv_pages or a.samples * -(-a.new // PAGE)
+  else:
+    params = M.init_params(cfg, jax.random.key(0))
   mask = jnp.ones_like(prompts, bool)
 
-  def run(shared: bool, new: int) -> float:
-    ro = RolloutConfig(max_new_tokens=new, prefix_sharing=shared, refill=a.refill)
+  def rollout(shared: bool, new: int) -> RolloutConfig:
+    paged = {"kv_page_size": PAGE, "kv_pages": pages} if shared and a.longtail else {}
+    return RolloutConfig(max_new_tokens=new, prefix_sharing=shared, refill=refill, **paged)
+
+  def run(shared: bool, new: int):
+    ro = rollout(shared, new)
     t = time.perf_counter()
-    if a.refill:
+    if refill:
       out = generate_refill(params, prompts, mask, jax.random.key(2), cfg=cfg, rollout=ro,
-                            eos_id=-1, num_samples=a.samples, num_groups=a.groups,
+                            eos_id=eos, num_samples=a.samples, num_groups=a.groups,
                             kernels=KernelsConfig())
     else:
-      out = generate(params, prompts, mask, jax.random.key(2), cfg=cfg, rollout=ro, eos_id=-1,
-                     num_samples=a.samples, kernels=KernelsConfig())
+      out = generate(params, prompts, mask, jax.random.key(2), cfg=cfg, rollout=ro,
+                     eos_id=eos, num_samples=a.samples, kernels=KernelsConfig())
     jax.block_until_ready(out)
-    return time.perf_counter() - t
+    return time.perf_counter() - t, out
 
   arms = {"dense": False, "shared": True}
-  for shared in arms.values():  # compile both lengths first
-    run(shared, a.new), run(shared, 1)
+  outs = {}
+  for name, shared in arms.items():  # compile both lengths first
+    outs[name] = run(shared, a.new)[1]
+    run(shared, 1)
   times = {k: [] for k in arms}
   for _ in range(a.repeats):
     for name, shared in arms.items():
-      times[name].append(run(shared, a.new) - run(shared, 1))
+      times[name].append(run(shared, a.new)[0] - run(shared, 1)[0])
   med = {k: statistics.median(v) for k, v in times.items()}
-  kv = {k: kv_bytes(cfg, a.groups, a.samples, a.prompt, a.new, s, a.refill)
-        for k, s in arms.items()}
-  tokens = a.groups * a.samples * (a.new - 1)
+  per_slot = kv_bytes(cfg, 1, 1, 1, 1, False)  # one slot's keys and values, every layer
+  if a.longtail:
+    kv = {"dense": kv_bytes(cfg, a.groups, a.samples, a.prompt, a.new, False, True),
+          "shared": (a.groups * a.prompt + pages * PAGE) * per_slot}
+  else:
+    kv = {k: kv_bytes(cfg, a.groups, a.samples, a.prompt, a.new, s, refill)
+          for k, s in arms.items()}
+  rollout_of = lambda out: out[0] if refill else out  # noqa: E731
+  tokens = {k: int(jnp.sum(rollout_of(o).response_mask_BN)) for k, o in outs.items()}
+  same = bool(jnp.all(rollout_of(outs["dense"]).tokens_BT == rollout_of(outs["shared"]).tokens_BT))
   print(f"group workload: {a.groups} prompts of {a.prompt} x {a.samples} samples, "
-        f"{a.new} new tokens, {cfg.n_layers}-layer d{cfg.d_model} policy"
-        + (", refill loop" if a.refill else ""))
+        f"{'up to ' if a.longtail else ''}{a.new} new tokens, {cfg.n_layers}-layer "
+        f"d{cfg.d_model} policy" + (", refill loop" if refill else "")
+        + (f", long-tailed lengths (mean {tokens['dense'] / (a.groups * a.samples):.1f})"
+           if a.longtail else ""))
   for k in arms:
-    print(f"  {k:<7} decode {med[k]:6.3f} s ({tokens / med[k]:7.0f} tokens/s)   "
+    print(f"  {k:<7} decode {med[k]:6.3f} s ({tokens[k] / med[k]:7.0f} tokens/s)   "
           f"KV per group {kv[k] / a.groups / 2**20:6.1f} MiB")
+  if a.longtail:
+    st = outs["shared"][1].stats
+    print(f"  shared pool: {pages} pages of {PAGE} slots, at most {int(st['kv_peak'])} in use, "
+          f"{int(st['kv_preempted'])} groups put back; same tokens as dense: {same}")
   print(f"  shared vs dense: decode {med['dense'] / med['shared']:.2f}x faster, "
         f"KV per group {kv['dense'] / kv['shared']:.2f}x smaller")
-  return {"decode_s": med, "kv_bytes": kv, "tokens": tokens}
+  return {"decode_s": med, "kv_bytes": kv, "tokens": tokens, "same_tokens": same}
 
 
 if __name__ == "__main__":
