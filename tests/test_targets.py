@@ -154,19 +154,24 @@ def _paged_fns():
   return [("", step()), (" soft-cap", step(50.0))]
 
 
-@needs_gpu_compiler
-def test_a_contiguous_pool_split_over_two_h200s_is_read_in_place():
-  """Paged decode over a pool whose rows own their pages in order (kv_pages=0), split over
-  dp=2 H200s as its rows are: each GPU launches jax's kernel on its own rows and its own half
-  of the pool; nothing is gathered."""
-  mesh = targets.mesh("h200", MeshConfig(dp=2, fsdp=1, tp=1), 2)
+def _split_pool_decode(mesh):
+  """A paged decode step compiled on a 2-device ``mesh`` over a contiguous pool (no table)
+  split over dp as its rows are."""
   rows = NamedSharding(mesh, P("dp"))
   q, pool, _, _, length = _paged_args()
   pool = jax.ShapeDtypeStruct(pool.shape, pool.dtype, sharding=NamedSharding(mesh, P(None, "dp")))
   q = jax.ShapeDtypeStruct(q.shape, q.dtype, sharding=rows)
   length = jax.ShapeDtypeStruct(length.shape, length.dtype, sharding=rows)
-  compiled = _compile(mesh, lambda q, k, v, n: paged_attention(
+  return _compile(mesh, lambda q, k, v, n: paged_attention(
       q, k, v, None, (n - 1)[:, None], n, impl="pallas"), q, pool, pool, length)
+
+
+@needs_gpu_compiler
+def test_a_contiguous_pool_split_over_two_h200s_is_read_in_place():
+  """Paged decode over a pool whose rows own their pages in order (kv_pages=0), split over
+  dp=2 H200s as its rows are: each GPU launches jax's kernel on its own rows and its own half
+  of the pool; nothing is gathered."""
+  compiled = _split_pool_decode(targets.mesh("h200", MeshConfig(dp=2, fsdp=1, tp=1), 2))
   assert _kernels_in(compiled) == ["paged_attention_block_h_16_pages_per_compute_block_8"]
   assert "all-gather" not in compiled.as_text()
 
@@ -340,15 +345,8 @@ def test_a_contiguous_pool_split_over_two_v5e_chips_is_read_in_place():
   """The same on TPU (the shard_map path of kernels/_sharding.py: the pool's pages split as
   the rows are): each chip runs the Mosaic paged kernel on its own rows and pages, nothing
   gathered."""
-  mesh = Mesh(np.asarray(targets.devices("tpu-v5e", 8)[:2]).reshape(2, 1, 1),
-              ("dp", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
-  rows = NamedSharding(mesh, P("dp"))
-  q, pool, _, _, length = _paged_args()
-  pool = jax.ShapeDtypeStruct(pool.shape, pool.dtype, sharding=NamedSharding(mesh, P(None, "dp")))
-  q = jax.ShapeDtypeStruct(q.shape, q.dtype, sharding=rows)
-  length = jax.ShapeDtypeStruct(length.shape, length.dtype, sharding=rows)
-  compiled = _compile(mesh, lambda q, k, v, n: paged_attention(
-      q, k, v, None, (n - 1)[:, None], n, impl="pallas"), q, pool, pool, length)
+  compiled = _split_pool_decode(Mesh(np.asarray(targets.devices("tpu-v5e", 8)[:2]).reshape(
+      2, 1, 1), ("dp", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3))
   assert sorted(set(_tpu_kernels_in(compiled))) == ["paged_attention"]
   assert "all-gather" not in compiled.as_text()
 

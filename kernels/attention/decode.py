@@ -149,38 +149,25 @@ def _decode_rows(off, q5, k, v, kv_mask, *, bs, interpret, scale, kv_layout, sof
   return flat(o), flat(lse)
 
 
-def _decode_local(off, q5, k, v, kv_mask, *, bs, interpret, scale, kv_layout, softcap=None):
-  b, t, kh, g, d = q5.shape
-  o, _ = _decode_rows(off, q5, k, v, kv_mask, bs=bs, interpret=interpret, scale=scale,
-                      kv_layout=kv_layout, softcap=softcap)
-  return o.reshape(b, kh, t, g, d).transpose(0, 2, 1, 3, 4).astype(q5.dtype)
-
-
-def _decode_lse_local(off, q5, k, v, kv_mask, *, bs, interpret, scale, kv_layout, softcap=None):
+def _decode_local(off, q5, k, v, kv_mask, *, bs, interpret, scale, kv_layout, softcap=None,
+                  with_lse=False):
   b, t, kh, g, d = q5.shape
   o, lse = _decode_rows(off, q5, k, v, kv_mask, bs=bs, interpret=interpret, scale=scale,
                         kv_layout=kv_layout, softcap=softcap)
-  return (o.reshape(b, kh, t, g, d).transpose(0, 2, 1, 3, 4),
-          lse.reshape(b, kh, t, g).transpose(0, 2, 1, 3))
+  o = o.reshape(b, kh, t, g, d).transpose(0, 2, 1, 3, 4)
+  if with_lse:  # float32 output and its log-sum-exp (decode_attention_lse)
+    return o, lse.reshape(b, kh, t, g).transpose(0, 2, 1, 3)
+  return o.astype(q5.dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _lse_op(bs, interpret, scale, kv_layout, softcap=None):
+def _op(bs, interpret, scale, kv_layout, softcap=None, with_lse=False):
   kv = " ".join(kv_layout)
   extra = {} if softcap is None else {"softcap": softcap}
-  return per_shard(functools.partial(_decode_lse_local, bs=bs, interpret=interpret, scale=scale,
-                                     kv_layout=kv_layout, **extra),
-                   f"x, b t k g d, {kv}, {kv}, b s -> b t k g d, b t k g",
-                   replicated=("x", "t", "g", "d", "s"))
-
-
-@functools.lru_cache(maxsize=None)
-def _op(bs, interpret, scale, kv_layout, softcap=None):
-  kv = " ".join(kv_layout)
-  extra = {} if softcap is None else {"softcap": softcap}
+  out = "b t k g d, b t k g" if with_lse else "b t k g d"
   return per_shard(functools.partial(_decode_local, bs=bs, interpret=interpret, scale=scale,
-                                     kv_layout=kv_layout, **extra),
-                   f"x, b t k g d, {kv}, {kv}, b s -> b t k g d",
+                                     kv_layout=kv_layout, with_lse=with_lse, **extra),
+                   f"x, b t k g d, {kv}, {kv}, b s -> {out}",
                    replicated=("x", "t", "g", "d", "s"))
 
 
@@ -250,6 +237,6 @@ def decode_attention_lse(q_BTHD, k_BSKD, v_BSKD, kv_mask_BS, q_offset=0, *,
   b, t, h, d = q_BTHD.shape
   kh = k_BSKD.shape[kv_layout.index("k")]
   q5 = q_BTHD.reshape(b, t, kh, h // kh, d)
-  o, lse = _lse_op(block_sizes, interpret, scale, kv_layout, softcap)(off, q5, k_BSKD, v_BSKD,
-                                                                       mask)
+  o, lse = _op(block_sizes, interpret, scale, kv_layout, softcap, True)(off, q5, k_BSKD, v_BSKD,
+                                                                         mask)
   return o.reshape(b, t, h, d), lse.reshape(b, t, h)
