@@ -186,11 +186,12 @@ class TensorBoardSink:
       # A resumed stage starts again after its checkpoint: the earlier files' points from this
       # step on are hidden, as metrics.jsonl readers keep the later record.
       # tensorboardX names a file by the second and the host only: two files opened in one
-      # second (a quick resume) would be one, the later overwriting the earlier.
+      # second (a quick resume) would be one, the later overwriting the earlier.  TensorBoard
+      # reads a run's files in name order, so the count is zero-padded: ".10" after ".9".
       TensorBoardSink._files += 1
       writer = tensorboardX.SummaryWriter(logdir, purge_step=step if earlier else None,
                                           flush_secs=TENSORBOARD_FLUSH_S,
-                                          filename_suffix=f".{os.getpid()}.{self._files}")
+                                          filename_suffix=f".{os.getpid()}.{self._files:06d}")
       self._writers[stage] = writer
     return writer
 

@@ -113,7 +113,14 @@ def test_tensorboard_reads_the_event_files_back(tmp_path):
   assert runs["sft"]["loss"][0][2] == pytest.approx(recs[0]["wall_time"], abs=1e-3)
 
 
-def test_a_resumed_stage_replaces_its_rewritten_steps_in_tensorboard(tmp_path):
+@pytest.mark.parametrize("opened", [0, 8], ids=["first-files", "ninth-and-tenth"])
+def test_a_resumed_stage_replaces_its_rewritten_steps_in_tensorboard(tmp_path, monkeypatch,
+                                                                      opened):
+  """The resumed run's file is read after the earlier one, also when the process had opened
+  8 event files before (the two are its 9th and 10th: the suite's CI once read ".10" before
+  ".9" and lost the resumed points)."""
+  from jaxrlhf.tracking import TensorBoardSink
+  monkeypatch.setattr(TensorBoardSink, "_files", opened)
   w = _writer(tmp_path)
   for step in (1, 2, 3):
     w.write("ppo", step, {"reward/mean": step / 10})
