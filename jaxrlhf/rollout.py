@@ -638,9 +638,10 @@ class _RefillLoop:
     self.optimistic = self.lazy and rollout.kv_admit == "live"
     self.page_size, self.pool, group_pages = rollout.refill_pages(self.p, self.rows, n)
     self.fit = min(g_n, self.pool // group_pages)  # groups that always fit at once
-    if self.lazy and self.continuing:
-      raise ConfigError("generate_refill: rollout.kv_pages > 0 with partial responses: a "
-                        "carried group must restart where it stopped; set rollout.kv_pages=0")
+    if self.lazy and self.keep:
+      raise ConfigError("generate_refill: rollout.kv_pages > 0 with rollout.continue_kv=keep: "
+                        "the kept pages are each row's whole buffer; set rollout.kv_pages=0 "
+                        "or rollout.continue_kv=recompute")
     if self.fit < 1:
       raise ConfigError(f"generate_refill: rollout.kv_pages={self.pool} cannot hold one group "
                         f"({group_pages} pages of {self.page_size} slots); raise it")
@@ -658,7 +659,9 @@ class _RefillLoop:
       self.max_steps = (self.n_new + 1 + g_n) * -(-g_n // self.fit)
     self.admit_G = jnp.ones((g_n,), bool)  # the first G prompts that start at step 0
     if self.lazy:
-      self.admit_G = jnp.cumsum(self._need(self.plen_Q[:g_n])) <= self.pool
+      # (A carried group needs pages for its response so far too; one that does not fit
+      # starts later from its prompt, its partial response dropped.)
+      self.admit_G = jnp.cumsum(self._need_start()) <= self.pool
     if self.paged:
       self.cache = self._paged_start(params, cache)
     else:
@@ -677,6 +680,20 @@ class _RefillLoop:
     if not self.optimistic:
       return self.n * self._budget(plen)
     return self.n * (-(-plen * (not self.shared) // self.page_size) + 1)
+
+  def _need_start(self):
+    """:meth:`_need` of the first G prompts, a carried partial response's tokens included
+    ("live": each row's pages for its prompt and response so far, and one more)."""
+    plen_G = self.plen_Q[:self.g_n]
+    if not (self.optimistic and self.continuing):
+      return self._need(plen_G)
+    own_R = jnp.repeat(plen_G * (not self.shared), self.n) + self._carried_len()
+    return (-(-own_R // self.page_size) + 1).reshape(self.g_n, self.n).sum(axis=1)
+
+  def _carried_len(self):
+    """Each row's carried response tokens (0 past the carried groups)."""
+    carried_R = self.row_R < self.n_carried * self.n
+    return jnp.sum(self.partial["rmask"] & carried_R[:, None], axis=1, dtype=jnp.int32)
 
   def _room(self, cache, slots):
     """Free pages beyond what the running rows may still take: all of their worst cases, or
@@ -745,10 +762,14 @@ class _RefillLoop:
       return self._join(pg, prefix)
     if self.keep:
       return self._join(self._kept_pages(pg), prefix)
-    carried_R = self.row_R < self.n_carried * n
+    # The carried groups that start now (all of them, but on a pool by live tokens those it
+    # has room for: the others start later from their prompts).
+    carried_R = (self.row_R < self.n_carried * n) & jnp.repeat(self.admit_G, n)
     rmask = self.partial["rmask"] & carried_R[:, None]
     resp = jnp.where(rmask, self.partial["resp"], 0)
     start_R = jnp.repeat(self.plen_Q[:self.g_n], n)
+    if self.lazy:  # pages for the carried tokens, after the prompt's
+      pg, _ = pg.reserve(jnp.sum(rmask, axis=1, dtype=jnp.int32))
 
     pos = start_R[:, None] + jnp.maximum(jnp.cumsum(rmask, axis=1, dtype=jnp.int32) - 1, 0)
     last = last_valid_index(rmask)
@@ -812,8 +833,8 @@ class _RefillLoop:
         rid=self.row_R)  # response id: prompt index x n + sample
     out = dict(resp=slots["resp"], rmask=slots["rmask"], lp=slots["lp"], slp=slots["slp"],
                stopped=slots["stopped"], prompt=jnp.zeros((g_n,), jnp.int32))
-    if self.continuing:  # carried rows go on from their partial responses
-      carried_R = self.row_R < self.n_carried * n
+    if self.continuing:  # carried rows go on from their partial responses (those started)
+      carried_R = (self.row_R < self.n_carried * n) & jnp.repeat(self.admit_G, n)
       for k in PARTIAL_FIELDS:
         x = self.partial[k]
         sel = carried_R.reshape((rows,) + (1,) * (x.ndim - 1))
@@ -1069,8 +1090,10 @@ class _RefillLoop:
 
         partial.update(k=keep(pg.k), v=keep(pg.v),
                        kv_len=jnp.where(valid_R, pg.length_R[rows_R], 0))
-      stats.update(continued=jnp.sum(self.partial["rmask"]
-                                     & (self.row_R < self.n_carried * n)[:, None],
+      # (the carried groups that started where they stopped: on a pool by live tokens one
+      # it could not hold started again from its prompt)
+      went_on_R = (self.row_R < self.n_carried * n) & jnp.repeat(self.admit_G, n)
+      stats.update(continued=jnp.sum(self.partial["rmask"] & went_on_R[:, None],
                                      dtype=jnp.int32))
     rollout = Rollout(tokens_BT=jnp.concatenate([prompt, out["resp"]], axis=1),
                       mask_BT=jnp.concatenate([pmask, rmask], axis=1), response_mask_BN=rmask,

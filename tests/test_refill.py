@@ -678,6 +678,69 @@ def test_a_pool_by_live_tokens_decodes_each_prompt_s_own_responses(params, pages
     assert st["trained"] == G and st["carried_out"] == st["started"] - G, st
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["whole-prompts", "shared"])
+@pytest.mark.parametrize("room", ["every-group", "one-group"])
+def test_partial_rollouts_go_on_over_a_pool_by_live_tokens(params, shared, room):
+  """refill_leftover=continue on a pool handed out by live tokens: the carried responses
+  take pages again at the next step's start. With room for every group it is the reserved
+  pool's two steps, token for token (the carried responses going on alike); with room for
+  one group a carried group that does not fit starts later from its prompt, and still no
+  prompt is lost or trained twice."""
+  full = G * n * (-(-(N + (0 if shared else P)) // 4))
+  pages = full if room == "every-group" else full // G
+  q1 = _queue(jax.random.key(1), LONG_TAIL)
+  q2_tail = _queue(jax.random.key(7), (2, 1, 3, 2, 1, 2, 1, 3))
+  runs = {}
+  for name, kv in (("reserved", {}), ("live", dict(kv_page_size=4, kv_pages=pages))):
+    out1, info1 = _refill_modes(params, q1, jax.random.key(3), jnp.int32(0),
+                                R.empty_partial(G * n, N), prefix_sharing=shared,
+                                refill_leftover="continue", **kv)
+    c = info1.stats["carried_out"]
+    q2 = R.carry_queue(R.carry_take(q1, info1.leftover_index_G, c), c, q2_tail)
+    out2, info2 = _refill_modes(params, q2, jax.random.key(4), c, info1.partial,
+                                prefix_sharing=shared, refill_leftover="continue", **kv)
+    runs[name] = (out1, info1, out2, info2, int(c))
+  want1, want_info1, want2, want_info2, c_want = runs["reserved"]
+  got1, info1, got2, info2, c = runs["live"]
+  assert c_want > 0 and int(want_info2.stats["continued"]) > 0
+  if room == "every-group":
+    _same(got1, want1, info1, want_info1)
+    _same(got2, want2, info2, want_info2)
+    assert int(info2.stats["continued"]) == int(want_info2.stats["continued"])
+    return
+  st1 = {k: int(v) for k, v in info1.stats.items()}
+  st2 = {k: int(v) for k, v in info2.stats.items()}
+  assert 0 < st1["kv_peak"] <= pages and 0 < st2["kv_peak"] <= pages
+  # Nothing lost, nothing twice: step 1's started prompts trained in step 1 or carried into
+  # step 2, where each carried one is trained (first places) and none twice.
+  assert st1["started"] == st1["trained"] + c
+  index2 = np.asarray(info2.prompt_index_G)
+  assert set(range(c)) <= set(index2) and len(set(index2)) == len(index2) == G
+
+
+def test_a_carried_group_the_live_pool_cannot_hold_starts_again_from_its_prompt(params):
+  """A carried response of 11 tokens after an 8-token prompt needs 6 pages a row (and one
+  more for its next token) where the pool holds 10: its group does not start where it
+  stopped but later, from its prompt, and its responses are the prompt's own (tokens, ends,
+  log-probs), as they are when the reserved pool continues them."""
+  tokens, _ = _prompts(jax.random.key(1), LONG_TAIL)
+  mask = jnp.ones_like(tokens, bool)  # prompt 0 (to the limit) of 8 real tokens
+  ref, _ = _plain(params, (tokens, mask))
+  partial = R.empty_partial(G * n, N)
+  k = 11
+  partial.update(resp=partial["resp"].at[:n, :k].set(ref.tokens_BT[:n, P:P + k]),
+                 rmask=partial["rmask"].at[:n, :k].set(True),
+                 lp=partial["lp"].at[:n, :k].set(ref.behaviour_logp_BN[:n, :k]),
+                 slp=partial["slp"].at[:n, :k].set(ref.sample_logp_BN[:n, :k]))
+  queue = {"prompt": tokens, "prompt_mask": mask}
+  for kv, continued in (({}, n * k), (dict(kv_page_size=4, kv_pages=10), 0)):
+    got, info = _refill_modes(params, queue, jax.random.key(3), jnp.int32(1), partial,
+                              refill_leftover="continue", **kv)
+    index = np.asarray(info.prompt_index_G)
+    assert int(info.stats["continued"]) == continued and 0 in index, (kv, info.stats)
+    _groups_match(got, index, ref)
+
+
 @pytest.mark.parametrize("shared,admit", [(False, "worst"), (True, "worst"), (False, "live"),
                                           (True, "live")])
 def test_refill_pages_are_never_lost_or_shared_and_return_when_rows_end(params, shared,
@@ -723,6 +786,24 @@ def test_refill_pages_are_never_lost_or_shared_and_return_when_rows_end(params, 
   assert int(group["kv_deferred"]) == 0 if admit == "worst" else restarted > 0
 
 
+def test_grpo_steps_with_partial_rollouts_on_a_pool_by_live_tokens():
+  """The trainer with refill_leftover=continue on a pool by live tokens (recompute) that holds
+  every group: accepted by validate, and the same two steps as the reserved pool (metrics,
+  weights), carried tokens continued in the second."""
+  base = config(leftover="continue")
+  live = dataclasses.replace(base, rollout=dataclasses.replace(
+      base.rollout, kv_page_size=4, kv_pages=4 * 4 * 3))
+  validate(live, required=False)
+  _, s1, _, m1 = run_steps(base, mesh(), steps=2)
+  _, s2, _, m2 = run_steps(live, mesh(), steps=2)
+  assert m2[1]["rollout/continued_tokens"] > 0
+  for a, b in zip(m1, m2):
+    for k in (k for k in a if not k.startswith(("time/", "memory/", "perf/"))):
+      np.testing.assert_allclose(b[k], a[k], rtol=2e-4, atol=2e-5, err_msg=k)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5),
+               jax.device_get(s2.params), jax.device_get(s1.params))
+
+
 def test_grpo_steps_with_a_refill_pool_by_live_tokens_on_dp2_tp2():
   """Two GRPO steps with pages handed out by live tokens, one group's worth beyond half the
   batch: on dp=2 x tp=2 as on one device, and the pool's figures among the metrics."""
@@ -747,8 +828,9 @@ def test_grpo_steps_with_a_refill_pool_by_live_tokens_on_dp2_tp2():
                        r"\(data.max_prompt_len \+ rollout.max_new_tokens\) slots in pages of "
                        r"rollout.kv_page_size=4: \d+ pages\); raise rollout.kv_pages to at "
                        r"least \d+ \(48 run every group at once\)"),
-    (dict(kv_pages=200, refill_leftover="continue"),
-     r"rollout.kv_pages=200 with rollout.refill_leftover=continue: .* set rollout.kv_pages=0"),
+    (dict(kv_pages=200, refill_leftover="continue", continue_kv="keep"),
+     r"rollout.kv_pages=200 with rollout.continue_kv=keep: .* set rollout.kv_pages=0 .* or "
+     r"rollout.continue_kv=recompute"),
 ])
 def test_a_refill_pool_it_cannot_run_is_refused_with_the_fix(change, match):
   base = dataclasses.replace(config(), stages=("grpo",))

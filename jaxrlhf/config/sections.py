@@ -249,7 +249,9 @@ class RolloutConfig:
   # rollout/kv_waits, rollout/kv_preempted): a row's pages return to the pool when it ends,
   # and a queued prompt starts when kv_admit says the pool has room for it; a smaller pool
   # runs fewer groups at once (the same responses, another batch).  At least one group's
-  # worst case (n x (prompt + max_new_tokens)); not with refill_leftover=continue.
+  # worst case (n x (prompt + max_new_tokens)).  With refill_leftover=continue a carried
+  # response's pages are taken again at the step's start (continue_kv=recompute; not with
+  # keep); a carried group the pool cannot hold then starts later from its prompt.
   kv_pages: int = 0
   # How refill admits a queued prompt into a pool handed out by live tokens (kv_pages > 0;
   # docs/rollout.md, "A refill pool by live tokens"): "live" once the pool holds its prompt

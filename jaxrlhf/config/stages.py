@@ -320,17 +320,17 @@ def _check_refill(scfg, name, cfg, c):
 
 def _check_refill_pool(scfg, cfg, c):
   """A refill pool handed out by live tokens (``rollout.kv_pages`` > 0) must hold one group's
-  worst case, and cannot restart a carried partial response."""
+  worst case, and cannot take the kept pages of ``rollout.continue_kv=keep``."""
   ro = cfg.rollout
   n = getattr(scfg, "num_samples", 1)
   rows = getattr(scfg, "batch_size", 1) * n
   _, _, group = ro.refill_pages(cfg.data.max_prompt_len, rows, n)
   full = rows // n * group  # every group's worst case at once
-  if ro.refill_leftover == "continue":
-    c.problems.append(f"rollout.kv_pages={ro.kv_pages} with rollout.refill_leftover=continue: "
-                      "a carried partial response goes on in the slot it left, which a pool "
-                      "handed out by live tokens cannot promise; set rollout.kv_pages=0 (every "
-                      "row's pages reserved) or rollout.refill_leftover=carry")
+  if ro.refill_leftover == "continue" and ro.continue_kv == "keep":
+    c.problems.append(f"rollout.kv_pages={ro.kv_pages} with rollout.continue_kv=keep: the "
+                      "kept keys and values are each row's whole buffer, which a pool handed "
+                      "out by live tokens does not hold; set rollout.kv_pages=0 (every row's "
+                      "pages reserved) or rollout.continue_kv=recompute")
   elif ro.kv_pages < group:
     c.problems.append(f"rollout.kv_pages={ro.kv_pages} cannot hold one group's responses "
                       f"({n} x (data.max_prompt_len + rollout.max_new_tokens) slots in pages of "
