@@ -174,9 +174,10 @@ def test_a_contiguous_pool_is_split_over_the_data_shards_as_its_rows(per_layer):
   def run(m):
     with jax.set_mesh(m):
       pg = init_paged(CFG, rows, rows * 3, ps, max_len, per_layer=per_layer, reserved=True)
-      fn = jax.jit(lambda p, pg: (lambda h, c: (h, constrain_paged(c)))(
-          *forward(p, toks, positions_from_mask(mask), mask, cfg=CFG, paged=pg)))
-      return fn(params, constrain_paged(pg))
+      def step(p, pg):
+        h, out = forward(p, toks, positions_from_mask(mask), mask, cfg=CFG, paged=pg)
+        return h, constrain_paged(out)
+      return jax.jit(step)(params, constrain_paged(pg))
 
   h1, one = run(mesh())
   h4, four = run(mesh(dp=2, tp=2))

@@ -19,12 +19,11 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import PartitionSpec
 
 from jaxrlhf.config import ModelConfig
-from kernels._sharding import per_shard_manual
 from jaxrlhf.mesh import ACT_RULES, constrain, logical_to_spec
+from kernels._sharding import per_shard_manual
 
 
 @flax.struct.dataclass
