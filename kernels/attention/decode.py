@@ -62,8 +62,9 @@ def _kernel(off_ref, q_ref, k_ref, v_ref, m_ref, o_ref, lse_ref, *, t, tc, s, g,
   q = plgpu.load(q_ref.at[pl.ds(0, rp), pl.ds(0, dp)], mask=row_ok[:, None] & d_ok[None, :],
                  other=0.0)
   q_slot = off + first_token + rows // g
-  # This split's share of the key blocks holding filled slots [0, min(S, off + T)).
-  n_blocks = n_key_blocks(off + t, s, bk)
+  # This split's share of the key blocks holding the slots this chunk's queries can see,
+  # [0, min(S, off + its last token + 1)) (with one chunk: off + T).
+  n_blocks = n_key_blocks(off + jnp.minimum(t, first_token + tc), s, bk)
   if windowed:  # the splits share only the blocks from the window's first one on
     first = first_key_block(off_ref, off + first_token, bk, windowed)
     per_split = cdiv(n_blocks - first, n_split)

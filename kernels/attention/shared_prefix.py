@@ -16,12 +16,9 @@ import jax.numpy as jnp
 
 from kernels._backend import resolve_impl, target_platform
 from kernels.attention.decode import decode_attention_lse
+from kernels.attention.dispatch import DECODE_MAX_T
 from kernels.attention.paged import AUTO, IMPLS, row_slots
 from kernels.attention.reference import _MASKED, allowed_mask, softcap_logits
-
-# The longest query block (tokens a row) the Pallas path takes: kernels.attention.dispatch's
-# DECODE_MAX_T (not imported: dispatch is the public entry, this module sits below it).
-_PALLAS_MAX_T = 16
 
 
 def shared_prefix_attention(q_BTHD, pk_GKPD, pv_GKPD, pmask_GP, k_BKSD, v_BKSD, kv_mask_BS,
@@ -39,7 +36,7 @@ def shared_prefix_attention(q_BTHD, pk_GKPD, pv_GKPD, pmask_GP, k_BKSD, v_BKSD, 
   dtype of ``q``.  ``impl``: see the module doc (a query that sees no key: the XLA path gives
   the mean of its values, the Pallas path 0).
   """
-  interpret = _pallas(impl, q_BTHD.shape[1], window, _PALLAS_MAX_T)
+  interpret = _pallas(impl, q_BTHD.shape[1], window, DECODE_MAX_T)
   if interpret is not None:
     own = decode_attention_lse(q_BTHD, k_BKSD, v_BKSD, kv_mask_BS, q_offset, kv_layout="bksd",
                                interpret=interpret, scale=scale, softcap=softcap)
