@@ -28,10 +28,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from kernels._backend import target_platform
 
 # The factors the shard_map path (TPU) splits, and over which mesh axes, in order: tokens and
-# sequences over the data axes (and "r", a paged pool's pages when they lie row by row, split
-# as the rows are), KV heads over tp (jaxrlhf.mesh.ACT_RULES's "batch" and
+# sequences over the data axes, KV heads over tp (jaxrlhf.mesh.ACT_RULES's "batch" and
 # "kv_heads").  A factor missing here, or an axis missing from the mesh, is not split.
-MANUAL_AXES = {"n": ("dp", "fsdp"), "b": ("dp", "fsdp"), "r": ("dp", "fsdp"), "k": ("tp",)}
+MANUAL_AXES = {"n": ("dp", "fsdp"), "b": ("dp", "fsdp"), "k": ("tp",)}
+# Factors split exactly as another is, whatever the operands' order: "r", a paged pool's
+# pages when they lie row by row (each data shard's rows hold its part of the pool).
+LINKED_AXES = {"r": "b"}
 
 
 def _factors(rule: str) -> list[str]:
@@ -130,14 +132,11 @@ def per_shard_manual(fn, rule: str, *, replicated: tuple[str, ...] = (),
 def _manual_specs(mesh, operand_rules, replicated, args) -> dict[str, tuple[str, ...]]:
   """Factor -> the mesh axes it is split over on the shard_map path: those of
   :data:`MANUAL_AXES` in the mesh, of size > 1, whose product divides the factor's size, each
-  axis used once."""
+  axis used once; a factor of :data:`LINKED_AXES` takes its partner's."""
   sizes, used, out = dict(mesh.shape), set(), {}
   for dims, x in zip(operand_rules, args):
     for dim, n in zip(dims, x.shape):
       if dim in out or dim in replicated or dim not in MANUAL_AXES:
-        continue
-      if dim == "r" and "b" in out:  # a pool's row-major pages: split exactly as the rows
-        out[dim] = out["b"]
         continue
       kept, prod = [], 1
       for axis in MANUAL_AXES[dim]:
@@ -146,6 +145,10 @@ def _manual_specs(mesh, operand_rules, replicated, args) -> dict[str, tuple[str,
           prod *= sizes[axis]
       used.update(kept)
       out[dim] = tuple(kept)
+  for dims in operand_rules:
+    for dim in dims:
+      if dim in LINKED_AXES and dim not in replicated:
+        out[dim] = out.get(LINKED_AXES[dim], ())
   return out
 
 
