@@ -617,6 +617,7 @@ class _RefillLoop:
     self.carry = num_carried is not None
     if self.carry:
       self.n_carried = jnp.clip(jnp.asarray(num_carried, jnp.int32), 0, g_n)
+      self.carried_R = self.row_R < self.n_carried * n  # the rows of the carried groups
     # The first G prompts, prefilled together as generate does, then the slots decoding writes.
     first_logits, cache = self.prefill(_rows(self.tokens_QP[:g_n]), _rows(self.mask_QP[:g_n]))
     self.first_logits_R = jnp.repeat(first_logits, n, axis=0)
@@ -662,6 +663,8 @@ class _RefillLoop:
       # (A carried group needs pages for its response so far too; one that does not fit
       # starts later from its prompt, its partial response dropped.)
       self.admit_G = jnp.cumsum(self._need_start()) <= self.pool
+    if self.continuing:  # the carried rows that go on where they stopped
+      self.going_on_R = self.carried_R & jnp.repeat(self.admit_G, n)
     if self.paged:
       self.cache = self._paged_start(params, cache)
     else:
@@ -687,13 +690,10 @@ class _RefillLoop:
     plen_G = self.plen_Q[:self.g_n]
     if not (self.optimistic and self.continuing):
       return self._need(plen_G)
-    own_R = jnp.repeat(plen_G * (not self.shared), self.n) + self._carried_len()
+    carried_len_R = jnp.sum(self.partial["rmask"] & self.carried_R[:, None], axis=1,
+                            dtype=jnp.int32)
+    own_R = jnp.repeat(plen_G * (not self.shared), self.n) + carried_len_R
     return (-(-own_R // self.page_size) + 1).reshape(self.g_n, self.n).sum(axis=1)
-
-  def _carried_len(self):
-    """Each row's carried response tokens (0 past the carried groups)."""
-    carried_R = self.row_R < self.n_carried * self.n
-    return jnp.sum(self.partial["rmask"] & carried_R[:, None], axis=1, dtype=jnp.int32)
 
   def _room(self, cache, slots):
     """Free pages beyond what the running rows may still take: all of their worst cases, or
@@ -764,8 +764,7 @@ class _RefillLoop:
       return self._join(self._kept_pages(pg), prefix)
     # The carried groups that start now (all of them, but on a pool by live tokens those it
     # has room for: the others start later from their prompts).
-    carried_R = (self.row_R < self.n_carried * n) & jnp.repeat(self.admit_G, n)
-    rmask = self.partial["rmask"] & carried_R[:, None]
+    rmask = self.partial["rmask"] & self.going_on_R[:, None]
     resp = jnp.where(rmask, self.partial["resp"], 0)
     start_R = jnp.repeat(self.plen_Q[:self.g_n], n)
     if self.lazy:  # pages for the carried tokens, after the prompt's
@@ -807,7 +806,7 @@ class _RefillLoop:
   def _kept_pages(self, pg: PagedKV) -> PagedKV:
     """The carried rows' pages as the previous step left them (``rollout.continue_kv=keep``):
     keys and values and their lengths, no forward pass."""
-    carried_R = self.row_R < self.n_carried * self.n
+    carried_R = self.carried_R
     sel = carried_R[None, :, None, None]
     k_old, v_old = (_fit_slots(self.partial[x], pg.page_size) for x in ("k", "v"))
     if pg.per_layer:
@@ -834,12 +833,11 @@ class _RefillLoop:
     out = dict(resp=slots["resp"], rmask=slots["rmask"], lp=slots["lp"], slp=slots["slp"],
                stopped=slots["stopped"], prompt=jnp.zeros((g_n,), jnp.int32))
     if self.continuing:  # carried rows go on from their partial responses (those started)
-      carried_R = (self.row_R < self.n_carried * n) & jnp.repeat(self.admit_G, n)
       for k in PARTIAL_FIELDS:
         x = self.partial[k]
-        sel = carried_R.reshape((rows,) + (1,) * (x.ndim - 1))
+        sel = self.going_on_R.reshape((rows,) + (1,) * (x.ndim - 1))
         slots[k] = jnp.where(sel, x.astype(slots[k].dtype), slots[k])
-      slots["rmask"] = slots["rmask"] & carried_R[:, None]
+      slots["rmask"] = slots["rmask"] & self.going_on_R[:, None]
       slots["j"] = jnp.sum(slots["rmask"], axis=1, dtype=jnp.int32)
     first_G = jnp.where(self.admit_G, jnp.arange(g_n, dtype=jnp.int32), -1)
     group = dict(prompt=first_G,  # -1: idle (harvested, or not started for want of pages)
@@ -857,7 +855,7 @@ class _RefillLoop:
                    trained=jnp.zeros((self.q_len,), bool))
     pending_R = jnp.zeros((rows,), bool)
     if self.keep:  # carried rows mid-response: their last token, sampled, not yet fed
-      pending_R = (self.row_R < self.n_carried * n) & ~slots["done"] & (slots["j"] > 0)
+      pending_R = self.carried_R & ~slots["done"] & (slots["j"] > 0)
     slots, tok_R, live_R = self.record(slots, _rows(self.first_logits_R),
                                        ~slots["done"] & ~pending_R)
     if self.keep:
@@ -1092,8 +1090,7 @@ class _RefillLoop:
                        kv_len=jnp.where(valid_R, pg.length_R[rows_R], 0))
       # (the carried groups that started where they stopped: on a pool by live tokens one
       # it could not hold started again from its prompt)
-      went_on_R = (self.row_R < self.n_carried * n) & jnp.repeat(self.admit_G, n)
-      stats.update(continued=jnp.sum(self.partial["rmask"] & went_on_R[:, None],
+      stats.update(continued=jnp.sum(self.partial["rmask"] & self.going_on_R[:, None],
                                      dtype=jnp.int32))
     rollout = Rollout(tokens_BT=jnp.concatenate([prompt, out["resp"]], axis=1),
                       mask_BT=jnp.concatenate([pmask, rmask], axis=1), response_mask_BN=rmask,
