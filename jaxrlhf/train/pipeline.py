@@ -184,47 +184,45 @@ def train_stage(stage, key, roles: dict, sources: dict, inputs: dict, *, workdir
   t0 = time.perf_counter()
   ck = ckpt.Checkpointer(ckpt.checkpoint_dir(workdir, name), cfg.checkpoint, to_dict(cfg),
                          frozen=frozen_manifest(stage, workdir, sources))
-  ev = None
-  try:
-    with ck:  # closing waits for the checkpoints still being written, whatever happens
-      state, frozen, ev, start, start_eval, reached = _starting_point(
-          stage, ck, key, roles, inputs, policy, writer, t0)
+  # Closing ck waits for the checkpoints still being written, whatever happens; the stage
+  # and its evaluation release what they hold (an environment's worker threads) first.
+  with ck, contextlib.ExitStack() as release:
+    release.callback(stage.close)
+    state, frozen, ev, start, start_eval, reached = _starting_point(
+        stage, ck, key, roles, inputs, policy, writer, t0)
+    release.callback(ev.close)
 
-      def extra_fn(done: int) -> dict:
-        # Batches are a pure function of the step, so the data position is the step.
-        return {"data_position": done, "stage": name, "inputs": dict(inputs),
-                "start_eval": start_eval}
+    def extra_fn(done: int) -> dict:
+      # Batches are a pure function of the step, so the data position is the step.
+      return {"data_position": done, "stage": name, "inputs": dict(inputs),
+              "start_eval": start_eval}
 
-      perf.release_host_memory()  # what set-up (and a restore) allocated and freed
-      work = None
-      if accelerator is not None:
-        work = step_work(stage, accelerator, tp=dict(stage.mesh.shape)["tp"],
-                         n_devices=stage.mesh.devices.size, n_processes=jax.process_count())
-      on_start()  # from here on the stage's folder holds what this config produces
-      if reached:  # the run stopped after the stage had finished early, before its result
-        print(f"{name}: {reached} at step {start}; the stage ended there")
-        last, end = {}, start
-      else:
-        state, last, stopped, end = run_stage(stage, state, frozen, writer=writer,
-                                              start_step=start, checkpointer=ck,
-                                              should_stop=stop.should_stop, extra_fn=extra_fn,
-                                              profiler=profiler, work=work, evaluation=ev)
-        if stopped:
-          ck.wait()
-          print(stop.message(int(jax.device_get(state.step)), ck.directory,
-                             saved=cfg.checkpoint.enabled), flush=True)
-          return StageOutcome({}, {}, None, stopped=True)
-      ck.save_now(end, state, extra_fn(end), last)  # no-op if already saved
-      final = {k: v for k, v in last.items() if k.startswith("eval/")}
-      if not final and stage.eval_every:
-        final = ev(state)
-        if final:
-          writer.write(name, end, final)
-        writer.write_samples(name, end, ev.take_samples())
-  finally:  # an environment's worker threads end with the stage, not the process
-    stage.close()
-    if ev is not None:
-      ev.close()
+    perf.release_host_memory()  # what set-up (and a restore) allocated and freed
+    work = None
+    if accelerator is not None:
+      work = step_work(stage, accelerator, tp=dict(stage.mesh.shape)["tp"],
+                       n_devices=stage.mesh.devices.size, n_processes=jax.process_count())
+    on_start()  # from here on the stage's folder holds what this config produces
+    if reached:  # the run stopped after the stage had finished early, before its result
+      print(f"{name}: {reached} at step {start}; the stage ended there")
+      last, end = {}, start
+    else:
+      state, last, stopped, end = run_stage(stage, state, frozen, writer=writer,
+                                            start_step=start, checkpointer=ck,
+                                            should_stop=stop.should_stop, extra_fn=extra_fn,
+                                            profiler=profiler, work=work, evaluation=ev)
+      if stopped:
+        ck.wait()
+        print(stop.message(int(jax.device_get(state.step)), ck.directory,
+                           saved=cfg.checkpoint.enabled), flush=True)
+        return StageOutcome({}, {}, None, stopped=True)
+    ck.save_now(end, state, extra_fn(end), last)  # no-op if already saved
+    final = {k: v for k, v in last.items() if k.startswith("eval/")}
+    if not final and stage.eval_every:
+      final = ev(state)
+      if final:
+        writer.write(name, end, final)
+      writer.write_samples(name, end, ev.take_samples())
   summary = _summary(stage, final, last, end, start_eval, time.perf_counter() - t0)
   outputs = stage.outputs(state, frozen)
   info = ckpt.save_stage_result(workdir, name, outputs,
