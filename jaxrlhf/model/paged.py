@@ -49,7 +49,11 @@ class PagedKV:
   def contiguous_view(self) -> "PagedKV":
     """This cache marked :attr:`contiguous`: call it on a fresh cache right after reserving
     every row's ``M`` pages in one :meth:`reserve` (rows are served in order from the bottom
-    of the pool, so row r gets pages r*M .. r*M + M - 1)."""
+    of the pool, so row r gets pages r*M .. r*M + M - 1).  The pool must hold exactly those
+    pages: its readers and writers take row ``r``'s slots from ``pages / rows`` pages."""
+    if self.num_pages != self.rows * self.max_pages:
+      raise ValueError(f"contiguous_view: {self.num_pages} pages for {self.rows} rows of "
+                       f"{self.max_pages}; a contiguous pool holds exactly rows x pages a row")
     return self.replace(contiguous=True)
 
   @property
