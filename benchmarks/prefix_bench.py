@@ -2,7 +2,7 @@
 G = 16 samples, response 64, on the suite's 4-layer policy (benchmarks/suite.py).
 
     python -m benchmarks.prefix_bench [--groups=2] [--repeats=5] [--refill]
-    python -m benchmarks.prefix_bench --longtail [--kv-pages=32]
+    python -m benchmarks.prefix_bench --longtail [--groups=4] [--kv-pages=96]
 
 Each arm generates the same rollouts (no EOS: every response is 64 tokens) with
 ``rollout.prefix_sharing`` off and on, alternated in one process; the decode time is the whole
@@ -37,14 +37,18 @@ POLICY = ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_he
                      head_dim=64, mlp_dim=1024, max_seq_len=640, tie_embeddings=False)
 
 
+def slot_bytes(cfg: ModelConfig) -> int:
+  """One cache slot's keys and values, every layer, in float32."""
+  return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
+
+
 def kv_bytes(cfg: ModelConfig, groups: int, n: int, prompt: int, new: int, shared: bool,
              refill: bool = False) -> int:
   """Bytes of the decode cache (keys and values, all layers) of ``groups`` prompts x ``n``
   (the refill loop's shared arm: a page of ``new`` slots a row)."""
-  per_slot = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4  # float32 k and v
   own = new if refill else new - 1
   slots = groups * prompt + groups * n * own if shared else groups * n * (prompt + new - 1)
-  return slots * per_slot
+  return slots * slot_bytes(cfg)
 
 
 EOS, START = 1, 2  # (--longtail) the length model's EOS, and the token every prompt ends in
@@ -106,20 +110,21 @@ def main(argv=None) -> dict:
     for name, shared in arms.items():
       times[name].append(run(shared, a.new)[0] - run(shared, 1)[0])
   med = {k: statistics.median(v) for k, v in times.items()}
-  per_slot = kv_bytes(cfg, 1, 1, 1, 1, False)  # one slot's keys and values, every layer
   if a.longtail:
     kv = {"dense": kv_bytes(cfg, a.groups, a.samples, a.prompt, a.new, False, True),
-          "shared": (a.groups * a.prompt + pages * PAGE) * per_slot}
+          "shared": (a.groups * a.prompt + pages * PAGE) * slot_bytes(cfg)}
   else:
     kv = {k: kv_bytes(cfg, a.groups, a.samples, a.prompt, a.new, s, refill)
           for k, s in arms.items()}
   rollout_of = lambda out: out[0] if refill else out  # noqa: E731
-  tokens = {k: int(jnp.sum(rollout_of(o).response_mask_BN)) for k, o in outs.items()}
+  # Tokens the decode loop sampled: each response's but its first (the prefill's).
+  tokens = {k: int(jnp.sum(rollout_of(o).response_mask_BN)) - a.groups * a.samples
+            for k, o in outs.items()}
   same = bool(jnp.all(rollout_of(outs["dense"]).tokens_BT == rollout_of(outs["shared"]).tokens_BT))
   print(f"group workload: {a.groups} prompts of {a.prompt} x {a.samples} samples, "
         f"{'up to ' if a.longtail else ''}{a.new} new tokens, {cfg.n_layers}-layer "
         f"d{cfg.d_model} policy" + (", refill loop" if refill else "")
-        + (f", long-tailed lengths (mean {tokens['dense'] / (a.groups * a.samples):.1f})"
+        + (f", long-tailed lengths (mean {tokens['dense'] / (a.groups * a.samples) + 1:.1f})"
            if a.longtail else ""))
   for k in arms:
     print(f"  {k:<7} decode {med[k]:6.3f} s ({tokens[k] / med[k]:7.0f} tokens/s)   "
