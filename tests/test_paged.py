@@ -212,3 +212,27 @@ def test_the_pallas_paged_kernel_reads_each_shard_s_own_rows_of_a_contiguous_poo
     hlo = fn.lower(*args).compile().as_text()
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
   assert "all-gather" not in hlo
+
+
+@pytest.mark.parametrize("longest", [1, 5, 9, 13, 23, 24])
+def test_a_decode_step_gathers_pages_up_to_the_longest_row_with_the_same_bits(longest):
+  # On the CPU a decode step gathers each row's pages only up to the longest row's length
+  # (one of gathered_pages(M) page counts, picked at run time): the same bits as the gather
+  # of all M pages, whichever count the lengths pick.
+  from kernels.attention.paged import _paged_pages, gathered_pages, paged_attention
+  rows, k_heads, g, d, page, m = 5, 2, 2, 8, 4, 6
+  assert gathered_pages(m) == (2, 3, 5, 6)
+  rng = np.random.default_rng(longest)
+  pages = rows * m
+  k_pool, v_pool = (jnp.asarray(rng.normal(size=(k_heads, pages, page, d)), jnp.float32)
+                    for _ in range(2))
+  table = jnp.asarray(rng.permutation(pages).reshape(rows, m), jnp.int32)
+  length = jnp.asarray(np.minimum(rng.integers(1, longest + 1, rows), longest).tolist()[:-1]
+                       + [longest], jnp.int32)
+  q = jnp.asarray(rng.normal(size=(rows, 1, k_heads * g, d)), jnp.float32)
+  q_slot = (length - 1)[:, None]
+  got = jax.jit(lambda *a: paged_attention(*a, impl="xla"))(q, k_pool, v_pool, table, q_slot,
+                                                            length)
+  full = jax.jit(lambda *a: _paged_pages(*a, m, scale=None, window=None, softcap=None))(
+      q, k_pool, v_pool, table, q_slot, length)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(full))

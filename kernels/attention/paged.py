@@ -8,10 +8,12 @@ So a query needs no key mask beyond its row's length and the causal bound by its
 
 import functools
 
+import jax
 import jax.numpy as jnp
 
 from kernels._backend import resolve_impl, target_platform
 from kernels._sharding import per_shard
+from kernels.attention.dispatch import DECODE_MAX_T
 from kernels.attention.reference import _MASKED, softcap_logits
 from kernels.numerics import fixed_order_sum
 
@@ -57,11 +59,41 @@ def paged_attention(q_BTHD, k_pool, v_pool, table_BM, q_slot_BT, length_B, *, sc
 
 def _paged_xla(q_BTHD, k_pool, v_pool, table_BM, q_slot_BT, length_B, *, scale, window,
                softcap):
+  read = functools.partial(_paged_pages, q_BTHD, k_pool, v_pool, table_BM, q_slot_BT,
+                           length_B, scale=scale, window=window, softcap=softcap)
+  if table_BM is None:
+    return read(k_pool.shape[1] // q_BTHD.shape[0])
+  m = table_BM.shape[1]
+  counts = gathered_pages(m)
+  if q_BTHD.shape[1] > DECODE_MAX_T or len(counts) == 1 or target_platform() != "cpu":
+    return read(m)
+  # A decode step gathers each row's pages up to the longest row's length, not all M: the
+  # slots past a row's length are never visible.  One of a few static page counts, picked at
+  # run time; the same bits as reading all M (the pages left out hold only masked slots,
+  # whose probability is an exact 0, and the softmax's sum is fixed_order_sum, which zero
+  # lanes at the end do not move).  Only the CPU: there the gather is most of the call (the
+  # calc_turns episodes, 1.2x; benchmarks/NOTES.md, change 15), a GPU's conditional waits on
+  # its host every step, and the Pallas kernels read up to the lengths on their own.
+  needed = -(-jnp.max(length_B) // k_pool.shape[2])
+  index = jnp.sum(jnp.asarray(counts[:-1], jnp.int32) < needed)
+  return jax.lax.switch(index, [functools.partial(read, n) for n in counts])
+
+
+def gathered_pages(m: int) -> tuple[int, ...]:
+  """The page counts a decode step on the CPU may gather of a row's ``m``: about a quarter,
+  a half, three quarters, and all (few: each is one more compiled copy of the attention in
+  every layer)."""
+  return tuple(sorted({-(-m * i // 4) for i in (1, 2, 3, 4)}))
+
+
+def _paged_pages(q_BTHD, k_pool, v_pool, table_BM, q_slot_BT, length_B, pages, *, scale,
+                 window, softcap):
+  """The attention over each row's first ``pages`` pages."""
   b, t, h, d = q_BTHD.shape
   k_heads = k_pool.shape[0]
   g = h // k_heads
   scale = d ** -0.5 if scale is None else scale
-  kp, vp = row_slots(k_pool, v_pool, table_BM, b)
+  kp, vp = row_slots(k_pool, v_pool, table_BM, b, pages)
   q = q_BTHD.reshape(b, t, k_heads, g, d).transpose(2, 0, 1, 3, 4).astype(k_pool.dtype)
   scores = jnp.einsum("kbtgd,kbsd->kbgts", q, kp, preferred_element_type=jnp.float32) * scale
   if softcap is not None:
@@ -79,14 +111,16 @@ def _paged_xla(q_BTHD, k_pool, v_pool, table_BM, q_slot_BT, length_B, *, scale, 
   return out.transpose(1, 2, 0, 3, 4).reshape(b, t, h, d).astype(q_BTHD.dtype)
 
 
-def row_slots(k_pool, v_pool, table_BM, rows: int):
+def row_slots(k_pool, v_pool, table_BM, rows: int, first: int | None = None):
   """Each row's keys and values in slot order, ``[K, B, M * page, D]``: the pool as it lies
   (``table_BM`` None: row ``b`` holds pages ``b*M .. b*M + M - 1``), or gathered through the
-  table (ids past the pool clamped: their slots lie past the row's length)."""
+  table (ids past the pool clamped: their slots lie past the row's length; ``first``: only
+  each row's first pages, that many)."""
   k_heads, pages, page, d = k_pool.shape
   if table_BM is None:
     m = pages // rows
     return tuple(x.reshape(k_heads, rows, m * page, d) for x in (k_pool, v_pool))
+  table_BM = table_BM if first is None else table_BM[:, :first]
   m = table_BM.shape[1]
   return tuple(jnp.take(x, table_BM, axis=1, mode="clip").reshape(k_heads, rows, m * page, d)
                for x in (k_pool, v_pool))
