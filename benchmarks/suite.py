@@ -301,7 +301,11 @@ LONGTAIL_ARMS = {"no_refill": (False, 0, "drop", False),
                  "refill_carry_pack_pages": (True, 8, "carry", True),
                  "refill_carry_pack_pages_quarter": (True, 8, "carry", True),
                  "refill_carry_pack_pages_eighth": (True, 8, "carry", True),
-                 "refill_carry_pack_pages_quarter_worst": (True, 8, "carry", True)}
+                 "refill_carry_pack_pages_quarter_worst": (True, 8, "carry", True),
+                 # partial rollouts (recompute) on pages by live tokens: the whole buffer, a
+                 # quarter (there carried groups the pool cannot take at once restart)
+                 "refill_continue_pack_pages": (True, 8, "continue", True),
+                 "refill_continue_pack_pages_quarter": (True, 8, "continue", True)}
 # The pool arms' (rollout.kv_pages, rollout.kv_admit): every row's whole buffer (64 rows of
 # 8 + 128 slots in pages of 16: 576; never short), a quarter and an eighth of it (one group's
 # worst case is 36 pages), and a quarter admitting by the worst case.
@@ -309,7 +313,9 @@ LONGTAIL_PAGE_SIZE = 16
 LONGTAIL_POOLS = {"refill_carry_pack_pages": (576, "live"),
                   "refill_carry_pack_pages_quarter": (144, "live"),
                   "refill_carry_pack_pages_eighth": (72, "live"),
-                  "refill_carry_pack_pages_quarter_worst": (144, "worst")}
+                  "refill_carry_pack_pages_quarter_worst": (144, "worst"),
+                  "refill_continue_pack_pages": (576, "live"),
+                  "refill_continue_pack_pages_quarter": (144, "live")}
 
 
 def longtail_config(refill: bool, steps: int = 1000, buckets: int = 0, leftover: str = "drop",
@@ -736,11 +742,12 @@ def report_longtail(r: dict) -> str:
                  f"({100 * (cont / base - 1):+.0f}%)")
   for arm, (size, admit) in LONGTAIL_POOLS.items():
     if f"speedup_{arm}_vs_carry_pack" in r:
-      lines.append(f"  carry-over + pack on {size} pages by live tokens, admitting by "
+      what = "partial rollouts" if "continue" in arm else "carry-over"
+      lines.append(f"  {what} + pack on {size} pages by live tokens, admitting by "
                    f"{admit} ({100 * size / LONGTAIL_POOLS['refill_carry_pack_pages'][0]:.0f}% "
-                   f"of every row's buffer): step {r[f'speedup_{arm}_vs_carry_pack']:.2f}x the "
-                   f"contiguous cache's speed; at most {r[arm]['kv_peak_frac'] * size:.0f} "
-                   f"pages in use")
+                   f"of every row's buffer): step {r[f'speedup_{arm}_vs_carry_pack']:.2f}x "
+                   f"carry-over + pack's on the contiguous cache; at most "
+                   f"{r[arm]['kv_peak_frac'] * size:.0f} pages in use")
   if "speedup_buckets" in r:
     lines.append(f"  refill + length buckets: step {r['speedup_buckets']:.2f}x faster than no "
                  f"refill ({r['speedup_vs_buckets']:.2f}x than no refill with buckets), useful "
