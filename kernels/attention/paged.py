@@ -61,19 +61,18 @@ def _paged_xla(q_BTHD, k_pool, v_pool, table_BM, q_slot_BT, length_B, *, scale, 
                softcap):
   read = functools.partial(_paged_pages, q_BTHD, k_pool, v_pool, table_BM, q_slot_BT,
                            length_B, scale=scale, window=window, softcap=softcap)
-  if table_BM is None:
-    return read(k_pool.shape[1] // q_BTHD.shape[0])
-  m = table_BM.shape[1]
-  counts = gathered_pages(m)
-  if q_BTHD.shape[1] > DECODE_MAX_T or len(counts) == 1 or target_platform() != "cpu":
-    return read(m)
+  counts = () if table_BM is None else gathered_pages(table_BM.shape[1])
+  if len(counts) < 2 or q_BTHD.shape[1] > DECODE_MAX_T or target_platform() != "cpu":
+    return read(None)
   # A decode step gathers each row's pages up to the longest row's length, not all M: the
   # slots past a row's length are never visible.  One of a few static page counts, picked at
   # run time; the same bits as reading all M (the pages left out hold only masked slots,
   # whose probability is an exact 0, and the softmax's sum is fixed_order_sum, which zero
   # lanes at the end do not move).  Only the CPU: there the gather is most of the call (the
-  # calc_turns episodes, 1.2x; benchmarks/NOTES.md, change 15), a GPU's conditional waits on
-  # its host every step, and the Pallas kernels read up to the lengths on their own.
+  # episodes' decode 1.1-1.2x, the long-tail refill loop 1.2x; benchmarks/NOTES.md, change
+  # 15), a GPU's conditional waits on its host every step, and the Pallas kernels read up
+  # to the lengths on their own.  (A pool read as it lies has no gather to bound: its slice
+  # would be a copy, which cost what it saved.)
   needed = -(-jnp.max(length_B) // k_pool.shape[2])
   index = jnp.sum(jnp.asarray(counts[:-1], jnp.int32) < needed)
   return jax.lax.switch(index, [functools.partial(read, n) for n in counts])
@@ -88,7 +87,7 @@ def gathered_pages(m: int) -> tuple[int, ...]:
 
 def _paged_pages(q_BTHD, k_pool, v_pool, table_BM, q_slot_BT, length_B, pages, *, scale,
                  window, softcap):
-  """The attention over each row's first ``pages`` pages."""
+  """The attention over each row's first ``pages`` pages (None: all of them)."""
   b, t, h, d = q_BTHD.shape
   k_heads = k_pool.shape[0]
   g = h // k_heads
