@@ -375,6 +375,12 @@ class Checkpointer:
   def close(self) -> None:
     """Waits for pending saves and releases orbax's threads."""
     self._manager.wait_until_finished()
+    # orbax starts clearing earlier runs' temporary folders in a thread when the manager is
+    # made, and waits for it only at the first save: a run refused before saving (a bad
+    # weights file) exited under it, and the interpreter's shutdown printed its traceback.
+    await_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)
+    if await_cleanup is not None:
+      await_cleanup()
     self._manager.close()
 
   def __enter__(self) -> "Checkpointer":

@@ -544,3 +544,23 @@ def test_checkpoints_hold_the_trainable_state_only_logged_and_pruned(tmp_path, c
   # The folder is said once; each save is a note on the progress line, not a line of its own.
   assert len([l for l in out if ": checkpoints -> " in l]) == 1
   assert not [l for l in out if ": checkpoint " in l]
+
+
+def test_closing_before_any_save_waits_for_orbax_s_cleanup_thread(tmp_path, monkeypatch):
+  # orbax clears earlier runs' temporary folders in a thread it waits for only at the first
+  # save.  A run refused before saving (a weights file cut short) closed its checkpointer
+  # with the thread still going, and exiting under it printed a traceback (seen in
+  # tests/test_hostile.py on a loaded machine).  A slow clean-up makes the race certain.
+  import asyncio
+  import threading
+  from orbax.checkpoint._src.path import temporary_paths
+
+  async def slow_cleanup(*args, **kwargs):
+    await asyncio.sleep(0.5)
+
+  monkeypatch.setattr(temporary_paths, "cleanup_temporary_paths", slow_cleanup)
+  ckpt = C.Checkpointer(str(tmp_path / "ckpt"), CheckpointConfig(every_steps=7), to_dict(CFG))
+  cleaning = [t for t in threading.enumerate() if "_target_setting_result" in t.name]
+  assert cleaning and any(t.is_alive() for t in cleaning)  # the race is set up
+  ckpt.close()
+  assert not any(t.is_alive() for t in cleaning)
